@@ -1,0 +1,26 @@
+"""The one error type for bad configuration, and the typo suggestion that goes with it."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+__all__ = ["ConfigError", "closest"]
+
+
+class ConfigError(ValueError):
+    """Anything wrong in a config: an unknown key, a wrong type or value, a contradiction.
+
+    The message always starts with the full dotted key path the user wrote (``zero_optimization.stage``),
+    so the user can find it in their JSON file, and says what would be accepted.
+    """
+
+    def __init__(self, key_path: str, message: str):
+        self.key_path = key_path
+        super().__init__(f"{key_path}: {message}" if key_path else message)
+
+
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate a typo most likely meant, or None when nothing is close."""
+    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return matches[0] if matches else None

@@ -1,0 +1,193 @@
+"""Strict parsing of plain dicts (JSON) into frozen, typed dataclasses.
+
+Every config section in hf_zero is a ``@dataclass(frozen=True, kw_only=True)`` whose fields carry their type,
+their default and, in ``field(metadata=...)``, a help text and optional DeepSpeed aliases. :func:`parse` walks
+a JSON dict against such a class once, at the edge, and either returns the typed object or raises
+:class:`ConfigError` naming the full key path. Nothing downstream ever sees the raw dict.
+
+Conversions users expect are done here and only here: ``"8"`` -> ``8`` for an int field, ``2e8`` -> ``200000000``
+when the float is integral, a JSON list -> tuple. Anything else of the wrong type is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, Union
+
+from .errors import ConfigError, closest
+
+__all__ = ["AUTO", "Auto", "parse", "doc", "known_keys", "to_dict", "spec"]
+
+
+class Auto:
+    """Marker for a value the user left as ``"auto"``: filled later from TrainingArguments, the model, the world."""
+
+    _instance: "Auto | None" = None
+
+    def __new__(cls) -> "Auto":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "'auto'"
+
+    def __reduce__(self):  # keep the singleton through pickling / deepcopy
+        return (Auto, ())
+
+
+AUTO = Auto()
+
+
+def spec(default: Any = dataclasses.MISSING, *, help: str, aliases: tuple[str, ...] = (), auto: bool = False,
+         default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with its help text. ``auto=True`` lets the user write ``"auto"`` for it."""
+    metadata = {"help": help, "aliases": aliases, "auto": auto}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def known_keys(cls: type) -> list[str]:
+    """Every JSON key a section accepts, aliases included."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        keys.append(f.name)
+        keys.extend(f.metadata.get("aliases", ()))
+    return keys
+
+
+def doc(cls: type) -> dict[str, str]:
+    """key -> help text, for documentation and ``hf-zero doctor``."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
+def parse(cls: type, value: Any, path: str = "") -> Any:
+    """Parse ``value`` (a JSON object) into an instance of the dataclass ``cls``; ``path`` prefixes error keys."""
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(path, f"expected a JSON object (section {cls.__name__}), got {_show(value)}")
+    by_name: dict[str, dataclasses.Field] = {}
+    for f in dataclasses.fields(cls):
+        by_name[f.name] = f
+        for alias in f.metadata.get("aliases", ()):
+            by_name[alias] = f
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, raw in value.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        f = by_name.get(key)
+        if f is None:
+            guess = closest(str(key), by_name)
+            hint = f"; did you mean '{guess}'?" if guess else f"; accepted keys: {', '.join(sorted(by_name))}"
+            raise ConfigError(key_path, f"unknown key{hint}")
+        if f.name in kwargs:
+            raise ConfigError(key_path, f"given twice (as '{f.name}' and one of its aliases); keep one")
+        if raw == "auto" and f.metadata.get("auto"):
+            kwargs[f.name] = AUTO
+        else:
+            kwargs[f.name] = _convert(hints[f.name], raw, key_path)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:  # __post_init__ checks raise ValueError with their own key
+        raise ConfigError(path, str(err)) from err
+
+
+def to_dict(obj: Any) -> Any:
+    """The JSON form of a parsed section (AUTO becomes "auto"); inverse of :func:`parse`."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Auto):
+        return "auto"
+    if isinstance(obj, Mapping):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def _show(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _convert(tp: Any, raw: Any, key_path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if raw is None and type(None) in args:
+            return None
+        errors = []
+        for arm in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arm, raw, key_path)
+            except ConfigError as err:
+                errors.append(str(err).split(": ", 1)[-1])
+        raise ConfigError(key_path, " or ".join(dict.fromkeys(errors)))
+    if origin is Literal:
+        for allowed in args:
+            if raw == allowed or (isinstance(raw, str) and isinstance(allowed, str) and raw.lower() == allowed):
+                return allowed
+        accepted = ", ".join(repr(a) for a in args)
+        raise ConfigError(key_path, f"value {_show(raw)} is not accepted; use one of {accepted}")
+    if dataclasses.is_dataclass(tp):
+        return parse(tp, raw, key_path)
+    if origin in (tuple,):
+        if not isinstance(raw, (list, tuple)):
+            raise ConfigError(key_path, f"expected a list, got {_show(raw)}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, f"{key_path}[{i}]") for i, v in enumerate(raw))
+        if len(raw) != len(args):
+            raise ConfigError(key_path, f"expected a list of {len(args)} values, got {_show(raw)}")
+        return tuple(_convert(a, v, f"{key_path}[{i}]") for i, (a, v) in enumerate(zip(args, raw)))
+    if origin in (Mapping, dict) or tp in (dict, Mapping):
+        if not isinstance(raw, Mapping):
+            raise ConfigError(key_path, f"expected a JSON object, got {_show(raw)}")
+        return types.MappingProxyType(dict(raw))
+    if tp is Any:
+        return raw
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "false"):
+            return raw.lower() == "true"
+        raise ConfigError(key_path, f"expected true or false, got {_show(raw)}")
+    if tp is int:
+        if isinstance(raw, bool):
+            raise ConfigError(key_path, f"expected an integer, got {_show(raw)}")
+        if isinstance(raw, int):
+            return raw
+        if isinstance(raw, float) and raw.is_integer():
+            return int(raw)
+        if isinstance(raw, str):
+            try:
+                as_float = float(raw)
+            except ValueError:
+                pass
+            else:
+                if as_float.is_integer():
+                    return int(as_float)
+        raise ConfigError(key_path, f"expected an integer, got {_show(raw)}")
+    if tp is float:
+        if isinstance(raw, bool):
+            raise ConfigError(key_path, f"expected a number, got {_show(raw)}")
+        if isinstance(raw, (int, float)):
+            return float(raw)
+        if isinstance(raw, str):
+            try:
+                return float(raw)
+            except ValueError:
+                pass
+        raise ConfigError(key_path, f"expected a number, got {_show(raw)}")
+    if tp is str:
+        if isinstance(raw, str):
+            return raw
+        raise ConfigError(key_path, f"expected a string, got {_show(raw)}")
+    raise TypeError(f"hf_zero.config.schema cannot parse fields of type {tp!r} ({key_path})")

@@ -1,0 +1,116 @@
+"""Run a function on N CPU processes with gloo, the way the tests of every distributed feature do.
+
+    results = run_distributed(fn, world_size=2, args=(...,))   # fn(*args) on ranks 0 and 1
+
+Each rank is a fresh spawned process with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``
+set, one torch thread (2-core machines run 4 ranks), and a gloo process group already initialized unless
+``init_process_group=False`` (for testing code that initializes it itself). A failure on any rank is reported with
+that rank's traceback; a rank that does not finish within ``timeout_s`` fails the call instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "DistributedFailure", "free_port"]
+
+
+class DistributedFailure(AssertionError):
+    """One or more ranks raised, or did not finish in time. ``per_rank`` maps rank -> traceback text."""
+
+    def __init__(self, message: str, per_rank: dict[int, str]):
+        self.per_rank = per_rank
+        super().__init__(message)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, args: Sequence[Any], kwargs: dict, rank: int, world_size: int, port: int,
+            init: bool, env: dict[str, str], results: Any) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        value = fn(*args, **kwargs)
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including AssertionError and SystemExit, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwargs: dict | None = None, *,
+                    timeout_s: float = 180.0, init_process_group: bool = True,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` processes; return each rank's return value, rank-ordered.
+
+    ``fn`` and its arguments must be picklable (a module-level function). Raises :class:`DistributedFailure`
+    naming every rank that raised (with its traceback) or that was still running after ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, tuple(args), dict(kwargs or {}), rank, world_size, port, init_process_group,
+                               dict(env or {}), results))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    outcome: dict[int, tuple[bool, Any]] = {}
+    while len(outcome) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            outcome[rank] = (ok, value)
+        except queue_mod.Empty:
+            # A rank that died without reporting (segfault, os._exit) will never report: stop waiting for it.
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcome]
+            if dead:
+                time.sleep(0.5)  # its message may still be in flight
+                while True:
+                    try:
+                        rank, ok, value = results.get_nowait()
+                        outcome[rank] = (ok, value)
+                    except queue_mod.Empty:
+                        break
+                for r in dead:
+                    if r not in outcome:
+                        outcome[r] = (False, f"rank {r} exited with code {procs[r].exitcode} without reporting")
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    failures = {r: v for r, (ok, v) in outcome.items() if not ok}
+    missing = [r for r in range(world_size) if r not in outcome]
+    for r in missing:
+        failures[r] = f"rank {r} did not finish within {timeout_s:.0f}s (hang?)"
+    if failures:
+        body = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        raise DistributedFailure(f"{len(failures)} of {world_size} ranks failed (ranks {sorted(failures)}):\n{body}",
+                                 failures)
+    return [outcome[r][1] for r in range(world_size)]
