@@ -17,6 +17,7 @@ class ConfigError(ValueError):
 
     def __init__(self, key_path: str, message: str):
         self.key_path = key_path
+        self.detail = message  # the message without the key path, for re-raising under a longer path
         super().__init__(f"{key_path}: {message}" if key_path else message)
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal, Union
 
 from .errors import ConfigError, closest
 
-__all__ = ["AUTO", "Auto", "parse", "doc", "known_keys", "to_dict", "spec"]
+__all__ = ["AUTO", "Auto", "parse", "doc", "json_fields", "json_key", "known_keys", "to_dict", "spec"]
 
 
 class Auto:
@@ -43,26 +43,40 @@ AUTO = Auto()
 
 
 def spec(default: Any = dataclasses.MISSING, *, help: str, aliases: tuple[str, ...] = (), auto: bool = False,
-         default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with its help text. ``auto=True`` lets the user write ``"auto"`` for it."""
-    metadata = {"help": help, "aliases": aliases, "auto": auto}
+         default_factory: Any = dataclasses.MISSING, key: str | None = None, json: bool = True) -> Any:
+    """A dataclass field with its help text. ``auto=True`` lets the user write ``"auto"`` for it.
+
+    ``key`` is the JSON key when it differs from the attribute name (``zero`` is read from ``zero_optimization``).
+    ``json=False`` marks a field computed by the loader (``raw``, ``world_size``): it is never read from JSON.
+    """
+    metadata = {"help": help, "aliases": aliases, "auto": auto, "key": key, "json": json}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def json_key(f: dataclasses.Field) -> str:
+    """The JSON key of a field: its ``key`` override, else its attribute name."""
+    return f.metadata.get("key") or f.name
+
+
+def json_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that are read from JSON (loader-computed ones left out)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("json", True)]
+
+
 def known_keys(cls: type) -> list[str]:
     """Every JSON key a section accepts, aliases included."""
     keys = []
-    for f in dataclasses.fields(cls):
-        keys.append(f.name)
+    for f in json_fields(cls):
+        keys.append(json_key(f))
         keys.extend(f.metadata.get("aliases", ()))
     return keys
 
 
 def doc(cls: type) -> dict[str, str]:
     """key -> help text, for documentation and ``hf-zero doctor``."""
-    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+    return {json_key(f): f.metadata.get("help", "") for f in json_fields(cls)}
 
 
 def parse(cls: type, value: Any, path: str = "") -> Any:
@@ -74,8 +88,8 @@ def parse(cls: type, value: Any, path: str = "") -> Any:
     if not isinstance(value, Mapping):
         raise ConfigError(path, f"expected a JSON object (section {cls.__name__}), got {_show(value)}")
     by_name: dict[str, dataclasses.Field] = {}
-    for f in dataclasses.fields(cls):
-        by_name[f.name] = f
+    for f in json_fields(cls):
+        by_name[json_key(f)] = f
         for alias in f.metadata.get("aliases", ()):
             by_name[alias] = f
     hints = typing.get_type_hints(cls)
@@ -88,23 +102,30 @@ def parse(cls: type, value: Any, path: str = "") -> Any:
             hint = f"; did you mean '{guess}'?" if guess else f"; accepted keys: {', '.join(sorted(by_name))}"
             raise ConfigError(key_path, f"unknown key{hint}")
         if f.name in kwargs:
-            raise ConfigError(key_path, f"given twice (as '{f.name}' and one of its aliases); keep one")
-        if raw == "auto" and f.metadata.get("auto"):
+            raise ConfigError(key_path, f"given twice (as '{json_key(f)}' and one of its aliases); keep one")
+        if raw == "auto":
+            if not f.metadata.get("auto"):
+                raise ConfigError(key_path, "'auto' is not accepted for this key (nothing fills it in); write a value")
             kwargs[f.name] = AUTO
         else:
             kwargs[f.name] = _convert(hints[f.name], raw, key_path)
+    for f in json_fields(cls):
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            key_path = f"{path}.{json_key(f)}" if path else json_key(f)
+            raise ConfigError(key_path, f"required, missing ({f.metadata.get('help', '')})")
     try:
         return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as err:  # __post_init__ checks raise ValueError with their own key
+    except ConfigError as err:  # __post_init__ checks name their key relative to the section
+        full = ".".join(p for p in (path, err.key_path) if p)
+        raise ConfigError(full, err.detail) from None
+    except (TypeError, ValueError) as err:
         raise ConfigError(path, str(err)) from err
 
 
 def to_dict(obj: Any) -> Any:
     """The JSON form of a parsed section (AUTO becomes "auto"); inverse of :func:`parse`."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {json_key(f): to_dict(getattr(obj, f.name)) for f in json_fields(type(obj))}
     if isinstance(obj, Auto):
         return "auto"
     if isinstance(obj, Mapping):
@@ -124,16 +145,23 @@ def _convert(tp: Any, raw: Any, key_path: str) -> Any:
     if origin in (Union, types.UnionType):
         if raw is None and type(None) in args:
             return None
+        arms = [a for a in args if a is not type(None) and a is not Auto]  # "auto" is handled by parse()
+        if len(arms) == 1:  # Optional[X]: X's own error, which may name a key deeper inside
+            return _convert(arms[0], raw, key_path)
         errors = []
-        for arm in (a for a in args if a is not type(None)):
+        for arm in arms:
             try:
                 return _convert(arm, raw, key_path)
             except ConfigError as err:
-                errors.append(str(err).split(": ", 1)[-1])
+                errors.append(err.detail)
         raise ConfigError(key_path, " or ".join(dict.fromkeys(errors)))
     if origin is Literal:
         for allowed in args:
+            if isinstance(raw, bool) != isinstance(allowed, bool):  # true is not 1 here
+                continue
             if raw == allowed or (isinstance(raw, str) and isinstance(allowed, str) and raw.lower() == allowed):
+                return allowed
+            if isinstance(raw, str) and isinstance(allowed, int) and raw.strip() == str(allowed):  # "2" -> 2
                 return allowed
         accepted = ", ".join(repr(a) for a in args)
         raise ConfigError(key_path, f"value {_show(raw)} is not accepted; use one of {accepted}")

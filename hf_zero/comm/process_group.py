@@ -1,0 +1,104 @@
+"""Process-group start-up and the small DeepSpeed-style functional API (``deepspeed.comm`` forwards here).
+
+hf_zero never invents a transport: this is torch.distributed, initialized from the variables torchrun and
+accelerate launch set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Without them, a plain
+``python train.py`` gets a world of one, so the same script runs with and without a launcher.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "barrier",
+           "default_backend", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
+
+ReduceOp = dist.ReduceOp
+
+
+def default_backend() -> str:
+    """NCCL when this process has a GPU, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout: datetime.timedelta | None = None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config=None, rank: int = -1,
+                     world_size: int = -1) -> None:
+    """Initialize the default process group once; a no-op when it already is.
+
+    Same signature as ``deepspeed.init_distributed``. ``auto_mpi_discovery`` and ``config`` are accepted and
+    unused: hf_zero reads the launcher's environment variables only.
+    """
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        return
+    env_rank = os.environ.get("RANK")
+    env_world = os.environ.get("WORLD_SIZE")
+    if rank < 0:
+        rank = int(env_rank) if env_rank is not None else 0
+    if world_size < 0:
+        world_size = int(env_world) if env_world is not None else 1
+    if env_rank is None and env_world is None and world_size == 1 and init_method is None:
+        # Not launched by torchrun/accelerate: a world of one on loopback, so single-process scripts just work.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    elif "MASTER_ADDR" not in os.environ and init_method is None:
+        raise RuntimeError(
+            f"hf_zero: RANK={env_rank} WORLD_SIZE={env_world} are set but MASTER_ADDR is not; launch with torchrun "
+            "or accelerate launch, or set MASTER_ADDR and MASTER_PORT")
+    else:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    backend = dist_backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(get_local_rank())
+    kwargs = {"backend": backend, "rank": rank, "world_size": world_size}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(**kwargs)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group=None) -> int:
+    return dist.get_rank(group) if is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def barrier(group=None) -> None:
+    if is_initialized():
+        dist.barrier(group)
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor, src, group=None, async_op=False):
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)

@@ -1,0 +1,304 @@
+"""The typed sections of a DeepSpeed config: precision, ZeRO, offload, async I/O, monitors, checkpointing.
+
+Each class mirrors one JSON object, with DeepSpeed's key names and defaults (``deepspeed/runtime/zero/config.py``,
+``offload_config.py``, ``precision_config.py``), so a config written for DeepSpeed means the same thing here.
+Checks that involve more than one key of a section live in its ``__post_init__`` and raise :class:`ConfigError`
+with the key relative to the section; :func:`schema.parse` prefixes the section's path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import ConfigError
+from .schema import Auto, spec
+
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "AioConfig",
+    "BF16Config",
+    "CheckpointConfig",
+    "CommsLoggerConfig",
+    "DataTypesConfig",
+    "FP16Config",
+    "FlopsProfilerConfig",
+    "MonitorConfig",
+    "OffloadConfig",
+    "ParamOffloadConfig",
+    "WandbConfig",
+    "ZeroConfig",
+]
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP16Config:
+    """``fp16``: mixed precision with float16 weights and (dynamic) loss scaling."""
+
+    enabled: bool | Auto = spec(False, auto=True, help="Train in float16 with loss scaling.")
+    auto_cast: bool = spec(False, help="Cast floating-point inputs of the model's forward to float16.")
+    loss_scale: float = spec(0.0, help="Static loss scale; 0 selects dynamic loss scaling.")
+    initial_scale_power: int = spec(16, help="Dynamic loss scaling starts at 2**initial_scale_power.")
+    loss_scale_window: int = spec(1000, help="Steps without overflow before the dynamic loss scale is raised.")
+    hysteresis: int = spec(2, help="Overflows tolerated before the dynamic loss scale is lowered.")
+    consecutive_hysteresis: bool = spec(False, help="Refill the hysteresis budget after every step without overflow.")
+    min_loss_scale: float = spec(1.0, help="The dynamic loss scale never drops below this.")
+    fp16_master_weights_and_grads: bool = spec(False, help="Keep master weights and gradients in fp16 (CPU Adam only).")
+
+    def __post_init__(self) -> None:
+        if not (self.loss_scale >= 0 and self.loss_scale != float("inf")):
+            raise ConfigError("loss_scale", f"must be a finite number >= 0 (0 = dynamic), got {self.loss_scale}")
+        if self.min_loss_scale <= 0:
+            raise ConfigError("min_loss_scale", f"must be > 0, got {self.min_loss_scale}")
+        for key in ("loss_scale_window", "hysteresis"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BF16Config:
+    """``bf16`` (legacy name ``bfloat16``): mixed precision with bfloat16 weights, no loss scaling."""
+
+    enabled: bool | Auto = spec(False, auto=True, help="Train in bfloat16.")
+    immediate_grad_update: bool = spec(False, help="Apply gradient updates immediately rather than delayed.")
+    check_grad_overflow: bool = spec(False, help="Check bfloat16 gradients for overflow and skip such steps.")
+    bf16_master_weights_and_grads: bool = spec(False, help="Keep master weights and gradients in bf16 (ZeRO).")
+    bf16_optimizer_states: bool = spec(False, help="Keep optimizer states in bf16 (needs bf16 master weights).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """``zero_optimization.offload_optimizer`` / ``offload_param``: where states live when not on the accelerator."""
+
+    device: OffloadDevice | Auto = spec("none", auto=True, help="Offload target: 'none', 'cpu' or 'nvme'.")
+    nvme_path: str | None | Auto = spec(None, auto=True, help="Directory on an NVMe drive; required for 'nvme'.")
+    pin_memory: bool = spec(False, help="Use page-locked CPU memory: faster copies, more host memory pinned.")
+    buffer_count: int = spec(4, help="Buffers in the NVMe swap pool (>= states per parameter: 4 for Adam).")
+    buffer_size: int = spec(100_000_000, help="Elements per NVMe swap buffer.")
+    max_in_cpu: int = spec(1_000_000_000, help="Parameter elements kept in CPU memory when offloading to NVMe.")
+    fast_init: bool = spec(False, help="Fast optimizer initialisation when offloading to NVMe.")
+    pipeline_read: bool = spec(False, help="Overlap reading the next tile from NVMe with the current tile's step.")
+    pipeline_write: bool = spec(False, help="Overlap writing the previous tile to NVMe with the current tile's step.")
+    ratio: float = spec(1.0, help="Fraction of the optimizer state to offload (hf_zero partial offload), 0 < ratio <= 1.")
+
+    def __post_init__(self) -> None:
+        if self.device == "nvme" and self.nvme_path is None:
+            raise ConfigError("nvme_path", "required when device is 'nvme': give a directory on the NVMe drive")
+        if not 0.0 < self.ratio <= 1.0:
+            raise ConfigError("ratio", f"value {self.ratio} is not accepted; use a fraction with 0 < ratio <= 1")
+        for key in ("buffer_count", "buffer_size", "max_in_cpu"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamOffloadConfig(OffloadConfig):
+    """``zero_optimization.offload_param``: as :class:`OffloadConfig`, with DeepSpeed's 5 swap buffers."""
+
+    buffer_count: int = spec(5, help="Buffers in the NVMe parameter swap pool.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ratio != 1.0:
+            raise ConfigError("ratio", f"value {self.ratio} is not accepted here; ratio applies to offload_optimizer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """``zero_optimization``: which states are partitioned across data-parallel ranks, and how they move."""
+
+    stage: Literal[0, 1, 2, 3] | Auto = spec(
+        0, auto=True, help="0 off; 1 optimizer states, 2 + gradients, 3 + parameters partitioned across ranks.")
+    contiguous_gradients: bool = spec(True, help="Copy gradients into one contiguous buffer as they are produced.")
+    reduce_scatter: bool = spec(True, help="Average gradients with reduce-scatter instead of all-reduce.")
+    reduce_bucket_size: int | Auto = spec(500_000_000, auto=True, help="Elements reduced per bucket.")
+    use_multi_rank_bucket_allreduce: bool = spec(True, help="All-reduce the buckets of all ranks together.")
+    allgather_partitions: bool = spec(True, help="All-gather updated partitions (else a series of broadcasts).")
+    allgather_bucket_size: int | Auto = spec(500_000_000, auto=True, help="Elements all-gathered per bucket.")
+    overlap_comm: bool | None = spec(None, help="Overlap gradient reduction with backward; default true at stage 3.")
+    load_from_fp32_weights: bool = spec(True, help="Restore fp32 master weights from the checkpoint's fp32 copy.")
+    elastic_checkpoint: bool = spec(False, help="Legacy elastic checkpoints (hf_zero checkpoints are always elastic).")
+    offload_optimizer: OffloadConfig = spec(
+        default_factory=OffloadConfig, help="Offload optimizer states and the optimizer step to CPU or NVMe.")
+    offload_param: ParamOffloadConfig = spec(
+        default_factory=ParamOffloadConfig, help="Offload parameters to CPU or NVMe (stage 3).")
+    sub_group_size: int = spec(1_000_000_000, help="Parameter elements processed per optimizer-step tile.")
+    cpu_offload: bool | None = spec(None, help="Legacy: true means offload_optimizer.device 'cpu'.")
+    cpu_offload_param: bool | None = spec(None, help="Legacy: true means offload_param.device 'cpu'.")
+    cpu_offload_use_pin_memory: bool | None = spec(None, help="Legacy: pin_memory of the legacy cpu offloads.")
+    prefetch_bucket_size: int | Auto = spec(
+        50_000_000, auto=True, key="stage3_prefetch_bucket_size",
+        help="Stage 3: parameter elements fetched ahead of use.")
+    param_persistence_threshold: int | Auto = spec(
+        100_000, auto=True, key="stage3_param_persistence_threshold",
+        help="Stage 3: parameters with fewer elements are not partitioned.")
+    model_persistence_threshold: int = spec(
+        2**63 - 1, key="stage3_model_persistence_threshold",
+        help="Stage 3: upper bound on the elements kept unpartitioned through param_persistence_threshold.")
+    max_live_parameters: int = spec(
+        1_000_000_000, key="stage3_max_live_parameters", help="Stage 3: parameter elements resident per rank.")
+    max_reuse_distance: int = spec(
+        1_000_000_000, key="stage3_max_reuse_distance",
+        help="Stage 3: keep a parameter gathered if it is used again within this many elements.")
+    gather_16bit_weights_on_model_save: bool | Auto = spec(
+        False, auto=True, key="stage3_gather_16bit_weights_on_model_save",
+        aliases=("stage3_gather_fp16_weights_on_model_save",),
+        help="Stage 3: gather full 16-bit weights when saving the model (save_16bit_model, Trainer.save_model).")
+    module_granularity_threshold: int = spec(
+        0, key="stage3_module_granularity_threshold",
+        help="Stage 3: modules with fewer parameters per descendant are fetched as one unit.")
+    use_all_reduce_for_fetch_params: bool = spec(
+        False, key="stage3_use_all_reduce_for_fetch_params", help="Stage 3: fetch parameters with all-reduce.")
+    allgather_sequential: bool = spec(
+        False, key="stage3_allgather_sequential", help="Stage 3: all-gather parameters one by one, without buckets.")
+    ignore_unused_parameters: bool = spec(True, help="Tolerate parameters that receive no gradient.")
+    legacy_stage1: bool = spec(False, help="Legacy DeepSpeed stage 1 implementation; same as stage 1 here.")
+    round_robin_gradients: bool = spec(False, help="Stage 1/2 with CPU offload: spread gradient copies over ranks.")
+    zero_hpz_partition_size: int = spec(1, help="ZeRO++ hierarchical partitioning: ranks in the secondary group.")
+    zero_quantized_weights: bool = spec(False, help="ZeRO++: quantize weights for all-gather.")
+    zero_quantized_nontrainable_weights: bool = spec(False, help="ZeRO++: store frozen weights quantized.")
+    zero_quantized_gradients: bool = spec(False, help="ZeRO++: quantize gradients for reduction.")
+    mics_shard_size: int = spec(-1, help="MiCS: ranks per shard group; -1 off.")
+    mics_hierarchical_params_gather: bool = spec(False, help="MiCS: hierarchical parameter all-gather.")
+    memory_efficient_linear: bool = spec(True, help="Stage 3: memory-efficient linear layer.")
+    override_module_apply: bool = spec(True, help="Stage 3: gather parameters inside nn.Module.apply.")
+    log_trace_cache_warnings: bool = spec(False, help="Stage 3: log trace-cache invalidations.")
+    enable_sanity_checks: bool = spec(False, help="Internal consistency checks (slow; for debugging).")
+
+    def __post_init__(self) -> None:
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "prefetch_bucket_size",
+                    "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+                    "max_reuse_distance", "zero_hpz_partition_size"):
+            value = getattr(self, key)
+            if not isinstance(value, Auto) and value < 0:
+                raise ConfigError(_zero_key(key), f"must be >= 0, got {value}")
+        # The legacy booleans become the offload sections they stand for; both forms at once must agree.
+        for legacy, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+            flag = getattr(self, legacy)
+            if flag is None:
+                continue
+            current: OffloadConfig = getattr(self, section)
+            if flag and current.device == "none":
+                pin = bool(self.cpu_offload_use_pin_memory)
+                object.__setattr__(self, section, type(current)(device="cpu", pin_memory=pin))
+            elif flag and current.device not in ("cpu", "none"):
+                raise ConfigError(legacy, f"true means {section}.device 'cpu' but {section}.device is "
+                                  f"{current.device!r}; remove {legacy}")
+            elif not flag and current.device not in ("none",):
+                raise ConfigError(legacy, f"false contradicts {section}.device {current.device!r}; remove {legacy}")
+        if self.overlap_comm is None and not isinstance(self.stage, Auto):
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+
+    @property
+    def offload_enabled(self) -> bool:
+        return self.offload_optimizer.enabled or self.offload_param.enabled
+
+
+def _zero_key(name: str) -> str:
+    return {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
+            "param_persistence_threshold": "stage3_param_persistence_threshold",
+            "model_persistence_threshold": "stage3_model_persistence_threshold",
+            "max_live_parameters": "stage3_max_live_parameters",
+            "max_reuse_distance": "stage3_max_reuse_distance"}.get(name, name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AioConfig:
+    """``aio``: the asynchronous file I/O used for NVMe offload."""
+
+    block_size: int = spec(1_048_576, help="Bytes per I/O request.")
+    queue_depth: int = spec(8, help="I/O requests in flight.")
+    intra_op_parallelism: int = spec(1, aliases=("thread_count",), help="Threads submitting I/O per operation.")
+    single_submit: bool = spec(False, help="Submit requests one at a time instead of in batches.")
+    overlap_events: bool = spec(True, help="Overlap submitting requests with waiting for completions.")
+    use_gds: bool = spec(False, help="Use NVIDIA GPUDirect Storage.")
+
+    def __post_init__(self) -> None:
+        for key in ("block_size", "queue_depth", "intra_op_parallelism"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointingConfig:
+    """``activation_checkpointing``: options of DeepSpeed's activation checkpointing API."""
+
+    partition_activations: bool = spec(False, help="Partition checkpointed activations across model-parallel ranks.")
+    contiguous_memory_optimization: bool = spec(False, help="Copy checkpoints into one contiguous buffer.")
+    cpu_checkpointing: bool = spec(False, help="Move checkpointed activations to CPU memory.")
+    number_checkpoints: int | None = spec(None, help="Number of checkpoints (for the contiguous buffer).")
+    synchronize_checkpoint_boundary: bool = spec(False, help="Synchronize the device at each checkpoint boundary.")
+    profile: bool = spec(False, help="Time the checkpointing forward and backward.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.partition_activations or self.contiguous_memory_optimization or self.cpu_checkpointing
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlopsProfilerConfig:
+    """``flops_profiler``: DeepSpeed's FLOPs profiler."""
+
+    enabled: bool = spec(False, help="Profile FLOPs, parameters and latency of one step.")
+    recompute_fwd_factor: float = spec(0.0, help="Extra forward passes from activation recomputation.")
+    profile_step: int = spec(1, help="The step to profile.")
+    module_depth: int = spec(-1, help="Module depth to report; -1 for all.")
+    top_modules: int = spec(1, help="Top modules to list.")
+    detailed: bool = spec(True, help="Print the per-module profile.")
+    output_file: str | None = spec(None, help="Write the profile here instead of stdout.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    """``tensorboard`` / ``csv_monitor``: write training metrics to files."""
+
+    enabled: bool = spec(False, help="Write metrics.")
+    output_path: str = spec("", help="Directory for the metric files.")
+    job_name: str = spec("DeepSpeedJobName", help="Sub-directory / run name.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """``wandb``: log training metrics to Weights & Biases."""
+
+    enabled: bool = spec(False, help="Log metrics to W&B.")
+    group: str | None = spec(None, help="W&B group.")
+    team: str | None = spec(None, help="W&B team (entity).")
+    project: str = spec("deepspeed", help="W&B project.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommsLoggerConfig:
+    """``comms_logger``: log every collective with its size and time."""
+
+    enabled: bool = spec(False, help="Log collectives.")
+    verbose: bool = spec(False, help="Print each collective as it happens.")
+    prof_all: bool = spec(True, help="Profile all collectives.")
+    debug: bool = spec(False, help="Add the calling function to each record.")
+    prof_ops: tuple[str, ...] = spec((), help="Only these collectives (when prof_all is false).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """``checkpoint``: how checkpoints are tagged, written and loaded."""
+
+    tag_validation: Literal["ignore", "warn", "fail"] = spec(
+        "warn", help="What to do when ranks save under different tags: 'Ignore', 'Warn' or 'Fail'.")
+    load_universal: bool = spec(False, help="Load a DeepSpeed universal checkpoint.")
+    use_node_local_storage: bool | Auto = spec(
+        False, auto=True, help="Every node writes its own checkpoint copy (non-shared file systems).")
+    parallel_write: dict | None = spec(None, help="DeepSpeed parallel-write options (pipeline_stage).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataTypesConfig:
+    """``data_types``: dtypes of internal buffers."""
+
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = spec(
+        None, help="Dtype gradients are accumulated in; default: the training dtype.")

@@ -1,0 +1,120 @@
+"""How parameters are cut into per-rank shards. One layout serves ZeRO stages 1, 2 and 3 and checkpoint resharding.
+
+Every parameter is flattened and cut into ``world_size`` equal chunks of ``chunk_numel = ceil(numel / world_size)``
+elements (the last chunks zero-padded). Rank ``r`` owns chunk ``r`` of every parameter. A rank's *flat shard* of a
+group of parameters is the concatenation of its chunks, in parameter order::
+
+    param p (numel 5), q (numel 3), world_size 2:      p -> chunks [p0 p1 p2] [p3 p4 _ ]
+                                                       q -> chunks [q0 q1]    [q2 _ ]
+    rank 0 flat shard: [p0 p1 p2 q0 q1]                rank 1 flat shard: [p3 p4 _ q2 _]
+
+Why per-parameter chunks rather than one flat buffer cut in N (DeepSpeed's stage 1/2 layout): every rank's shard
+of every bucket has the same size, so a bucket's gradients reduce-scatter with one equal-split collective
+(``reduce_scatter_tensor`` on NCCL and gloo alike), the same shard serves stage 3's per-module gathers, and a
+checkpoint written on N ranks can be re-cut for M ranks from the per-parameter chunks alone.
+
+A *packed* buffer of shape ``(world_size, span)`` holds, in row ``r``, rank ``r``'s shard of a contiguous range of
+parameters: the input of a reduce-scatter and the output of an all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["ShardLayout", "chunk_numel"]
+
+
+def chunk_numel(numel: int, world_size: int) -> int:
+    return -(-numel // world_size)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Chunk sizes and shard offsets of an ordered list of parameters over ``world_size`` ranks."""
+
+    numels: tuple[int, ...]
+    world_size: int
+
+    def __post_init__(self) -> None:
+        chunks = tuple(chunk_numel(n, self.world_size) for n in self.numels)
+        offsets = [0]
+        for c in chunks:
+            offsets.append(offsets[-1] + c)
+        object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "offsets", tuple(offsets))
+
+    chunks: tuple[int, ...] = ()  # filled in __post_init__: chunk_numel of each parameter
+    offsets: tuple[int, ...] = ()  # len(numels) + 1 offsets of each parameter's chunk inside a rank's flat shard
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of one rank's flat shard (padding included)."""
+        return self.offsets[-1]
+
+    def span(self, start: int, stop: int) -> tuple[int, int]:
+        """Shard offsets ``[lo, hi)`` of the parameters ``start..stop-1``."""
+        return self.offsets[start], self.offsets[stop]
+
+    def owned_range(self, index: int, rank: int) -> tuple[int, int]:
+        """Which elements ``[lo, hi)`` of the flattened parameter ``index`` rank ``rank`` owns (may be empty)."""
+        c = self.chunks[index]
+        lo = min(rank * c, self.numels[index])
+        return lo, min(lo + c, self.numels[index])
+
+    def pack(self, flats: Sequence[torch.Tensor], start: int, out: torch.Tensor, scale: float | None = None) -> None:
+        """Write the flattened tensors of parameters ``start..start+len(flats)-1`` into ``out`` (world_size, span).
+
+        ``scale`` multiplies on the way in (gradient pre-division). Padding positions are zeroed.
+        """
+        base = self.offsets[start]
+        for i, flat in enumerate(flats, start):
+            lo = self.offsets[i] - base
+            self._copy_rows(out[:, lo:lo + self.chunks[i]], flat, self.numels[i], self.chunks[i], scale)
+
+    def unpack(self, packed: torch.Tensor, start: int, outs: Sequence[torch.Tensor]) -> None:
+        """Inverse of :meth:`pack`: copy each parameter's chunks out of ``packed`` into its flat tensor in ``outs``."""
+        base = self.offsets[start]
+        for i, flat in enumerate(outs, start):
+            lo = self.offsets[i] - base
+            c, n = self.chunks[i], self.numels[i]
+            block = packed[:, lo:lo + c]  # (world_size, c)
+            full_rows = n // c if c else 0
+            if full_rows:
+                flat[:full_rows * c].view(full_rows, c).copy_(block[:full_rows])
+            rem = n - full_rows * c
+            if rem:
+                flat[full_rows * c:].copy_(block[full_rows, :rem])
+
+    def shard_of(self, flat: torch.Tensor, index: int, rank: int, out: torch.Tensor) -> None:
+        """Copy rank ``rank``'s chunk of the flattened parameter ``index`` into ``out`` (chunk_numel, zero-padded)."""
+        lo, hi = self.owned_range(index, rank)
+        out[:hi - lo].copy_(flat[lo:hi])
+        out[hi - lo:].zero_()
+
+    @staticmethod
+    def _copy_rows(block: torch.Tensor, flat: torch.Tensor, n: int, c: int, scale: float | None) -> None:
+        # block: (world_size, c) strided view into the packed buffer; flat: (n,)
+        if c == 0:
+            return
+        full_rows = n // c
+        if full_rows:
+            src = flat[:full_rows * c].view(full_rows, c)
+            if scale is None:
+                block[:full_rows].copy_(src)
+            else:
+                torch.mul(src, scale, out=block[:full_rows]) if src.dtype == block.dtype else \
+                    block[:full_rows].copy_(src).mul_(scale)
+        rem = n - full_rows * c
+        row = full_rows
+        if rem:
+            dst = block[row, :rem]
+            dst.copy_(flat[full_rows * c:])
+            if scale is not None:
+                dst.mul_(scale)
+            block[row, rem:].zero_()
+            row += 1
+        if row < block.shape[0]:
+            block[row:].zero_()
