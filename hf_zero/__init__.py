@@ -12,20 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# name -> module that defines it
+# name -> (module that defines it, attribute of that module; None for the module itself)
 _LAZY = {
-    "initialize": "hf_zero.runtime.initialize",
-    "HfZeroEngine": "hf_zero.runtime.engine",
-    "ConfigError": "hf_zero.config.errors",
-    "zero": "hf_zero.zero",
-    "ops": "hf_zero.ops",
-    "comm": "hf_zero.comm",
-    "compression": "hf_zero.compression",
-    "config": "hf_zero.config",
-    "pipeline": "hf_zero.pipeline",
-    "offload": "hf_zero.offload",
-    "runtime": "hf_zero.runtime",
-    "integrations": "hf_zero.integrations",
+    "initialize": ("hf_zero.runtime.initialize", "initialize"),
+    "HfZeroEngine": ("hf_zero.runtime.engine", "HfZeroEngine"),
+    "ConfigError": ("hf_zero.config.errors", "ConfigError"),
+    "init_distributed": ("hf_zero.comm", "init_distributed"),
+    **{sub: (f"hf_zero.{sub}", None) for sub in ("zero", "ops", "comm", "compression", "config", "pipeline",
+                                                 "offload", "runtime", "integrations")},
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -37,10 +31,10 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")
-    module = importlib.import_module(target)
-    value = module if target.endswith("." + name) else getattr(module, name)
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
     globals()[name] = value
     return value

@@ -11,6 +11,7 @@ that rank's traceback; a rank that does not finish within ``timeout_s`` fails th
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -49,7 +50,9 @@ def _worker(fn: Callable, args: Sequence[Any], kwargs: dict, rank: int, world_si
         if init:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(*args, **kwargs)
-        results.put((rank, True, value))
+        # plain pickle copies tensors by value; the queue's own reducer would pass shared-memory handles that die
+        # with this process
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # report everything, including AssertionError and SystemExit, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -113,4 +116,4 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwa
         body = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         raise DistributedFailure(f"{len(failures)} of {world_size} ranks failed (ranks {sorted(failures)}):\n{body}",
                                  failures)
-    return [outcome[r][1] for r in range(world_size)]
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]

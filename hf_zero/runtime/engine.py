@@ -1,0 +1,294 @@
+"""The training engine behind ``hf_zero.initialize``: DeepSpeed's engine API over ZeRO stages 0-3.
+
+    engine, optimizer, _, scheduler = hf_zero.initialize(model=model, config="ds_config.json")
+    for batch in data:
+        loss = engine(batch)            # forward
+        engine.backward(loss)           # scaled backward; gradients reduced into shards as they appear
+        engine.step()                   # optimizer + scheduler, only at the gradient-accumulation boundary
+
+The engine owns *when* things happen (micro-steps, boundaries, loss scaling, logging, checkpoints); the ZeRO
+objects own *how* state is sharded: :class:`ShardedGroup` (the shards), :class:`GradReducer` (stages 0-2
+gradient hooks), the stage-3 runtime (parameter gather/release), :class:`ZeroOptimizer` (the update).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from hf_zero import comm
+from hf_zero.config import HfZeroConfig
+from hf_zero.runtime.loss_scaler import LossScaler
+from hf_zero.runtime.optimizers import OptimizerPlan
+from hf_zero.runtime.timers import PhaseTimers
+from hf_zero.zero.grad_reducer import GradReducer, ReduceMode
+from hf_zero.zero.optimizer import ZeroOptimizer
+from hf_zero.zero.sharded_group import ShardedGroup
+
+__all__ = ["HfZeroEngine"]
+
+logger = logging.getLogger("hf_zero")
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class HfZeroEngine(nn.Module):
+    """A ``torch.nn.Module`` wrapping the user's model; see the module docstring for the loop."""
+
+    def __init__(self, module: nn.Module, config: HfZeroConfig, plan: OptimizerPlan,
+                 lr_scheduler: Any = None, process_group=None):
+        super().__init__()
+        self.module = module
+        self._config = config
+        self.process_group = process_group
+        self.world_size = comm.get_world_size(process_group)
+        self.global_rank = comm.get_rank(process_group)
+        self.stage = int(config.zero.stage)
+        self.compute_dtype = config.compute_dtype
+        self.timers = PhaseTimers(config.wall_clock_breakdown)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self._boundary_override: bool | None = None
+        self._last_loss: float | None = None
+        self.loss_scaler = LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled is True else None
+
+        names = {p: n for n, p in module.named_parameters(remove_duplicate=False)}
+        grad_dtype = _DTYPES[config.data_types.grad_accum_dtype] if config.data_types.grad_accum_dtype \
+            else self.compute_dtype
+        self.stage3 = None
+        if self.stage == 3:
+            self.groups = self._init_stage3(plan, names, grad_dtype)
+            publisher = self.stage3.after_step
+        else:
+            self.groups = self._init_stages_0_to_2(plan, names, grad_dtype)
+            publisher = None
+        zero = config.zero
+        self.optimizer = ZeroOptimizer(
+            self.groups, [h for _, h in plan.groups], inner_cls=plan.inner_cls, inner_defaults=plan.defaults,
+            fused_adam=plan.fused_adam, loss_scaler=self.loss_scaler, clip_norm=float(config.gradient_clipping),
+            publish_bucket_numel=int(zero.allgather_bucket_size), check_overflow=self.loss_scaler is not None,
+            process_group=process_group, publisher=publisher)
+        if self.stage < 3:
+            self.reducer = GradReducer(
+                self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,
+                bucket_numel=int(zero.reduce_bucket_size), overlap=bool(zero.overlap_comm),
+                process_group=process_group)
+        else:
+            self.reducer = None
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+
+    # ---- construction ---------------------------------------------------------------------------------------------
+    def _init_stages_0_to_2(self, plan: OptimizerPlan, names: dict, grad_dtype: torch.dtype) -> list[ShardedGroup]:
+        shard_world = 1 if self.stage == 0 else self.world_size
+        shard_rank = 0 if self.stage == 0 else self.global_rank
+        self._broadcast_module_from_rank0()
+        groups = []
+        seen: set[nn.Parameter] = set()
+        for params, _ in plan.groups:
+            trainable = [p for p in params if p.requires_grad and p not in seen]
+            seen.update(trainable)
+            groups.append(ShardedGroup(trainable, [names.get(p, "?") for p in trainable], world_size=shard_world,
+                                       rank=shard_rank, compute_dtype=self.compute_dtype, grad_dtype=grad_dtype))
+        # masters were taken in fp32 before this cast; the model computes in 16 bit from here on
+        if self.compute_dtype != torch.float32:
+            for p in self.module.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(self.compute_dtype)
+        return groups
+
+    def _init_stage3(self, plan: OptimizerPlan, names: dict, grad_dtype: torch.dtype) -> list[ShardedGroup]:
+        from hf_zero.zero.stage3.engine_glue import build_stage3_groups
+
+        self.stage3, groups = build_stage3_groups(self.module, plan, self._config, names, grad_dtype,
+                                                  process_group=self.process_group)
+        return groups
+
+    def _broadcast_module_from_rank0(self) -> None:
+        """Every rank starts from rank 0's weights (models built with different seeds still train as one)."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                comm.broadcast(t.data, src=0, group=self.process_group)
+
+    def _build_scheduler(self, client: Any):
+        if client is not None:
+            # a scheduler object, or a callable that builds one from the optimizer (transformers' DummyScheduler)
+            if callable(client) and not hasattr(client, "step"):
+                return client(self.optimizer)
+            return client
+        sched = self._config.scheduler
+        if sched is None:
+            return None
+        from hf_zero.runtime.lr_schedules import build_lr_scheduler
+
+        return build_lr_scheduler(sched.type, dict(sched.params), self.optimizer)
+
+    # ---- DeepSpeed's engine API -----------------------------------------------------------------------------------
+    @property
+    def config(self) -> dict:
+        """The resolved config as a plain dict (transformers and accelerate read it)."""
+        return dict(self._config.raw)
+
+    def forward(self, *args, **kwargs):
+        with self.timers.phase("forward"):
+            return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Let the caller (accelerate) decide where accumulation ends, instead of counting micro-steps."""
+        self._boundary_override = bool(is_boundary)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backward of ``loss`` (divided by the accumulation steps when ``scale_wrt_gas``; times the fp16 scale)."""
+        if not loss.requires_grad:
+            raise RuntimeError("hf_zero: engine.backward(loss) got a loss that does not require grad; was the "
+                               "forward run under torch.no_grad(), or are all parameters frozen?")
+        self._last_loss = float(loss.detach().float().item())
+        scaled = loss
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.scale
+        reducing = self.stage == 2 or self.is_gradient_accumulation_boundary()
+        with self.timers.phase("backward"):
+            if self.reducer is not None:
+                self.reducer.begin(reducing)
+            scaled.backward(retain_graph=retain_graph)
+            if self.reducer is not None:
+                self.reducer.finish()
+            else:
+                self.stage3.finish_backward()
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """At the accumulation boundary: optimizer step, scheduler step, counters, logging."""
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            with self.timers.phase("step"):
+                self.optimizer.step()
+            if self.lr_scheduler is not None and not self.optimizer.overflow:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._log_step()
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def get_global_grad_norm(self) -> float | None:
+        """The true norm of the full gradient at the last step (before clipping, after unscaling)."""
+        return self.optimizer.global_grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self._config.train_micro_batch_size_per_gpu)
+
+    def train_batch_size(self) -> int:
+        return int(self._config.train_batch_size)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self._config.gradient_accumulation_steps)
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def zero_optimization(self) -> bool:
+        return self.stage > 0
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(self._config.zero.gather_16bit_weights_on_model_save)
+
+    def bfloat16_enabled(self) -> bool:
+        return self.compute_dtype == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return self.compute_dtype == torch.float16
+
+    @property
+    def device(self) -> torch.device:
+        for p in self.module.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    # ---- checkpoints (hf_zero/runtime/checkpoint.py does the work) --------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        from hf_zero.runtime.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Callable | None = None):
+        from hf_zero.runtime.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states and not load_module_only,
+                               load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+
+    def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """The full model state dict on every rank (stages 0-2: parameters are whole everywhere)."""
+        sd = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        return sd
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """Full 16-bit state dict on rank 0 (None on other ranks); called on every rank."""
+        if self.stage3 is None:
+            sd = self.module_state_dict(exclude_frozen_parameters)
+            return {k: v.detach().clone() for k, v in sd.items()} if self.global_rank == 0 else None
+        from hf_zero.zero.stage3.consolidate import consolidated_state_dict
+
+        return consolidated_state_dict(self.module, exclude_frozen=exclude_frozen_parameters)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        from hf_zero.runtime.checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    # ---- logging ----------------------------------------------------------------------------------------------------
+    def _log_step(self) -> None:
+        every = self._config.steps_per_print
+        if every is None or self.global_steps % every != 0 or self.global_rank != 0:
+            if self._config.wall_clock_breakdown:
+                self.timers.reset()
+            return
+        norm = self.optimizer.global_grad_norm
+        msg = (f"step={self.global_steps} loss={self._last_loss if self._last_loss is not None else float('nan'):.4f} "
+               f"lr={','.join(f'{lr:.3g}' for lr in self.get_lr())} grad_norm={norm if norm is not None else 0:.4g} "
+               f"loss_scale={self.get_loss_scale():g} skipped={self.skipped_steps}")
+        if self._config.wall_clock_breakdown:
+            msg += " | " + self.timers.summary()
+            self.timers.reset()
+        logger.info("hf_zero: %s", msg)
+
+    def destroy(self) -> None:
+        """Remove the gradient / gather hooks (the model is usable on its own afterwards)."""
+        if self.reducer is not None:
+            self.reducer.remove()
+        if self.stage3 is not None:
+            self.stage3.remove()

@@ -1,0 +1,82 @@
+"""``hf_zero.initialize``: DeepSpeed's entry point, same signature and same 4-tuple."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_zero import comm
+from hf_zero.config import load_config
+from hf_zero.config.errors import ConfigError
+from hf_zero.runtime.engine import HfZeroEngine
+from hf_zero.runtime.optimizers import plan_from_client, plan_from_config
+
+__all__ = ["initialize"]
+
+logger = logging.getLogger("hf_zero")
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    if config is not None and config_params is not None:
+        raise ConfigError("", "initialize() got both config and config_params; pass one")
+    source = config if config is not None else config_params
+    if source is None and args is not None:
+        source = getattr(args, "deepspeed_config", None) or getattr(args, "hf_zero_config", None)
+    if source is None:
+        raise ConfigError("", "initialize() needs a config: config=<dict | path to JSON | base64 JSON> "
+                              "(or args.deepspeed_config)")
+    return source
+
+
+def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, config=None, config_params=None, dist_init_required=None,
+               collate_fn=None, mpu=None, distributed_port: int = 29500, **unused: Any):
+    """Wrap ``model`` in an :class:`HfZeroEngine`; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``optimizer`` may be a torch optimizer built over the model's parameters (it is re-applied to the shards), a
+    callable receiving the parameter groups, or None to build the config's ``optimizer`` section.
+    ``lr_scheduler`` may be a scheduler or a callable receiving the engine's optimizer.
+    """
+    if model is None:
+        raise ValueError("hf_zero.initialize: model is required")
+    if mpu is not None:
+        raise ValueError("hf_zero.initialize: model parallelism (mpu=...) is not supported; hf_zero shards over the "
+                         "data-parallel world only")
+    comm.init_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
+    world_size = comm.get_world_size()
+    cfg = load_config(_config_source(args, config, config_params), world_size=world_size, rank=comm.get_rank())
+
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(params)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            raise ConfigError("optimizer", "the config has an optimizer section and initialize() also got an "
+                                           "optimizer object; remove one of them")
+        plan = plan_from_client(optimizer, allow_untested=cfg.zero_allow_untested_optimizer)
+    elif optimizer is not None:
+        raise TypeError(f"hf_zero.initialize: optimizer must be a torch.optim.Optimizer or a callable, "
+                        f"got {type(optimizer).__name__}")
+    elif cfg.optimizer is not None:
+        plan = plan_from_config(cfg.optimizer, params)
+    else:
+        raise ConfigError("optimizer", "no optimizer: add an \"optimizer\" section to the config (e.g. "
+                                       "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=...")
+
+    engine = HfZeroEngine(model, cfg, plan, lr_scheduler=lr_scheduler)
+    dataloader = None
+    if training_data is not None:
+        dataloader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn, world_size)
+    return engine, engine.optimizer, dataloader, engine.lr_scheduler
+
+
+def _dataloader(dataset, micro_batch: int, collate_fn, world_size: int):
+    sampler = None
+    if world_size > 1:
+        sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world_size,
+                                                                  rank=comm.get_rank(), shuffle=True)
+    return torch.utils.data.DataLoader(dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn,
+                                       shuffle=False if sampler is not None else True, drop_last=True)

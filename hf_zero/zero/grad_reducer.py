@@ -1,0 +1,165 @@
+"""Gradient reduction for ZeRO stages 0, 1 and 2, bucketed and overlapped with backward.
+
+Each trainable parameter gets a post-accumulate-grad hook. On a *reducing* backward (every micro-step at stage 2,
+only the accumulation boundary at stages 0/1) the hook marks the parameter ready; a bucket whose parameters are
+all ready is packed into a ``(world_size, span)`` buffer (pre-divided by the world size), the parameters' full
+gradients are freed at once, and the bucket is reduce-scattered (stages 1/2) or all-reduced (stage 0, a world of
+one in the layout) into the group's gradient shard, asynchronously when ``overlap_comm`` is on.
+
+Why buckets are launched strictly in a fixed order: every rank must issue the same collectives in the same order.
+Readiness order can differ between ranks (unused parameters, data-dependent branches), so bucket k is launched
+only after buckets 0..k-1; whatever is not ready when backward ends is flushed in that same order, with zeros for
+parameters that got no gradient. A gradient that arrives after its bucket left (a parameter used in two reentrant
+checkpoint segments) is caught at the end of backward and reduced in one extra bucket; ranks agree on whether that
+is needed with one tiny all-reduce.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hf_zero.comm import all_reduce_, reduce_scatter_packed
+from hf_zero.zero.sharded_group import ShardedGroup, bucket_ranges
+
+__all__ = ["GradReducer", "ReduceMode"]
+
+
+class ReduceMode(enum.Enum):
+    ALL_REDUCE = "all_reduce"          # stage 0: every rank keeps the full averaged gradient
+    REDUCE_SCATTER = "reduce_scatter"  # stages 1/2: every rank keeps its chunks
+
+
+@dataclass
+class _Bucket:
+    group: ShardedGroup
+    start: int          # parameter index range [start, stop) inside the group
+    stop: int
+    ready: set = field(default_factory=set)
+    launched: bool = False
+
+
+@dataclass
+class _InFlight:
+    work: object
+    out: torch.Tensor   # (span,) result of the collective
+    bucket: _Bucket
+
+
+class GradReducer:
+    """Owns the gradient hooks of one engine. ``begin(reducing)`` before backward, ``finish()`` after it."""
+
+    def __init__(self, groups: list[ShardedGroup], *, mode: ReduceMode, bucket_numel: int, overlap: bool,
+                 process_group=None, max_in_flight: int = 2):
+        self.groups = groups
+        self.mode = mode
+        self.overlap = overlap
+        self.process_group = process_group
+        self.max_in_flight = max_in_flight
+        self.world_size = groups[0].world_size if groups else 1
+        # stage 0 averages over the real world, though its layout is a world of one
+        self.data_parallel_size = (torch.distributed.get_world_size(process_group)
+                                   if torch.distributed.is_initialized() else 1)
+        self.buckets: list[_Bucket] = []
+        self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
+        # buckets run in reverse parameter order: the order backward produces gradients in most models
+        for g in groups:
+            for start, stop in bucket_ranges(g.layout.chunks, self.world_size, bucket_numel):
+                self.buckets.append(_Bucket(g, start, stop))
+        self.buckets.reverse()
+        for b in self.buckets:
+            for i in range(b.start, b.stop):
+                self._where[b.group.params[i]] = (b, i)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
+        self._reducing = False
+        self._next = 0  # index of the next bucket to launch
+        self._in_flight: list[_InFlight] = []
+
+    # ---- public -----------------------------------------------------------------------------------------------
+    def begin(self, reducing: bool) -> None:
+        """Called before backward. ``reducing=False`` lets gradients accumulate in ``param.grad`` untouched."""
+        self._reducing = reducing
+        self._next = 0
+        for b in self.buckets:
+            b.ready.clear()
+            b.launched = False
+
+    def finish(self) -> None:
+        """Called after backward: flush the buckets not yet launched, wait for all, catch late gradients."""
+        if not self._reducing:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        self._drain(0)
+        self._reduce_late_gradients()
+        self._reducing = False
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ---- hooks ------------------------------------------------------------------------------------------------
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._reducing:
+            return
+        bucket, index = self._where[param]
+        if bucket.launched:
+            return  # a late gradient: left in param.grad, picked up by _reduce_late_gradients
+        bucket.ready.add(index)
+        while self._next < len(self.buckets):
+            nxt = self.buckets[self._next]
+            if len(nxt.ready) < nxt.stop - nxt.start:
+                break
+            self._launch(nxt)
+
+    # ---- internals --------------------------------------------------------------------------------------------
+    def _launch(self, bucket: _Bucket) -> None:
+        g = bucket.group
+        lo, hi = g.layout.span(bucket.start, bucket.stop)
+        packed = torch.empty(self.world_size, hi - lo, dtype=g.grad.dtype, device=g.grad.device)
+        flats = []
+        for i in range(bucket.start, bucket.stop):
+            p = g.params[i]
+            flats.append(p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=g.grad.dtype,
+                                                                                  device=g.grad.device))
+        g.layout.pack(flats, bucket.start, packed, scale=1.0 / self.data_parallel_size)
+        for i in range(bucket.start, bucket.stop):
+            g.params[i].grad = None  # the full gradient is no longer needed: this is where stage 2 saves memory
+        bucket.launched = True
+        self._next += 1
+        if self.mode is ReduceMode.REDUCE_SCATTER:
+            out = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
+            work = reduce_scatter_packed(out, packed, group=self.process_group, async_op=self.overlap)
+        else:
+            out = packed[0]
+            work = all_reduce_(out, group=self.process_group, async_op=self.overlap)
+        self._in_flight.append(_InFlight(work, out, bucket))
+        self._drain(self.max_in_flight if self.overlap else 0)
+
+    def _drain(self, keep: int) -> None:
+        """Complete the oldest collectives until at most ``keep`` are in flight."""
+        while len(self._in_flight) > keep:
+            item = self._in_flight.pop(0)
+            item.work.wait()
+            g = item.bucket.group
+            lo, hi = g.layout.span(item.bucket.start, item.bucket.stop)
+            g.grad[lo:hi].add_(item.out)
+
+    def _reduce_late_gradients(self) -> None:
+        late = [(b, i) for b in self.buckets for i in range(b.start, b.stop) if b.group.params[i].grad is not None]
+        flag = torch.tensor([float(len(late))])
+        all_reduce_(flag, group=self.process_group)
+        if flag.item() == 0:
+            return
+        # every rank reduces every bucket once more; only gradients that arrived late are non-zero
+        self._reducing = True
+        for b in self.buckets:
+            b.launched = False
+        self._next = 0
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        self._drain(0)

@@ -1,0 +1,156 @@
+"""The optimizer users see as ``engine.optimizer``: a torch Optimizer over this rank's fp32 master shards.
+
+``param_groups`` and ``state`` are real torch structures (LR schedulers, accelerate and Trainer read and write
+them); the tensors in them are the master shards of :class:`~hf_zero.zero.sharded_group.ShardedGroup`, so the
+state each rank holds is 1/N of the full optimizer state.
+
+One ``step()``:
+  1. global gradient norm: sum of squares of the local gradient shards, all-reduced once (each element lives on
+     exactly one rank, so this is the true norm of the full gradient, not a local one);
+  2. fp16 overflow decision from that norm -- identical on every rank because the norm is; skip the step if so;
+  3. one combined divisor = loss scale / clip coefficient, applied inside the update;
+  4. the update: the fused Adam kernel (one pass reads grad/param/moments, writes param, moments and the 16-bit
+     copy) for Adam/AdamW, or the wrapped torch optimizer for anything else;
+  5. publication: 16-bit shards all-gathered back into the model's parameters (stages 1/2), or copied (stage 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from hf_zero.comm import all_reduce_
+from hf_zero.runtime.loss_scaler import LossScaler
+from hf_zero.zero.sharded_group import ShardedGroup
+
+__all__ = ["ZeroOptimizer", "UpdateRule"]
+
+logger = logging.getLogger("hf_zero")
+
+UpdateRule = Callable[[torch.optim.Optimizer, float], None]  # (optimizer, grad_divisor) -> None
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Partitioned optimizer. Built by the engine; ``inner`` is the torch optimizer doing the math (or None)."""
+
+    def __init__(self, groups: Sequence[ShardedGroup], hyperparams: Sequence[dict], *,
+                 inner_cls: type[torch.optim.Optimizer], inner_defaults: dict, fused_adam: bool,
+                 loss_scaler: LossScaler | None, clip_norm: float, publish_bucket_numel: int,
+                 check_overflow: bool, process_group=None, publisher: Callable[[], None] | None = None):
+        self.groups = list(groups)
+        masters = [{"params": [g.master], **h} for g, h in zip(self.groups, hyperparams)]
+        self.inner = inner_cls(masters, **inner_defaults)
+        super().__init__(self.inner.param_groups, self.inner.defaults)
+        # one set of param_groups / state, shared with the inner optimizer: schedulers see what is stepped
+        self.inner.param_groups = self.param_groups
+        self.inner.state = self.state
+        self.fused_adam = fused_adam
+        self.loss_scaler = loss_scaler
+        self.clip_norm = clip_norm
+        self.publish_bucket_numel = publish_bucket_numel
+        self.check_overflow = check_overflow
+        self.process_group = process_group
+        self._publisher = publisher
+        self.overflow = False  # read by accelerate (step_was_skipped)
+        self.global_grad_norm: float | None = None
+        self.skipped_steps = 0
+
+    # torch.optim.Optimizer API ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("hf_zero: ZeroOptimizer.step(closure) is not supported: call engine.backward(loss) "
+                             "then engine.step()")
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        norm = self._global_norm() / scale
+        self.global_grad_norm = norm
+        self.overflow = self.check_overflow and not math.isfinite(norm)
+        if self.overflow:
+            self.skipped_steps += 1
+            if self.loss_scaler is not None:
+                old = self.loss_scaler.scale
+                self.loss_scaler.update(overflow=True)
+                logger.info("hf_zero: gradient overflow, step skipped; loss scale %g -> %g", old,
+                            self.loss_scaler.scale)
+            self._zero_grad_shards()
+            return None
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
+        clip_coef = 1.0
+        if self.clip_norm > 0 and math.isfinite(norm):
+            clip_coef = min(1.0, self.clip_norm / (norm + 1e-6))
+        divisor = scale / clip_coef
+        if self.fused_adam:
+            self._fused_adam_step(divisor)
+        else:
+            self._inner_step(divisor)
+        self._zero_grad_shards()
+        self.publish()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the model's gradients; the gradient shards are cleared by step() itself."""
+        for g in self.groups:
+            for p in g.params:
+                p.grad = None
+
+    def publish(self) -> None:
+        """Copy the updated weights into the model's parameters on every rank."""
+        if self._publisher is not None:
+            self._publisher()
+            return
+        for g in self.groups:
+            g.publish(self.publish_bucket_numel, group=self.process_group)
+
+    # internals ---------------------------------------------------------------------------------------------------
+    def _global_norm(self) -> float:
+        sq = torch.zeros((), dtype=torch.float32)
+        for g in self.groups:
+            if g.grad.numel():
+                sq += torch.linalg.vector_norm(g.grad, 2, dtype=torch.float32).square()
+        if any(g.world_size > 1 for g in self.groups):
+            all_reduce_(sq, group=self.process_group)
+        return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("inf")
+
+    def _zero_grad_shards(self) -> None:
+        for g in self.groups:
+            g.grad.zero_()
+            g.master.grad = None
+
+    def _inner_step(self, divisor: float) -> None:
+        for g in self.groups:
+            grad = g.grad if g.grad.dtype == torch.float32 else g.grad.float()
+            if divisor != 1.0:
+                grad.div_(divisor)
+            g.master.grad = grad
+        self.inner.step()
+        for g in self.groups:
+            if g.param16 is not g.master:
+                g.param16.copy_(g.master)
+
+    def _fused_adam_step(self, divisor: float) -> None:
+        from hf_zero.ops.adam import adam_step_
+
+        for g, group in zip(self.groups, self.param_groups):
+            state = self.state[g.master]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(g.master)
+                state["exp_avg_sq"] = torch.zeros_like(g.master)
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            adam_step_(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()),
+                       lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                       weight_decay=group["weight_decay"], adamw_mode=group.get("adamw_mode", True),
+                       bias_correction=group.get("bias_correction", True), grad_scale=divisor,
+                       out16=None if g.param16 is g.master else g.param16)
+
+    # state -------------------------------------------------------------------------------------------------------
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["hf_zero"] = {"skipped_steps": self.skipped_steps,
+                         "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
+        return sd

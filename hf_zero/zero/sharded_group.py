@@ -1,0 +1,83 @@
+"""This rank's share of one optimizer parameter group: fp32 master shard, gradient shard, 16-bit shard.
+
+For ZeRO stages 1 and 2 every trainable parameter of the group is cut by :class:`~hf_zero.zero.layout.ShardLayout`
+over the data-parallel world; stage 0 uses the same object with a world of one (every rank holds everything),
+so the optimizer and checkpoint code never branch on the stage.
+
+Buffers, each ``(shard_numel,)`` flat and in the layout's order::
+
+    master   fp32            the weights the optimizer updates (also the source of the published 16-bit weights)
+    grad     grad_dtype      reduced gradients of this rank's chunks, accumulated over micro-steps
+    param16  compute dtype   master cast to the model's dtype, written by the optimizer in the same pass;
+                             for fp32 training it *is* ``master`` (no copy)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from hf_zero.comm import all_gather_packed
+from hf_zero.zero.layout import ShardLayout
+
+__all__ = ["ShardedGroup", "bucket_ranges"]
+
+
+def bucket_ranges(chunks: Sequence[int], world_size: int, bucket_numel: int) -> list[tuple[int, int]]:
+    """Consecutive parameter index ranges whose packed size (world_size * chunk) stays under ``bucket_numel``.
+
+    A parameter larger than the bucket gets a bucket of its own.
+    """
+    ranges, start, size = [], 0, 0
+    for i, c in enumerate(chunks):
+        if i > start and size + c * world_size > bucket_numel:
+            ranges.append((start, i))
+            start, size = i, 0
+        size += c * world_size
+    if start < len(chunks):
+        ranges.append((start, len(chunks)))
+    return ranges
+
+
+class ShardedGroup:
+    """The shard of one parameter group held by ``rank`` of ``world_size``."""
+
+    def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], *, world_size: int, rank: int,
+                 compute_dtype: torch.dtype, grad_dtype: torch.dtype):
+        self.params = list(params)
+        self.names = list(names)
+        self.world_size = world_size
+        self.rank = rank
+        self.layout = ShardLayout(tuple(p.numel() for p in self.params), world_size)
+        numel = self.layout.shard_numel
+        device = self.params[0].device if self.params else torch.device("cpu")
+        # (shard_numel,) fp32: this rank's chunks of every parameter, copied before the model is cast to 16 bit
+        self.master = torch.zeros(numel, dtype=torch.float32, device=device)
+        for i, p in enumerate(self.params):
+            self.layout.shard_of(p.detach().reshape(-1).float(), i, rank, self.master_chunk(i))
+        self.grad = torch.zeros(numel, dtype=grad_dtype, device=device)
+        self.param16 = self.master if compute_dtype == torch.float32 else self.master.to(compute_dtype)
+
+    def master_chunk(self, index: int) -> torch.Tensor:
+        lo, hi = self.layout.offsets[index], self.layout.offsets[index + 1]
+        return self.master[lo:hi]
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    def publish(self, bucket_numel: int, group=None) -> None:
+        """Write the updated 16-bit shards of every rank back into the full parameters (all-gather by buckets)."""
+        for start, stop in bucket_ranges(self.layout.chunks, self.world_size, bucket_numel):
+            lo, hi = self.layout.span(start, stop)
+            packed = torch.empty(self.world_size, hi - lo, dtype=self.param16.dtype, device=self.param16.device)
+            all_gather_packed(packed, self.param16[lo:hi], group=group)
+            self.layout.unpack(packed, start, [p.data.view(-1) for p in self.params[start:stop]])
+
+    def load_master(self, master: torch.Tensor) -> None:
+        """Replace the master shard (checkpoint load) and refresh the 16-bit copy."""
+        self.master.copy_(master)
+        if self.param16 is not self.master:
+            self.param16.copy_(self.master)

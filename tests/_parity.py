@@ -1,0 +1,77 @@
+"""Shared pieces of the engine parity tests: a small uneven MLP, its data, and the single-process reference."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+IN, HIDDEN, FROZEN, OUT = 13, 37, 29, 7  # primes: every world size pads
+MICRO, GAS, STEPS, LR, CLIP = 2, 2, 10, 1e-2, 1.0
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, FROZEN), nn.GELU(),
+                          nn.Linear(FROZEN, OUT))
+    model[2].requires_grad_(False)  # a frozen layer: no gradient, no optimizer state
+    return model
+
+
+def make_data(world_size: int, steps: int = STEPS, seed: int = 1):
+    """(steps, GAS, world_size, MICRO, ...) inputs and targets: rank r's micro-batch m of step s is [s, m, r]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps, GAS, world_size, MICRO, IN, generator=g)
+    y = torch.randn(steps, GAS, world_size, MICRO, OUT, generator=g)
+    return x, y
+
+
+def base_config(stage: int, **extra) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 300},
+           "steps_per_print": 1000}
+    cfg.update(extra)
+    return cfg
+
+
+def reference_run(world_size: int, steps: int = STEPS):
+    """Plain torch on one process seeing the whole global batch: losses per step and final parameters."""
+    model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+    x, y = make_data(world_size, steps)
+    losses = []
+    for s in range(steps):
+        xs, ys = x[s].reshape(-1, IN), y[s].reshape(-1, OUT)
+        loss = nn.functional.mse_loss(model(xs), ys)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def engine_run(engine, world_size: int, rank: int, steps: int = STEPS, dtype=torch.float32):
+    """Drive an engine through ``steps`` optimizer steps; returns the global mean loss per step."""
+    import torch.distributed as dist
+
+    x, y = make_data(world_size, steps)
+    losses = []
+    for s in range(steps):
+        step_loss = torch.zeros(1)
+        for m in range(GAS):
+            out = engine(x[s, m, rank].to(dtype))
+            loss = nn.functional.mse_loss(out.float(), y[s, m, rank])
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach() / GAS
+        if dist.is_initialized():
+            dist.all_reduce(step_loss)
+        losses.append(step_loss.item() / world_size)
+    return losses
+
+
+def clone_state(module) -> dict:
+    return {n: p.detach().float().clone() for n, p in copy.copy(module).state_dict().items()}
