@@ -53,13 +53,13 @@ def reference_run(world_size: int, steps: int = STEPS):
     return losses, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-def engine_run(engine, world_size: int, rank: int, steps: int = STEPS, dtype=torch.float32):
-    """Drive an engine through ``steps`` optimizer steps; returns the global mean loss per step."""
+def engine_run(engine, world_size: int, rank: int, steps: int = STEPS, dtype=torch.float32, start: int = 0):
+    """Drive an engine through optimizer steps ``start..start+steps-1``; returns the global mean loss per step."""
     import torch.distributed as dist
 
-    x, y = make_data(world_size, steps)
+    x, y = make_data(world_size, max(STEPS, start + steps))
     losses = []
-    for s in range(steps):
+    for s in range(start, start + steps):
         step_loss = torch.zeros(1)
         for m in range(GAS):
             out = engine(x[s, m, rank].to(dtype))
@@ -75,3 +75,18 @@ def engine_run(engine, world_size: int, rank: int, steps: int = STEPS, dtype=tor
 
 def clone_state(module) -> dict:
     return {n: p.detach().float().clone() for n, p in copy.copy(module).state_dict().items()}
+
+
+def full_optimizer_state(engine, key: str) -> dict:
+    """Every parameter's full optimizer-state tensor (``key`` "master" or e.g. "exp_avg"), gathered from the shards."""
+    from hf_zero.comm import all_gather_packed
+
+    out = {}
+    for g in engine.groups:
+        shard = g.master if key == "master" else engine.optimizer.state[g.master][key]
+        packed = torch.empty(g.world_size, g.shard_numel)
+        all_gather_packed(packed, shard.float())
+        flats = [torch.empty(p.numel()) for p in g.params]
+        g.layout.unpack(packed, 0, flats)
+        out.update({name: f for name, f in zip(g.names, flats)})
+    return out

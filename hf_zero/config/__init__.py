@@ -1,0 +1,57 @@
+"""DeepSpeed-format configuration: strict typed schema, "auto" resolution, batch arithmetic, startup table.
+
+    cfg = load_config("ds_config.json", world_size=4, auto_values={"optimizer.params.lr": 5e-5})
+    cfg.zero.stage, cfg.train_micro_batch_size_per_gpu, cfg.compute_dtype, cfg.raw  # raw: what engine.config returns
+"""
+
+from .auto import AUTO_HINTS
+from .errors import ConfigError
+from .hf_zero_config import HfZeroConfig
+from .loader import load_config, read_config
+from .optim import OPTIMIZER_TYPES, SCHEDULER_TYPES, OptimizerConfig, SchedulerConfig
+from .schema import AUTO, doc, known_keys
+from .sections import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BF16Config,
+    CheckpointConfig,
+    CommsLoggerConfig,
+    DataTypesConfig,
+    FlopsProfilerConfig,
+    FP16Config,
+    MonitorConfig,
+    OffloadConfig,
+    ParamOffloadConfig,
+    WandbConfig,
+    ZeroConfig,
+)
+from .table import format_config_table
+
+__all__ = [
+    "AUTO",
+    "AUTO_HINTS",
+    "ActivationCheckpointingConfig",
+    "AioConfig",
+    "BF16Config",
+    "CheckpointConfig",
+    "CommsLoggerConfig",
+    "ConfigError",
+    "DataTypesConfig",
+    "FP16Config",
+    "FlopsProfilerConfig",
+    "HfZeroConfig",
+    "MonitorConfig",
+    "OPTIMIZER_TYPES",
+    "OffloadConfig",
+    "OptimizerConfig",
+    "ParamOffloadConfig",
+    "SCHEDULER_TYPES",
+    "SchedulerConfig",
+    "WandbConfig",
+    "ZeroConfig",
+    "doc",
+    "format_config_table",
+    "known_keys",
+    "load_config",
+    "read_config",
+]

@@ -7,6 +7,9 @@ a JSON dict against such a class once, at the edge, and either returns the typed
 
 Conversions users expect are done here and only here: ``"8"`` -> ``8`` for an int field, ``2e8`` -> ``200000000``
 when the float is integral, a JSON list -> tuple. Anything else of the wrong type is an error.
+
+A section class may name DeepSpeed keys it knowingly rejects in a ``_unsupported_keys: ClassVar[dict[str, str]]``
+(key -> what the option is), so the user reads "not supported, remove it" rather than a typo suggestion.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ def parse(cls: type, value: Any, path: str = "") -> Any:
     for key, raw in value.items():
         key_path = f"{path}.{key}" if path else str(key)
         f = by_name.get(key)
+        if f is None and key in getattr(cls, "_unsupported_keys", {}):
+            raise ConfigError(key_path, f"{cls._unsupported_keys[key]} is a DeepSpeed option hf_zero does not support; "
+                                        "remove it from the config")
         if f is None:
             guess = closest(str(key), by_name)
             hint = f"; did you mean '{guess}'?" if guess else f"; accepted keys: {', '.join(sorted(by_name))}"
@@ -112,7 +118,7 @@ def parse(cls: type, value: Any, path: str = "") -> Any:
     for f in json_fields(cls):
         if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             key_path = f"{path}.{json_key(f)}" if path else json_key(f)
-            raise ConfigError(key_path, f"required, missing ({f.metadata.get('help', '')})")
+            raise ConfigError(key_path, f"required key missing ({f.metadata.get('help', '')})")
     try:
         return cls(**kwargs)
     except ConfigError as err:  # __post_init__ checks name their key relative to the section

@@ -9,7 +9,7 @@ with the key relative to the section; :func:`schema.parse` prefixes the section'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from .errors import ConfigError
 from .schema import Auto, spec
@@ -72,6 +72,12 @@ class BF16Config:
 class OffloadConfig:
     """``zero_optimization.offload_optimizer`` / ``offload_param``: where states live when not on the accelerator."""
 
+    _unsupported_keys: ClassVar[dict[str, str]] = {
+        "super_offload": "SuperOffload for Superchips",
+        "convert_grad_on_cpu": "SuperOffload's gradient conversion",
+        "cpuadam_cores_perc": "SuperOffload's CPU Adam core share",
+    }
+
     device: OffloadDevice | Auto = spec("none", auto=True, help="Offload target: 'none', 'cpu' or 'nvme'.")
     nvme_path: str | None | Auto = spec(None, auto=True, help="Directory on an NVMe drive; required for 'nvme'.")
     pin_memory: bool = spec(False, help="Use page-locked CPU memory: faster copies, more host memory pinned.")
@@ -81,7 +87,7 @@ class OffloadConfig:
     fast_init: bool = spec(False, help="Fast optimizer initialisation when offloading to NVMe.")
     pipeline_read: bool = spec(False, help="Overlap reading the next tile from NVMe with the current tile's step.")
     pipeline_write: bool = spec(False, help="Overlap writing the previous tile to NVMe with the current tile's step.")
-    ratio: float = spec(1.0, help="Fraction of the optimizer state to offload (hf_zero partial offload), 0 < ratio <= 1.")
+    ratio: float = spec(1.0, help="Fraction of the optimizer state to offload (partial offload), 0 < ratio <= 1.")
 
     def __post_init__(self) -> None:
         if self.device == "nvme" and self.nvme_path is None:
@@ -113,6 +119,15 @@ class ParamOffloadConfig(OffloadConfig):
 class ZeroConfig:
     """``zero_optimization``: which states are partitioned across data-parallel ranks, and how they move."""
 
+    _unsupported_keys: ClassVar[dict[str, str]] = {
+        "zenflow": "ZenFlow",
+        "leaf_module": "ZeRO-3 leaf modules",
+        "zeropp_loco_param": "LoCo-ZeRO++",
+        "pipeline_loading_checkpoint": "Pipeline checkpoint loading",
+        "stage3_partition_stream_chunk_size": "Streamed partitioning of huge parameters",
+        "save_muon_momentum_buffer_in_memory": "Muon momentum buffers",
+    }
+
     stage: Literal[0, 1, 2, 3] | Auto = spec(
         0, auto=True, help="0 off; 1 optimizer states, 2 + gradients, 3 + parameters partitioned across ranks.")
     contiguous_gradients: bool = spec(True, help="Copy gradients into one contiguous buffer as they are produced.")
@@ -132,31 +147,23 @@ class ZeroConfig:
     cpu_offload: bool | None = spec(None, help="Legacy: true means offload_optimizer.device 'cpu'.")
     cpu_offload_param: bool | None = spec(None, help="Legacy: true means offload_param.device 'cpu'.")
     cpu_offload_use_pin_memory: bool | None = spec(None, help="Legacy: pin_memory of the legacy cpu offloads.")
-    prefetch_bucket_size: int | Auto = spec(
-        50_000_000, auto=True, key="stage3_prefetch_bucket_size",
-        help="Stage 3: parameter elements fetched ahead of use.")
-    param_persistence_threshold: int | Auto = spec(
-        100_000, auto=True, key="stage3_param_persistence_threshold",
-        help="Stage 3: parameters with fewer elements are not partitioned.")
-    model_persistence_threshold: int = spec(
-        2**63 - 1, key="stage3_model_persistence_threshold",
-        help="Stage 3: upper bound on the elements kept unpartitioned through param_persistence_threshold.")
-    max_live_parameters: int = spec(
-        1_000_000_000, key="stage3_max_live_parameters", help="Stage 3: parameter elements resident per rank.")
-    max_reuse_distance: int = spec(
-        1_000_000_000, key="stage3_max_reuse_distance",
-        help="Stage 3: keep a parameter gathered if it is used again within this many elements.")
-    gather_16bit_weights_on_model_save: bool | Auto = spec(
-        False, auto=True, key="stage3_gather_16bit_weights_on_model_save",
-        aliases=("stage3_gather_fp16_weights_on_model_save",),
+    stage3_prefetch_bucket_size: int | Auto = spec(
+        50_000_000, auto=True, help="Stage 3: parameter elements fetched ahead of use.")
+    stage3_param_persistence_threshold: int | Auto = spec(
+        100_000, auto=True, help="Stage 3: parameters with fewer elements are not partitioned.")
+    stage3_model_persistence_threshold: int = spec(
+        2**63 - 1, help="Stage 3: upper bound on the elements kept unpartitioned by the persistence threshold.")
+    stage3_max_live_parameters: int = spec(1_000_000_000, help="Stage 3: parameter elements resident per rank.")
+    stage3_max_reuse_distance: int = spec(
+        1_000_000_000, help="Stage 3: keep a parameter gathered if it is used again within this many elements.")
+    stage3_gather_16bit_weights_on_model_save: bool | Auto = spec(
+        False, auto=True, aliases=("stage3_gather_fp16_weights_on_model_save",),
         help="Stage 3: gather full 16-bit weights when saving the model (save_16bit_model, Trainer.save_model).")
-    module_granularity_threshold: int = spec(
-        0, key="stage3_module_granularity_threshold",
-        help="Stage 3: modules with fewer parameters per descendant are fetched as one unit.")
-    use_all_reduce_for_fetch_params: bool = spec(
-        False, key="stage3_use_all_reduce_for_fetch_params", help="Stage 3: fetch parameters with all-reduce.")
-    allgather_sequential: bool = spec(
-        False, key="stage3_allgather_sequential", help="Stage 3: all-gather parameters one by one, without buckets.")
+    stage3_module_granularity_threshold: int = spec(
+        0, help="Stage 3: modules with fewer parameters per descendant are fetched as one unit.")
+    stage3_use_all_reduce_for_fetch_params: bool = spec(False, help="Stage 3: fetch parameters with all-reduce.")
+    stage3_allgather_sequential: bool = spec(
+        False, help="Stage 3: all-gather parameters one by one, without buckets.")
     ignore_unused_parameters: bool = spec(True, help="Tolerate parameters that receive no gradient.")
     legacy_stage1: bool = spec(False, help="Legacy DeepSpeed stage 1 implementation; same as stage 1 here.")
     round_robin_gradients: bool = spec(False, help="Stage 1/2 with CPU offload: spread gradient copies over ranks.")
@@ -172,12 +179,12 @@ class ZeroConfig:
     enable_sanity_checks: bool = spec(False, help="Internal consistency checks (slow; for debugging).")
 
     def __post_init__(self) -> None:
-        for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "prefetch_bucket_size",
-                    "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
-                    "max_reuse_distance", "zero_hpz_partition_size"):
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
+                    "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+                    "stage3_max_live_parameters", "stage3_max_reuse_distance", "zero_hpz_partition_size"):
             value = getattr(self, key)
             if not isinstance(value, Auto) and value < 0:
-                raise ConfigError(_zero_key(key), f"must be >= 0, got {value}")
+                raise ConfigError(key, f"must be >= 0, got {value}")
         # The legacy booleans become the offload sections they stand for; both forms at once must agree.
         for legacy, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
             flag = getattr(self, legacy)
@@ -199,13 +206,10 @@ class ZeroConfig:
     def offload_enabled(self) -> bool:
         return self.offload_optimizer.enabled or self.offload_param.enabled
 
-
-def _zero_key(name: str) -> str:
-    return {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
-            "param_persistence_threshold": "stage3_param_persistence_threshold",
-            "model_persistence_threshold": "stage3_model_persistence_threshold",
-            "max_live_parameters": "stage3_max_live_parameters",
-            "max_reuse_distance": "stage3_max_reuse_distance"}.get(name, name)
+    @property
+    def gather_16bit_weights_on_model_save(self) -> bool:
+        """``stage3_gather_16bit_weights_on_model_save`` under the attribute name DeepSpeed's engine code uses."""
+        return self.stage3_gather_16bit_weights_on_model_save is True
 
 
 @dataclass(frozen=True, kw_only=True)

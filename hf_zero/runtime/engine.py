@@ -54,6 +54,7 @@ class HfZeroEngine(nn.Module):
         self.micro_steps = 0
         self._boundary_override: bool | None = None
         self._last_loss: float | None = None
+        self._pending_client_state: dict | None = None  # set only while save_checkpoint runs
         self.loss_scaler = LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled is True else None
 
         names = {p: n for n, p in module.named_parameters(remove_duplicate=False)}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -144,8 +145,9 @@ def _update_lr(param_groups: Sequence[dict], lrs: Sequence[float]) -> list[Any]:
 
 
 def _is_tensor(value: Any) -> bool:
-    # Avoid importing torch for the common float case; a tensor lr implies torch is already imported.
-    return type(value).__module__ == "torch" and hasattr(value, "fill_")
+    # No torch import here: a tensor lr implies torch is already imported, and float lrs need none.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -344,7 +346,7 @@ class WarmupLR(_Schedule):
         self.optimizer = _param_groups_owner(optimizer)
         groups = self.optimizer.param_groups
         if warmup_max_lr is None:
-            warmup_max_lr = [group["lr"] for group in groups]
+            warmup_max_lr = [float(group["lr"]) for group in groups]  # float() also reads a tensor lr
         self.min_lrs = _per_group(groups, "warmup_min_lr", warmup_min_lr)
         self.max_lrs = _per_group(groups, "warmup_max_lr", warmup_max_lr)
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]

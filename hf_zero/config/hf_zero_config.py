@@ -1,0 +1,206 @@
+"""``HfZeroConfig``: the whole DeepSpeed-format config as one frozen, typed object.
+
+Top-level JSON keys are the fields below (``zero_optimization`` is read into ``zero``; ``bfloat16`` is the legacy
+name of ``bf16``). Sections DeepSpeed has but hf_zero does not run yet are accepted and kept as plain mappings or
+typed sections, and :func:`not_implemented` names the ones a config actually switches on, so the startup table
+can say so instead of silently ignoring them. The last four fields are filled by :func:`load_config`, never read
+from JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from .errors import ConfigError
+from .optim import ONE_BIT_OPTIMIZERS, OPTIMIZER_TYPES, OptimizerConfig, SchedulerConfig
+from .schema import Auto, spec
+from .sections import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BF16Config,
+    CheckpointConfig,
+    CommsLoggerConfig,
+    DataTypesConfig,
+    FlopsProfilerConfig,
+    FP16Config,
+    MonitorConfig,
+    WandbConfig,
+    ZeroConfig,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["HfZeroConfig", "not_implemented"]
+
+_RAW_SECTION = "Accepted and kept as given; hf_zero does not run it yet (listed in the startup table)."
+
+
+@dataclass(frozen=True, kw_only=True)
+class HfZeroConfig:
+    """A validated DeepSpeed config. Build it with :func:`hf_zero.config.load_config`."""
+
+    _unsupported_keys: ClassVar[dict[str, str]] = {
+        "hybrid_engine": "The RLHF hybrid engine",
+        "sparse_attention": "Sparse attention kernels",
+        "eigenvalue": "Eigenvalue-based layer-wise learning rates",
+        "progressive_layer_drop": "Progressive layer dropping",
+        "quantize_training": "MoQ quantize-aware training (use compression_training)",
+        "weight_quantization": "Post-training weight quantization for inference",
+        "nebula": "Nebula checkpointing service",
+        "compile": "DeepCompile",
+        "torch_autocast": "DeepSpeed's torch.autocast mode (use fp16 or bf16)",
+        "seq_parallel_communication_data_type": "Sequence-parallel communication dtype",
+        "use_data_before_expert_parallelism": "Expert-parallel data ordering",
+        "dataloader_drop_last": "DeepSpeed's own dataloader option",
+        "disable_allgather": "Legacy allgather switch",
+        "timers": "DeepSpeed's timer configuration",
+        "graph_harvesting": "Graph harvesting",
+    }
+
+    # Batch: after load_config all three are ints and train_batch_size == micro * accumulation * world_size.
+    train_batch_size: int | None | Auto = spec(
+        None, auto=True, help="Global batch per optimizer step: micro batch * accumulation steps * world size.")
+    train_micro_batch_size_per_gpu: int | None | Auto = spec(
+        None, auto=True, help="Samples per rank per forward/backward.")
+    gradient_accumulation_steps: int | None | Auto = spec(
+        None, auto=True, help="Micro batches accumulated before each optimizer step.")
+    gradient_clipping: float | Auto = spec(0.0, auto=True, help="Clip the global gradient norm to this; 0 is off.")
+    steps_per_print: int | None = spec(10, help="Log progress every this many steps; null or Infinity never.")
+    wall_clock_breakdown: bool = spec(False, help="Time forward, backward and step, and log the breakdown.")
+    memory_breakdown: bool = spec(False, help="Log accelerator memory at each stage of a step.")
+    dump_state: bool = spec(False, help="Print the engine state after initialisation.")
+    prescale_gradients: bool = spec(False, help="Divide gradients by the world size before reducing them.")
+    gradient_predivide_factor: float = spec(
+        1.0, help="Divide gradients by this before the reduction and by world_size/this after.")
+    sparse_gradients: bool = spec(False, help="Reduce embedding gradients as sparse tensors.")
+    zero_allow_untested_optimizer: bool = spec(
+        False, help="Allow a client optimizer hf_zero has not been tested with under ZeRO.")
+    zero_force_ds_cpu_optimizer: bool = spec(
+        True, help="With optimizer offload, require hf_zero's CPU optimizer rather than a client one.")
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = spec(
+        None, help="Dtype gradients are reduced in; default: the training dtype.")
+    fp16: FP16Config = spec(default_factory=FP16Config, help="float16 mixed precision with loss scaling.")
+    bf16: BF16Config = spec(default_factory=BF16Config, aliases=("bfloat16",), help="bfloat16 mixed precision.")
+    amp: Mapping[str, Any] | None = spec(None, help="NVIDIA apex AMP. " + _RAW_SECTION)
+    optimizer: OptimizerConfig | None = spec(None, help="The optimizer to build when initialize() gets none.")
+    scheduler: SchedulerConfig | None = spec(
+        None, help="The learning-rate schedule to build when initialize() gets none.")
+    zero: ZeroConfig = spec(default_factory=ZeroConfig, key="zero_optimization", help="ZeRO partitioning and offload.")
+    aio: AioConfig = spec(default_factory=AioConfig, help="Asynchronous I/O for NVMe offload.")
+    activation_checkpointing: ActivationCheckpointingConfig = spec(
+        default_factory=ActivationCheckpointingConfig, help="DeepSpeed activation-checkpointing API options.")
+    flops_profiler: FlopsProfilerConfig = spec(default_factory=FlopsProfilerConfig, help="FLOPs profiler.")
+    tensorboard: MonitorConfig = spec(default_factory=MonitorConfig, help="TensorBoard metrics.")
+    csv_monitor: MonitorConfig = spec(default_factory=MonitorConfig, help="CSV metrics.")
+    wandb: WandbConfig = spec(default_factory=WandbConfig, help="Weights & Biases metrics.")
+    comet: Mapping[str, Any] | None = spec(None, help="Comet metrics. " + _RAW_SECTION)
+    comms_logger: CommsLoggerConfig = spec(default_factory=CommsLoggerConfig, help="Log collectives.")
+    checkpoint: CheckpointConfig = spec(default_factory=CheckpointConfig, help="Checkpoint tagging and layout.")
+    data_types: DataTypesConfig = spec(default_factory=DataTypesConfig, help="Dtypes of internal buffers.")
+    pipeline: Mapping[str, Any] | None = spec(None, help="Pipeline-parallel engine options. " + _RAW_SECTION)
+    compression_training: Mapping[str, Any] | None = spec(
+        None, help="Quantization / pruning / distillation during training; parsed by hf_zero.compression.")
+    tensor_parallel: Mapping[str, Any] | None = spec(None, help="AutoTP tensor parallelism. " + _RAW_SECTION)
+    elasticity: Mapping[str, Any] | None = spec(None, help="Elastic batch sizes. " + _RAW_SECTION)
+    autotuning: Mapping[str, Any] | None = spec(None, help="DeepSpeed autotuner. " + _RAW_SECTION)
+    data_efficiency: Mapping[str, Any] | None = spec(None, help="Data sampling and routing. " + _RAW_SECTION)
+    curriculum_learning: Mapping[str, Any] | None = spec(None, help="Legacy curriculum learning. " + _RAW_SECTION)
+
+    # Filled by load_config.
+    world_size: int = spec(1, json=False, help="Data-parallel world size the batch arithmetic was done for.")
+    raw: Mapping[str, Any] = spec(
+        default_factory=dict, json=False,
+        help="The resolved JSON dict (user's keys, 'auto' filled, batch keys and zero_optimization.stage present); "
+             "what engine.config returns. Treat as read-only.")
+    not_implemented: tuple[str, ...] = spec(
+        (), json=False, help="Keys this config switches on that hf_zero accepts but does not run yet.")
+    sources: Mapping[str, str] = spec(
+        default_factory=dict, json=False,
+        help="Dotted key -> where its value came from: 'auto' (auto_values), 'auto, derived', 'derived' (batch "
+             "arithmetic) or 'default' (a batch key nothing determined).")
+
+    def __post_init__(self) -> None:
+        if self.fp16.enabled is True and self.bf16.enabled is True:
+            raise ConfigError("bf16.enabled",
+                              "true together with fp16.enabled true; enable at most one of fp16 and bf16")
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            value = getattr(self, key)
+            if isinstance(value, int) and value < 1:
+                raise ConfigError(key, f"must be a positive integer, got {value}")
+        if isinstance(self.gradient_clipping, float) and self.gradient_clipping < 0:
+            raise ConfigError("gradient_clipping", f"must be >= 0 (0 is off), got {self.gradient_clipping}")
+        if self.gradient_predivide_factor <= 0:
+            raise ConfigError("gradient_predivide_factor", f"must be > 0, got {self.gradient_predivide_factor}")
+        if self.steps_per_print is not None and self.steps_per_print < 1:
+            raise ConfigError("steps_per_print", f"must be >= 1 (or null for never), got {self.steps_per_print}")
+
+    @property
+    def compute_dtype(self) -> "torch.dtype":
+        """The dtype of forward/backward: bfloat16, float16 or float32."""
+        import torch  # lazy: importing the config must stay cheap
+
+        if self.bf16.enabled is True:
+            return torch.bfloat16
+        if self.fp16.enabled is True:
+            return torch.float16
+        return torch.float32
+
+
+def _any_enabled(section: Any) -> bool:
+    """Whether a raw section, at any depth, has ``"enabled": true``."""
+    if isinstance(section, Mapping):
+        return section.get("enabled") is True or any(_any_enabled(v) for v in section.values())
+    if isinstance(section, (list, tuple)):
+        return any(_any_enabled(v) for v in section)
+    return False
+
+
+def not_implemented(cfg: HfZeroConfig) -> tuple[str, ...]:
+    """The keys ``cfg`` switches on that hf_zero accepts but does not run yet, in config order.
+
+    This is the one list to shrink as features land.
+    """
+    found: list[str] = []
+    if cfg.amp is not None and cfg.amp.get("enabled") is True:
+        found.append("amp")
+    if cfg.optimizer is not None and cfg.optimizer.name in ONE_BIT_OPTIMIZERS:
+        found.append(f"optimizer.type {OPTIMIZER_TYPES[cfg.optimizer.name][0]}")
+    if cfg.sparse_gradients:
+        found.append("sparse_gradients")
+    zero = cfg.zero
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+        if getattr(zero, key):
+            found.append(f"zero_optimization.{key}")
+    if zero.zero_hpz_partition_size > 1:
+        found.append("zero_optimization.zero_hpz_partition_size")
+    if zero.mics_shard_size > 0:
+        found.append("zero_optimization.mics_shard_size")
+    if cfg.aio.use_gds:
+        found.append("aio.use_gds")
+    if cfg.activation_checkpointing.enabled:
+        found.append("activation_checkpointing")
+    for key in ("flops_profiler", "tensorboard", "csv_monitor", "wandb", "comms_logger"):
+        if getattr(cfg, key).enabled:
+            found.append(key)
+    if cfg.comet is not None and cfg.comet.get("enabled") is True:
+        found.append("comet")
+    if cfg.pipeline:
+        found.append("pipeline")
+    if _any_enabled(cfg.compression_training):
+        found.append("compression_training")
+    if cfg.tensor_parallel is not None and _as_int(cfg.tensor_parallel.get("autotp_size", 1)) > 1:
+        found.append("tensor_parallel")
+    for key in ("elasticity", "autotuning", "data_efficiency", "curriculum_learning"):
+        if _any_enabled(getattr(cfg, key)):
+            found.append(key)
+    return tuple(found)
+
+
+def _as_int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0

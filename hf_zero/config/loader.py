@@ -1,0 +1,197 @@
+"""``load_config``: a DeepSpeed config (dict, JSON file or base64 JSON) -> a validated, resolved ``HfZeroConfig``.
+
+Order matters for the error a user sees first:
+1. read the source;
+2. fill ``"auto"`` values from ``auto_values``;
+3. parse strictly (unknown keys, types, values) -- a typo is reported before anything else;
+4. any ``"auto"`` still unfilled is an error naming where its value could come from;
+5. batch arithmetic for ``world_size``;
+6. build ``cfg.raw``: the user's dict with typed values, autos filled, batch keys and
+   ``zero_optimization.stage`` present (transformers and accelerate read ``engine.config`` from it).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import dataclasses
+import json
+import logging
+import math
+import os
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from .auto import auto_paths, fill_autos, unresolved_auto_error
+from .batch import BATCH_KEYS, resolve_batch
+from .errors import ConfigError
+from .hf_zero_config import HfZeroConfig, not_implemented
+from .schema import Auto, json_fields, json_key, parse, to_dict
+from .table import format_config_table
+
+__all__ = ["load_config", "read_config"]
+
+logger = logging.getLogger("hf_zero")
+
+
+def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: int,
+                auto_values: Mapping[str, Any] | None = None, rank: int = 0, log: bool = True,
+                unresolved_auto: Literal["error", "default"] = "error") -> HfZeroConfig:
+    """Validate and resolve a DeepSpeed-format config for ``world_size`` data-parallel ranks.
+
+    ``config`` is a dict, a path to a JSON file, or base64-encoded JSON. ``auto_values`` maps dotted keys
+    (``"optimizer.params.lr"``, ``"zero_optimization.reduce_bucket_size"``) to the values that replace ``"auto"``
+    there. On ``rank`` 0 with ``log``, the resolved values that differ from the defaults are logged as one table.
+    Raises :class:`ConfigError` for anything wrong, naming the key.
+
+    ``unresolved_auto="default"`` is for reading a config before the HF integration has filled it (``zero.Init``
+    inside ``from_pretrained``): an ``"auto"`` with no value takes the key's default, as DeepSpeed does there,
+    except inside ``optimizer.params`` / ``scheduler.params``, where it stays :data:`AUTO` (nothing is built from
+    those at that time). Such keys are marked ``"auto, default"`` / ``"auto, unresolved"`` in ``cfg.sources``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if unresolved_auto not in ("error", "default"):
+        raise ValueError(f"unresolved_auto must be 'error' or 'default', got {unresolved_auto!r}")
+    user = read_config(config)
+    resolved, filled = fill_autos(user, auto_values or {})
+    autos = [path for path in auto_paths(resolved) if path.split(".", 1)[0] not in _RAW_SECTIONS]
+    defaulted_autos: list[str] = []
+    if unresolved_auto == "default":
+        defaulted_autos = [path for path in autos if not path.startswith(_KEEP_AUTO)]
+        resolved = _without(resolved, defaulted_autos)
+    try:
+        parsed: HfZeroConfig = parse(HfZeroConfig, _legacy_forms(resolved))
+    except ConfigError as err:
+        if err.key_path in filled:
+            raise ConfigError(err.key_path, f"{err.detail} (this value replaced 'auto'; it came from auto_values)") \
+                from None
+        raise
+
+    leftover = [path for path in autos if path not in BATCH_KEYS and path not in defaulted_autos]
+    if leftover and unresolved_auto == "error":
+        raise unresolved_auto_error(leftover)
+
+    given = {key: getattr(parsed, key) for key in BATCH_KEYS}
+    batch = resolve_batch(*(None if isinstance(given[key], Auto) else given[key] for key in BATCH_KEYS),
+                          world_size=world_size)
+    unfillable = [key for key in BATCH_KEYS if isinstance(given[key], Auto) and key in batch.defaulted]
+    if unfillable:
+        raise unresolved_auto_error(unfillable)
+
+    sources = {path: "auto" for path in filled}
+    sources.update({path: "auto, default" for path in defaulted_autos})
+    sources.update({path: "auto, unresolved" for path in leftover})
+    for key in BATCH_KEYS:
+        was_auto = isinstance(given[key], Auto) or key in defaulted_autos
+        if key in batch.derived:
+            sources[key] = "auto, derived" if was_auto else "derived"
+        elif key in batch.defaulted:
+            sources[key] = "auto, default" if was_auto else "default"
+    values = {key: getattr(batch, key) for key in BATCH_KEYS}
+    cfg = dataclasses.replace(parsed, **values, world_size=world_size, sources=sources)
+    raw = _normalise(resolved, cfg)
+    raw.update(values)
+    zero_raw = raw.setdefault("zero_optimization", {})
+    zero_raw["stage"] = cfg.zero.stage
+    cfg = dataclasses.replace(cfg, raw=raw, not_implemented=not_implemented(cfg))
+    if log and rank == 0:
+        logger.info("%s", format_config_table(cfg))
+    return cfg
+
+
+_KEEP_AUTO = ("optimizer.params.", "scheduler.params.")
+# Sections kept as given (pipeline, compression_training, ...): their "auto" values are their own business
+# (DeepSpeed's pipeline.stages defaults to "auto"), not values for load_config to fill.
+_RAW_SECTIONS = frozenset(
+    json_key(f) for f in json_fields(HfZeroConfig)
+    if any(typing.get_origin(arm) is Mapping for arm in typing.get_args(typing.get_type_hints(HfZeroConfig)[f.name])))
+
+
+def _without(tree: Mapping[str, Any], paths: list[str]) -> dict[str, Any]:
+    """A copy of ``tree`` without the leaves at the dotted ``paths``."""
+    out = copy.deepcopy(dict(tree))
+    for path in paths:
+        *parents, leaf = path.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        del node[leaf]
+    return out
+
+
+def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """The config as a fresh dict, from a dict, a JSON file path, or base64-encoded JSON (as DeepSpeed accepts)."""
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    if isinstance(config, os.PathLike):
+        path = Path(config)
+        if not path.is_file():
+            raise ConfigError("", f"config file not found: {path}")
+        return _read_file(path)
+    if isinstance(config, str):
+        if os.path.isfile(config):
+            return _read_file(Path(config))
+        decoded = _decode_base64_json(config)
+        if decoded is not None:
+            return decoded
+        shown = config if len(config) <= 120 else config[:117] + "..."
+        raise ConfigError("", f"config {shown!r} is neither an existing file (no such file: "
+                              f"{os.path.abspath(config) if len(config) <= 4096 else shown}) nor base64-encoded JSON")
+    raise ConfigError("", f"config must be a dict, a path to a JSON file or base64-encoded JSON, "
+                          f"got {type(config).__name__}")
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ConfigError("", f"config file {path} is not valid JSON: {err.msg} at line {err.lineno} "
+                              f"column {err.colno}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("", f"config file {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _decode_base64_json(text: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(base64.urlsafe_b64decode(text.strip()).decode("utf-8"))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _legacy_forms(tree: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's older spellings, rewritten for parsing only (``cfg.raw`` keeps the user's form)."""
+    out = dict(tree)
+    zero = out.get("zero_optimization")
+    if isinstance(zero, bool):  # "zero_optimization": true meant stage 1
+        out["zero_optimization"] = {"stage": 1 if zero else 0}
+    steps = out.get("steps_per_print")
+    if isinstance(steps, float) and math.isinf(steps) and steps > 0:  # the HF Trainer passes Infinity
+        out["steps_per_print"] = None
+    return out
+
+
+def _normalise(tree: Mapping[str, Any], obj: Any) -> dict[str, Any]:
+    """``tree`` (the user's keys) with each value replaced by its typed, JSON form from ``obj``."""
+    by_key: dict[str, dataclasses.Field] = {}
+    for f in json_fields(type(obj)):
+        by_key[json_key(f)] = f
+        for alias in f.metadata.get("aliases", ()):
+            by_key[alias] = f
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        f = by_key[key]
+        typed = getattr(obj, f.name)
+        if dataclasses.is_dataclass(typed) and isinstance(value, Mapping):
+            out[key] = _normalise(value, typed)
+        elif typed is None:
+            out[key] = copy.deepcopy(value)  # e.g. steps_per_print Infinity
+        else:
+            out[key] = to_dict(typed)
+    return out

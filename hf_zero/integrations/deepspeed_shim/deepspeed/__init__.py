@@ -1,0 +1,16 @@
+"""``deepspeed``, as answered by hf_zero (see ``hf_zero/integrations/deepspeed_shim/__init__.py``).
+
+Not DeepSpeed: each name forwards to hf_zero. ``HF_ZERO_DISABLE_DEEPSPEED_SHIM=1`` turns this off.
+"""
+
+from hf_zero.integrations.deepspeed_shim._finder import shim_version as _shim_version
+from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
+
+__version__ = _shim_version()
+
+_forward(__name__, {
+    "initialize": "hf_zero:initialize",
+    "init_distributed": "hf_zero.comm:init_distributed",
+    "DeepSpeedEngine": "hf_zero.runtime.engine:HfZeroEngine",
+    "zero": "deepspeed.runtime.zero",  # as in DeepSpeed, deepspeed.zero is deepspeed.runtime.zero
+}, submodules=["accelerator", "checkpoint", "comm", "launcher", "ops", "runtime", "utils"])

@@ -1,0 +1,5 @@
+"""``deepspeed.comm`` is ``hf_zero.comm`` (init_distributed, is_initialized, get_rank, get_world_size, barrier, ...)."""
+
+from hf_zero.integrations.deepspeed_shim._forward import alias as _alias
+
+_alias(__name__, "hf_zero.comm")

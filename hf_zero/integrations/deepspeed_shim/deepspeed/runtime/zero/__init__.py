@@ -1,0 +1,9 @@
+"""``deepspeed.zero`` / ``deepspeed.runtime.zero``: Init, GatheredParameters, register_external_parameter."""
+
+from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
+
+_forward(__name__, {
+    "Init": "hf_zero.zero:Init",
+    "GatheredParameters": "hf_zero.zero:GatheredParameters",
+    "register_external_parameter": "hf_zero.zero:register_external_parameter",
+}, submodules=["partition_parameters"])
