@@ -36,8 +36,11 @@ def base_config(stage: int, **extra) -> dict:
     return cfg
 
 
-def reference_run(world_size: int, steps: int = STEPS):
-    """Plain torch on one process seeing the whole global batch: losses per step and final parameters."""
+def reference_run(world_size: int, steps: int = STEPS, skip_steps: frozenset = frozenset()):
+    """Plain torch on one process seeing the whole global batch: losses per step and final parameters.
+
+    ``skip_steps``: steps whose update is dropped (what an fp16 overflow does).
+    """
     model = make_model()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
     x, y = make_data(world_size, steps)
@@ -47,14 +50,19 @@ def reference_run(world_size: int, steps: int = STEPS):
         loss = nn.functional.mse_loss(model(xs), ys)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
+        if s not in skip_steps:
+            opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-def engine_run(engine, world_size: int, rank: int, steps: int = STEPS, dtype=torch.float32, start: int = 0):
-    """Drive an engine through optimizer steps ``start..start+steps-1``; returns the global mean loss per step."""
+def engine_run(engine, world_size: int, rank: int, steps: int = STEPS, dtype=torch.float32, start: int = 0,
+               poison: tuple[int, int] | None = None):
+    """Drive an engine through optimizer steps ``start..start+steps-1``; returns the global mean loss per step.
+
+    ``poison=(step, rank)``: that rank's first micro-batch of that step gets an infinite loss (an fp16 overflow).
+    """
     import torch.distributed as dist
 
     x, y = make_data(world_size, max(STEPS, start + steps))
@@ -64,6 +72,11 @@ def engine_run(engine, world_size: int, rank: int, steps: int = STEPS, dtype=tor
         for m in range(GAS):
             out = engine(x[s, m, rank].to(dtype))
             loss = nn.functional.mse_loss(out.float(), y[s, m, rank])
+            if poison == (s, rank) and m == 0:
+                engine.backward(loss * float("inf"))
+                engine.step()
+                step_loss += loss.detach() / GAS
+                continue
             engine.backward(loss)
             engine.step()
             step_loss += loss.detach() / GAS

@@ -47,6 +47,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                          "data-parallel world only")
     comm.init_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
     world_size = comm.get_world_size()
+    _default_logging(comm.get_rank())
     cfg = load_config(_config_source(args, config, config_params), world_size=world_size, rank=comm.get_rank())
 
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
@@ -71,6 +72,15 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if training_data is not None:
         dataloader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn, world_size)
     return engine, engine.optimizer, dataloader, engine.lr_scheduler
+
+
+def _default_logging(rank: int) -> None:
+    """Rank 0 prints hf_zero's INFO lines (config table, step logs) unless the application configured logging."""
+    if rank == 0 and not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[hf_zero] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def _dataloader(dataset, micro_batch: int, collate_fn, world_size: int):
