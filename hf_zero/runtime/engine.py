@@ -93,7 +93,8 @@ class HfZeroEngine(nn.Module):
             trainable = [p for p in params if p.requires_grad and p not in seen]
             seen.update(trainable)
             groups.append(ShardedGroup(trainable, [names.get(p, "?") for p in trainable], world_size=shard_world,
-                                       rank=shard_rank, compute_dtype=self.compute_dtype, grad_dtype=grad_dtype))
+                                       rank=shard_rank, compute_dtype=self.compute_dtype, grad_dtype=grad_dtype,
+                                       persistent_grad=self.stage == 2))
         # masters were taken in fp32 before this cast; the model computes in 16 bit from here on
         if self.compute_dtype != torch.float32:
             for p in self.module.parameters():

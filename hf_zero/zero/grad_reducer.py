@@ -82,6 +82,9 @@ class GradReducer:
     def begin(self, reducing: bool) -> None:
         """Called before backward. ``reducing=False`` lets gradients accumulate in ``param.grad`` untouched."""
         self._reducing = reducing
+        if reducing:
+            for g in self.groups:
+                g.ensure_grad()
         self._next = 0
         for b in self.buckets:
             b.ready.clear()

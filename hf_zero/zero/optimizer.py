@@ -65,6 +65,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("hf_zero: ZeroOptimizer.step(closure) is not supported: call engine.backward(loss) "
                              "then engine.step()")
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        for g in self.groups:
+            g.ensure_grad()  # a step without any backward sees zero gradients
         norm = self._global_norm() / scale
         self.global_grad_norm = norm
         self.overflow = self.check_overflow and not math.isfinite(norm)
@@ -117,7 +119,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _zero_grad_shards(self) -> None:
         for g in self.groups:
-            g.grad.zero_()
+            g.clear_grad()
             g.master.grad = None
 
     def _inner_step(self, divisor: float) -> None:

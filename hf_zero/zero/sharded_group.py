@@ -7,7 +7,9 @@ so the optimizer and checkpoint code never branch on the stage.
 Buffers, each ``(shard_numel,)`` flat and in the layout's order::
 
     master   fp32            the weights the optimizer updates (also the source of the published 16-bit weights)
-    grad     grad_dtype      reduced gradients of this rank's chunks, accumulated over micro-steps
+    grad     grad_dtype      reduced gradients of this rank's chunks. Stage 2 keeps it across micro-steps
+                             (gradients are reduced every micro-step); stages 0/1 allocate it at the boundary
+                             only and free it after the step, since between micro-steps ``param.grad`` holds them
     param16  compute dtype   master cast to the model's dtype, written by the optimizer in the same pass;
                              for fp32 training it *is* ``master`` (no copy)
 """
@@ -45,7 +47,7 @@ class ShardedGroup:
     """The shard of one parameter group held by ``rank`` of ``world_size``."""
 
     def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], *, world_size: int, rank: int,
-                 compute_dtype: torch.dtype, grad_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, grad_dtype: torch.dtype, persistent_grad: bool):
         self.params = list(params)
         self.names = list(names)
         self.world_size = world_size
@@ -57,7 +59,9 @@ class ShardedGroup:
         self.master = torch.zeros(numel, dtype=torch.float32, device=device)
         for i, p in enumerate(self.params):
             self.layout.shard_of(p.detach().reshape(-1).float(), i, rank, self.master_chunk(i))
-        self.grad = torch.zeros(numel, dtype=grad_dtype, device=device)
+        self.persistent_grad = persistent_grad
+        self._grad_dtype = grad_dtype
+        self.grad = torch.zeros(numel if persistent_grad else 0, dtype=grad_dtype, device=device)
         self.param16 = self.master if compute_dtype == torch.float32 else self.master.to(compute_dtype)
 
     def master_chunk(self, index: int) -> torch.Tensor:
@@ -67,6 +71,18 @@ class ShardedGroup:
     @property
     def shard_numel(self) -> int:
         return self.layout.shard_numel
+
+    def ensure_grad(self) -> None:
+        """Make sure the gradient shard exists (zeros) before reductions add into it."""
+        if self.grad.numel() != self.layout.shard_numel:
+            self.grad = torch.zeros(self.layout.shard_numel, dtype=self._grad_dtype, device=self.master.device)
+
+    def clear_grad(self) -> None:
+        """After the step: zero a persistent shard, free a transient one."""
+        if self.persistent_grad:
+            self.grad.zero_()
+        else:
+            self.grad = self.grad.new_empty(0)
 
     def publish(self, bucket_numel: int, group=None) -> None:
         """Write the updated 16-bit shards of every rank back into the full parameters (all-gather by buckets)."""
