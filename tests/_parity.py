@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
@@ -32,6 +30,8 @@ def base_config(stage: int, **extra) -> dict:
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 300},
            "steps_per_print": 1000}
+    if stage == 3:  # shard every parameter except the biases (a mix of partitioned and persistent parameters)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 40
     cfg.update(extra)
     return cfg
 
@@ -86,8 +86,13 @@ def engine_run(engine, world_size: int, rank: int, steps: int = STEPS, dtype=tor
     return losses
 
 
-def clone_state(module) -> dict:
-    return {n: p.detach().float().clone() for n, p in copy.copy(module).state_dict().items()}
+def clone_state(engine) -> dict:
+    """Full fp32 copy of the model's weights: every rank for stages 0-2; rank 0 only for stage 3 (else {})."""
+    if getattr(engine, "stage3", None) is not None:
+        sd = engine._zero3_consolidated_16bit_state_dict()
+        return {n: t.detach().float().clone() for n, t in (sd or {}).items()}
+    module = engine.module if hasattr(engine, "module") else engine
+    return {n: p.detach().float().clone() for n, p in module.state_dict().items()}
 
 
 def full_optimizer_state(engine, key: str) -> dict:
@@ -99,7 +104,7 @@ def full_optimizer_state(engine, key: str) -> dict:
         shard = g.master if key == "master" else engine.optimizer.state[g.master][key]
         packed = torch.empty(g.world_size, g.shard_numel)
         all_gather_packed(packed, shard.float())
-        flats = [torch.empty(p.numel()) for p in g.params]
+        flats = [torch.empty(n) for n in g.layout.numels]
         g.layout.unpack(packed, 0, flats)
         out.update({name: f for name, f in zip(g.names, flats)})
     return out

@@ -23,7 +23,7 @@ def _train(precision, stages, poison=None):
         assert all(p.dtype == dtype for p in engine.module.parameters())
         assert all(g.master.dtype == torch.float32 for g in engine.groups)
         losses = engine_run(engine, world, rank, dtype=dtype, poison=poison)
-        out[stage] = dict(losses=losses, params=clone_state(engine.module), skipped=engine.skipped_steps,
+        out[stage] = dict(losses=losses, params=clone_state(engine), skipped=engine.skipped_steps,
                           global_steps=engine.global_steps, scale=engine.get_loss_scale(),
                           masters=[g.master.clone() for g in engine.groups])
         engine.destroy()

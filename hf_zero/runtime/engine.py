@@ -103,9 +103,9 @@ class HfZeroEngine(nn.Module):
         return groups
 
     def _init_stage3(self, plan: OptimizerPlan, names: dict, grad_dtype: torch.dtype) -> list[ShardedGroup]:
-        from hf_zero.zero.stage3.engine_glue import build_stage3_groups
+        from hf_zero.zero.stage3_groups import build_stage3_groups
 
-        self.stage3, groups = build_stage3_groups(self.module, plan, self._config, names, grad_dtype,
+        self.stage3, groups = build_stage3_groups(self.module, plan, self._config, grad_dtype,
                                                   process_group=self.process_group)
         return groups
 
@@ -294,3 +294,28 @@ class HfZeroEngine(nn.Module):
             self.reducer.remove()
         if self.stage3 is not None:
             self.stage3.remove()
+
+    # ---- Hugging Face integration surface (owned by the HF integration) ----
+    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule=None) -> None:
+        """``torch.compile`` the wrapped model in place (accelerate calls this when a dynamo backend is configured,
+        as it does DeepSpeed's ``engine.compile``). The ZeRO hooks stay outside the compiled graph."""
+        if schedule is not None:
+            raise ValueError("hf_zero: engine.compile(schedule=...) (DeepCompile passes) is not supported")
+        kwargs = dict(compile_kwargs or {})
+        if backend is not None:
+            kwargs["backend"] = backend
+        self.module.compile(**kwargs)
+        self._hf_is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self, "_hf_is_compiled", False)
+
+    def phase_seconds_total(self) -> dict[str, float]:
+        """Seconds spent in each timed phase (forward, backward, step, ...) since phase timing started, which is at
+        the first call of this method (the HF ``HfZeroCallback`` turns it from that into time shares)."""
+        from hf_zero.integrations.phase_totals import TotalingTimers
+
+        if not isinstance(self.timers, TotalingTimers):
+            self.timers = TotalingTimers.replacing(self.timers)
+        return self.timers.totals()

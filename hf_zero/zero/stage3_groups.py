@@ -1,0 +1,87 @@
+"""Wiring ZeRO-3's partitioned parameters into the engine's optimizer groups.
+
+Stage 3 reuses everything the optimizer knows from stages 1/2 (:class:`ShardedGroup`: fp32 master shard, gradient
+shard, 16-bit shard, the same :class:`~hf_zero.zero.layout.ShardLayout`), with one difference: the 16-bit shard and
+the gradient shard are not copies. Each :class:`~hf_zero.zero.stage3.ShardedParam` is re-pointed at its slice of the
+group's flat buffers, so the fused Adam pass writes the model's shards directly and the stage-3 gradient
+reduce-scatter adds straight into the optimizer's gradient shard. There is nothing to publish after a step beyond
+the runtime's own ``after_step`` (persistent parameters).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_zero import comm
+from hf_zero.zero.layout import ShardLayout
+from hf_zero.zero.sharded_group import ShardedGroup
+
+__all__ = ["Stage3Group", "build_stage3_groups"]
+
+
+class Stage3Group(ShardedGroup):
+    """A ShardedGroup over already-partitioned parameters; see the module docstring."""
+
+    def __init__(self, sps, *, world_size: int, rank: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype):
+        self.sps = list(sps)
+        self.params = [sp.param for sp in self.sps]
+        self.names = [sp.name for sp in self.sps]
+        self.world_size = world_size
+        self.rank = rank
+        self.persistent_grad = True  # stage 3 reduces every micro-step, like stage 2
+        self._grad_dtype = grad_dtype
+        self.layout = ShardLayout(tuple(sp.numel for sp in self.sps), world_size)
+        numel = self.layout.shard_numel
+        device = self.sps[0].local_shard.device if self.sps else torch.device("cpu")
+        self.master = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(numel, dtype=grad_dtype, device=device)
+        self.param16 = self.master if compute_dtype == torch.float32 else torch.empty(numel, dtype=compute_dtype,
+                                                                                     device=device)
+        for i, sp in enumerate(self.sps):
+            lo, hi = self.layout.offsets[i], self.layout.offsets[i + 1]
+            assert hi - lo == sp.chunk_numel, (sp.name, hi - lo, sp.chunk_numel)
+            self.master[lo:hi].copy_(sp.initial_fp32_shard())
+            if self.param16 is not self.master:
+                self.param16[lo:hi].copy_(self.master[lo:hi])
+            sp.use_shard_storage(self.param16[lo:hi])
+            sp.use_grad_storage(self.grad[lo:hi])
+
+    def ensure_grad(self) -> None:  # always allocated: the ShardedParams hold views into it
+        pass
+
+    def clear_grad(self) -> None:
+        self.grad.zero_()
+
+    def publish(self, bucket_numel: int, group=None) -> None:  # the shards *are* the 16-bit buffer
+        pass
+
+
+def build_stage3_groups(module, plan, config, grad_dtype: torch.dtype, process_group=None):
+    """Partition ``module`` (if zero.Init did not already) and build one Stage3Group per optimizer group."""
+    from hf_zero.zero.stage3 import Stage3Runtime
+
+    zero = config.zero
+    world, rank = comm.get_world_size(process_group), comm.get_rank(process_group)
+    runtime = Stage3Runtime(
+        module, group=process_group, compute_dtype=config.compute_dtype,
+        reduce_bucket_size=int(zero.reduce_bucket_size), prefetch_bucket_size=int(zero.stage3_prefetch_bucket_size),
+        max_live_parameters=int(zero.stage3_max_live_parameters),
+        max_reuse_distance=int(zero.stage3_max_reuse_distance),
+        param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
+        overlap_comm=bool(zero.overlap_comm) if zero.overlap_comm is not None else True,
+        grad_scale=1.0 / world)
+    sp_of = {id(sp.param): sp for sp in runtime.sharded_params()}
+    groups, seen = [], set()
+    for params, _ in plan.groups:
+        sps = []
+        for p in params:
+            sp = sp_of.get(id(p))
+            if sp is None:
+                raise ValueError("hf_zero ZeRO-3: an optimizer parameter is not a parameter of the model "
+                                 "(pass model.parameters() or groups built from them)")
+            if sp.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                sps.append(sp)
+        groups.append(Stage3Group(sps, world_size=world, rank=rank, compute_dtype=config.compute_dtype,
+                                  grad_dtype=grad_dtype))
+    return runtime, groups
