@@ -63,6 +63,18 @@ class ShardedGroup:
         self._grad_dtype = grad_dtype
         self.grad = torch.zeros(numel if persistent_grad else 0, dtype=grad_dtype, device=device)
         self.param16 = self.master if compute_dtype == torch.float32 else self.master.to(compute_dtype)
+        if world_size == 1:
+            self._bind_params()
+
+    def _bind_params(self) -> None:
+        """A world of one: the flat 16-bit shard is every parameter, end to end, so make the parameters views of it.
+
+        The optimizer's in-place update then *is* the model update (no publish copy), and fp32 training keeps a
+        single copy of the weights instead of parameters plus masters.
+        """
+        for i, p in enumerate(self.params):
+            lo = self.layout.offsets[i]
+            p.data = self.param16[lo:lo + p.numel()].view(p.shape)
 
     def master_chunk(self, index: int) -> torch.Tensor:
         lo, hi = self.layout.offsets[index], self.layout.offsets[index + 1]
@@ -86,6 +98,8 @@ class ShardedGroup:
 
     def publish(self, bucket_numel: int, group=None) -> None:
         """Write the updated 16-bit shards of every rank back into the full parameters (all-gather by buckets)."""
+        if self.world_size == 1:
+            return  # the parameters are views of param16 (see _bind_params)
         for start, stop in bucket_ranges(self.layout.chunks, self.world_size, bucket_numel):
             lo, hi = self.layout.span(start, stop)
             packed = torch.empty(self.world_size, hi - lo, dtype=self.param16.dtype, device=self.param16.device)
