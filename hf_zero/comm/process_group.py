@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "barrier",
-           "default_backend", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
+           "default_backend", "get_sequence_parallel_group", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
 
 ReduceOp = dist.ReduceOp
 
@@ -90,6 +90,12 @@ def get_local_rank() -> int:
 def barrier(group=None) -> None:
     if is_initialized():
         dist.barrier(group)
+
+
+def get_sequence_parallel_group():
+    """transformers asks for this only when Ulysses sequence parallelism is configured; hf_zero has none."""
+    raise RuntimeError("hf_zero does not implement Ulysses sequence parallelism (transformers' "
+                       "parallelism_config sp_size > 1); remove it from TrainingArguments or use DeepSpeed for it")
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
