@@ -1,1 +1,29 @@
-"""hf_zero.zero"""
+"""hf_zero.zero: ZeRO partitioning. ``Init``, ``GatheredParameters`` and ``register_external_parameter`` are the
+DeepSpeed-compatible entry points; they are imported on first use so ``import hf_zero.zero`` stays cheap."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    "Init": "hf_zero.zero.init",
+    "GatheredParameters": "hf_zero.zero.gathered",
+    "register_external_parameter": "hf_zero.zero.gathered",
+    "unregister_external_parameter": "hf_zero.zero.gathered",
+}
+
+__all__ = list(_LAZY)
+
+if TYPE_CHECKING:
+    from hf_zero.zero.gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
+    from hf_zero.zero.init import Init
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'hf_zero.zero' has no attribute {name!r}")
+    value = getattr(importlib.import_module(target), name)
+    globals()[name] = value
+    return value

@@ -39,8 +39,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, groups: Sequence[ShardedGroup], hyperparams: Sequence[dict], *,
                  inner_cls: type[torch.optim.Optimizer], inner_defaults: dict, fused_adam: bool,
                  loss_scaler: LossScaler | None, clip_norm: float, publish_bucket_numel: int,
-                 check_overflow: bool, process_group=None, publisher: Callable[[], None] | None = None):
+                 check_overflow: bool, process_group=None, publisher: Callable[[], None] | None = None,
+                 offload=None):
         self.groups = list(groups)
+        # Optimizer offload (hf_zero.offload.OptimizerOffload), or None: when set it has already moved each group's
+        # master and moments out (g.master is an empty placeholder, still the key of self.state) and runs the step.
+        self.offload = offload
         masters = [{"params": [g.master], **h} for g, h in zip(self.groups, hyperparams)]
         self.inner = inner_cls(masters, **inner_defaults)
         super().__init__(self.inner.param_groups, self.inner.defaults)
@@ -85,7 +89,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.clip_norm > 0 and math.isfinite(norm):
             clip_coef = min(1.0, self.clip_norm / (norm + 1e-6))
         divisor = scale / clip_coef
-        if self.fused_adam:
+        if self.offload is not None:
+            self._offload_step(divisor)
+        elif self.fused_adam:
             self._fused_adam_step(divisor)
         else:
             self._inner_step(divisor)
@@ -149,6 +155,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                        weight_decay=group["weight_decay"], adamw_mode=group.get("adamw_mode", True),
                        bias_correction=group.get("bias_correction", True), grad_scale=divisor,
                        out16=None if g.param16 is g.master else g.param16)
+
+    def _offload_step(self, divisor: float) -> None:
+        """Adam with the states where the offload object keeps them; the step count stays in self.state."""
+        hyper = []
+        for g, group in zip(self.groups, self.param_groups):
+            state = self.state[g.master]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            hyper.append({"step": int(state["step"].item()), "lr": group["lr"], "beta1": beta1, "beta2": beta2,
+                          "eps": group["eps"], "weight_decay": group["weight_decay"],
+                          "adamw_mode": group.get("adamw_mode", True),
+                          "bias_correction": group.get("bias_correction", True)})
+        self.offload.step(hyper, divisor)
 
     # state -------------------------------------------------------------------------------------------------------
     def state_dict(self):

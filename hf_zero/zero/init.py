@@ -1,0 +1,199 @@
+"""``zero.Init``: modules constructed inside the context come out with their parameters already partitioned.
+
+How, without patching tensor constructors: two public global hooks of ``torch.nn.modules.module``.
+
+- ``register_module_parameter_registration_hook`` notes every ``(module, name)`` that gets a Parameter.
+- ``register_module_module_registration_hook`` fires when a finished module is assigned to its parent
+  (``self.q_proj = nn.Linear(...)``, ``ModuleList.append``). Its ``__init__`` -- including its own
+  ``reset_parameters()`` -- is complete at that point, so its noted parameters are partitioned right then.
+  Construction peaks at about one submodule's full parameters, not the model's.
+
+Parameters of the outermost module(s), which no parent adopts, are partitioned on ``__exit__``.
+
+This module is also ``deepspeed.runtime.zero.partition_parameters`` for transformers (through the shim): it defines
+``zero_wrapper_for_fp_tensor_constructor``, ``_orig_torch_arange`` and ``get_accelerator``, which
+``transformers.integrations.deepspeed.prevent_arange_dtype_change`` reads and temporarily replaces. hf_zero never
+wraps tensor constructors -- there is nothing to downcast, parameters are cast when the runtime starts -- so the
+wrapper is looked up at ``__enter__`` (to honour the contract that it is read there) but never installed, and the
+explicit dtypes of RoPE buffers stay what the model code asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
+
+from .stage3.gather import gatherer_for
+from .stage3.param import ShardedParam, sharded_param_of
+
+__all__ = ["Init", "zero_wrapper_for_fp_tensor_constructor", "get_accelerator", "partition_module"]
+
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype,
+                                           target_device: torch.device | str | None = None) -> Callable:
+    """``fn`` with floating-point results cast to ``target_fp_dtype`` and ``device`` defaulted to
+    ``target_device`` -- DeepSpeed's helper, kept for code that builds its own wrapped constructors."""
+
+    def wrapped(*args, **kwargs):
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        t = fn(*args, **kwargs)
+        if t.is_floating_point() and target_fp_dtype is not None:
+            t = t.to(target_fp_dtype)
+        return t
+
+    return wrapped
+
+
+def get_accelerator():
+    from hf_zero.comm.accelerator import get_accelerator as _get
+
+    return _get()
+
+
+def _resolve_group(data_parallel_group, mpu, sequence_data_parallel_group):
+    if sequence_data_parallel_group is not None:
+        return sequence_data_parallel_group
+    if data_parallel_group is not None:
+        return data_parallel_group
+    if mpu is not None:
+        return mpu.get_data_parallel_group()
+    return None
+
+
+def _read_config(config_dict_or_path, config) -> dict:
+    cfg = config_dict_or_path if config_dict_or_path is not None else config
+    if cfg is None:
+        return {}
+    if isinstance(cfg, (str, os.PathLike)):
+        with open(cfg) as f:
+            return json.load(f)
+    if isinstance(cfg, dict):
+        return cfg
+    return dict(getattr(cfg, "config", {}) or {})  # transformers' HfDeepSpeedConfig and similar wrappers
+
+
+def partition_module(module: nn.Module, *, group=None, dtype: torch.dtype | None = None,
+                     pin_memory: bool = False) -> list[ShardedParam]:
+    """Partition every not-yet-partitioned parameter of ``module`` (recursively). Call on every rank."""
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    gatherer_for(group)  # its side channel is created collectively, so at the same point on every rank
+    out = []
+    for prefix, mod in module.named_modules():
+        for name in list(mod._parameters):
+            sp = _partition_one(mod, name, prefix, rank, world, group, dtype, pin_memory)
+            if sp is not None:
+                out.append(sp)
+    return out
+
+
+def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int, group, dtype,
+                   pin_memory: bool) -> ShardedParam | None:
+    p = mod._parameters.get(name)
+    if p is None or sharded_param_of(p) is not None:
+        return None
+    label = f"{prefix}.{name}" if prefix else f"{type(mod).__name__}.{name}"
+    sp = ShardedParam(p, label, rank=rank, world_size=world, group=group, dtype=dtype)
+    if pin_memory and torch.cuda.is_available() and sp.local_shard.device.type == "cpu":
+        sp.use_shard_storage(torch.empty_like(sp.local_shard).pin_memory())
+    return sp
+
+
+class Init:
+    """Context manager: modules built inside get their parameters partitioned as they are constructed.
+
+    Same signature as ``deepspeed.zero.Init``. Accepted for compatibility and without effect here:
+    ``mem_efficient_linear`` (hf_zero's linear layers are torch's), ``config_dict_or_path``/``config`` (read for
+    validation only; the engine reads the config), ``param_swapper``. ``remote_device`` may be None, "none" or
+    "cpu" (parameters already live where they are built). Shards keep the dtype the parameters were built in
+    unless ``dtype`` is given, so the engine can build exact fp32 master weights from them.
+    ``module=``: partition an already built module immediately (no context needed).
+    """
+
+    _depth = 0  # nested Init contexts install the hooks once
+
+    def __init__(self, config_dict_or_path=None, enabled: bool = True, dtype: torch.dtype | None = None,
+                 module: nn.Module | None = None, mem_efficient_linear: bool = True, remote_device=None,
+                 pin_memory: bool = False, config=None, mpu=None, data_parallel_group=None, param_swapper=None,
+                 sequence_data_parallel_group=None) -> None:
+        if remote_device not in (None, "none", "cpu"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): hf_zero partitions parameters where "
+                             f"they are built; offload them with the config's offload_param section instead")
+        self.enabled = enabled
+        self.dtype = dtype
+        self.pin_memory = pin_memory
+        self.config = _read_config(config_dict_or_path, config)
+        self.group = _resolve_group(data_parallel_group, mpu, sequence_data_parallel_group)
+        self._pending: dict[int, tuple[nn.Module, set[str]]] = {}
+        self._handles: list = []
+        self._owner = False
+        if module is not None and enabled:
+            self._ensure_distributed()
+            partition_module(module, group=self.group, dtype=dtype, pin_memory=pin_memory)
+
+    @staticmethod
+    def _ensure_distributed() -> None:
+        if not dist.is_initialized():
+            from hf_zero.comm import init_distributed
+
+            init_distributed()
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        self._ensure_distributed()
+        self._rank = dist.get_rank(self.group)
+        self._world = dist.get_world_size(self.group)
+        gatherer_for(self.group)
+        # Looked up at enter time, as transformers expects (it may have swapped it in); see the module docstring
+        # for why it is not installed anywhere.
+        self._fp_constructor_wrapper = globals()["zero_wrapper_for_fp_tensor_constructor"]
+        if Init._depth == 0:
+            self._owner = True
+            self._handles = [register_module_parameter_registration_hook(self._on_parameter),
+                             register_module_module_registration_hook(self._on_submodule)]
+        Init._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        Init._depth -= 1
+        if self._owner:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            pending, self._pending = self._pending, {}
+            for mod, names in pending.values():
+                self._partition_noted(mod, names)
+
+    # ------------------------------------------------------------------ hooks
+    def _on_parameter(self, module: nn.Module, name: str, param) -> None:
+        if param is not None and sharded_param_of(param) is None:
+            self._pending.setdefault(id(module), (module, set()))[1].add(name)
+        return None
+
+    def _on_submodule(self, parent: nn.Module, name: str, child) -> None:
+        if child is None:
+            return None
+        # The child's __init__ is done. Its descendants were partitioned when they were adopted by it (or by
+        # their own parents); only the child's direct parameters can still be pending.
+        entry = self._pending.pop(id(child), None)
+        if entry is not None:
+            self._partition_noted(*entry)
+        return None
+
+    def _partition_noted(self, mod: nn.Module, names: set[str]) -> None:
+        # Registration order, never set order: ds_ids must be assigned identically on every rank.
+        for name in [n for n in mod._parameters if n in names]:
+            _partition_one(mod, name, "", self._rank, self._world, self.group, self.dtype, self.pin_memory)

@@ -1,0 +1,21 @@
+"""ZeRO stage 3: parameters partitioned across ranks, gathered per module for forward and backward.
+
+=============== =====================================================================
+param.py        one partitioned parameter (:class:`ShardedParam`) and its state enum
+gather.py       packed all-gathers of parameters, live-memory accounting
+divergence.py   making a diverged gather an error that names modules and ranks
+hooks.py        forward/backward hook plumbing (public PyTorch APIs only)
+prefetch.py     the recorded gather order: prefetch and reuse decisions
+reduce.py       bucketed gradient reduce-scatter into the grad storage
+runtime.py      :class:`Stage3Runtime`, what the engine drives
+consolidate.py  full 16-bit state dict on rank 0, streamed module by module
+=============== =====================================================================
+"""
+
+from .consolidate import consolidated_state_dict
+from .divergence import DivergenceError
+from .param import ParamState, ShardedParam, is_sharded, sharded_param_of
+from .runtime import Stage3Runtime
+
+__all__ = ["Stage3Runtime", "ShardedParam", "ParamState", "DivergenceError", "consolidated_state_dict",
+           "sharded_param_of", "is_sharded"]

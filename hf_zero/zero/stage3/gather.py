@@ -1,0 +1,154 @@
+"""Packed all-gathers of ShardedParams, one :class:`Gatherer` per process group.
+
+A gather of parameters ``p0..pk`` is one collective: each rank sends its chunks back to back (the flat shard of
+zero/layout.py) plus a divergence trailer, and receives the packed ``(world_size, span + TRAILER_NUMEL)`` buffer,
+which is unpacked into one flat ``(numel,)`` buffer per parameter.
+
+NOTE: the unpack is a copy (the trailer, and rows that interleave parameters, keep any parameter from being
+contiguous in the packed buffer), so a gather peaks at twice its parameters' bytes until the packed buffer is
+dropped, right after. The Gatherer also counts the bytes of full parameters alive at once (``live_bytes`` /
+``peak_live_bytes``) -- the number memory limits and tests look at.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.comm import all_gather_packed
+from hf_zero.zero.layout import ShardLayout
+
+from .divergence import (TRAILER_NUMEL, SideChannel, check_header, check_trailers, params_key, wait_or_diagnose,
+                         write_trailer)
+from .param import ParamState, ShardedParam
+
+__all__ = ["Gatherer", "PendingGather", "gatherer_for", "DEFAULT_DIVERGENCE_TIMEOUT_S"]
+
+DEFAULT_DIVERGENCE_TIMEOUT_S = 300.0
+
+
+class PendingGather:
+    """One all-gather in flight for ``sps``; :meth:`wait` makes them AVAILABLE. Safe to call more than once."""
+
+    def __init__(self, gatherer: "Gatherer", sps: list[ShardedParam], layout: ShardLayout, packed: torch.Tensor,
+                 work, key: int, seq: int, label: str) -> None:
+        self.gatherer, self.sps, self.layout = gatherer, sps, layout
+        self.packed = packed  # (world_size, span + TRAILER_NUMEL)
+        self.work, self.key, self.seq, self.label = work, key, seq, label
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        g = self.gatherer
+        span = self.layout.shard_numel
+        try:
+            wait_or_diagnose(self.work, g.timeout_s, g.rank, g.world_size, self.label, self.seq, g.side)
+            check_trailers(self.packed[:, span:], g.rank, g.describe)
+        except BaseException:
+            # The parameters were never gathered; leave them PARTITIONED so the error is raised once, not again
+            # by every later wait on this gather.
+            self.done = True
+            self.packed = self.work = None
+            for sp in self.sps:
+                sp.abort_gathering()
+            raise
+        outs = [torch.empty(sp.numel, dtype=self.packed.dtype, device=self.packed.device) for sp in self.sps]
+        self.layout.unpack(self.packed[:, :span], 0, outs)
+        self.packed = self.work = None
+        self.done = True
+        for sp, out in zip(self.sps, outs):
+            sp.to_available(out if out.dtype == sp.dtype else out.to(sp.dtype))
+            g.count_live(sp, +1)
+
+
+class Gatherer:
+    """Issues the gathers of one process group and checks that all its ranks gather the same parameters."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.timeout_s = DEFAULT_DIVERGENCE_TIMEOUT_S
+        self.header_checks = True  # a Stage3Runtime turns this off once its gather order is recorded
+        self.side = SideChannel(group) if self.world_size > 1 else None
+        self.seq = 0
+        self._labels: dict[int, str] = {}
+        self.live_numel = 0
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self.gather_count = 0        # statistics, read by tests and the profiler
+        self.header_check_count = 0
+        self.gathered_numel = 0
+
+    # ------------------------------------------------------------------ naming
+    def register_label(self, sps: list[ShardedParam], label: str) -> int:
+        key = params_key(sp.ds_id for sp in sps)
+        self._labels.setdefault(key, label)
+        return key
+
+    def describe(self, key: int) -> str:
+        return self._labels.get(key, f"<parameters with key {key:#08x}>")
+
+    # ------------------------------------------------------------------ collectives
+    def gather(self, sps: list[ShardedParam], label: str, *, async_op: bool = False,
+               header_check: bool | None = None) -> PendingGather:
+        """Start (and unless ``async_op``, finish) one packed all-gather of the PARTITIONED ``sps``."""
+        assert sps and all(sp.state is ParamState.PARTITIONED for sp in sps), [repr(sp) for sp in sps]
+        key = self.register_label(sps, label)
+        self.gather_count += 1
+        self.gathered_numel += sum(sp.numel for sp in sps)
+        seq = self.seq
+        self.seq += 1
+        layout = ShardLayout(tuple(sp.numel for sp in sps), self.world_size)
+        span = layout.shard_numel
+        if header_check if header_check is not None else self.header_checks:
+            if self.world_size > 1:
+                self.header_check_count += 1
+                check_header(key, span, seq, self.rank, self.world_size, self.group, self.timeout_s, self.describe,
+                             self.side)
+        dtype, device = sps[0].dtype, sps[0].local_shard.device
+        send = torch.empty(span + TRAILER_NUMEL, dtype=dtype, device=device)
+        for i, sp in enumerate(sps):
+            send[layout.offsets[i]:layout.offsets[i + 1]].copy_(sp.local_shard)
+        write_trailer(send[span:], key, seq)
+        packed = torch.empty(self.world_size, span + TRAILER_NUMEL, dtype=dtype, device=device)
+        work = all_gather_packed(packed, send, group=self.group, async_op=True)
+        pending = PendingGather(self, list(sps), layout, packed, work, key, seq, label)
+        for sp in sps:
+            sp.to_gathering(pending)
+        if not async_op:
+            pending.wait()
+        return pending
+
+    def wait_available(self, sp: ShardedParam) -> None:
+        if sp.state is ParamState.GATHERING:
+            sp.pending.wait()
+
+    def release(self, sp: ShardedParam) -> None:
+        """PARTITIONED again (waits for an in-flight gather first). No-op for persistent or partitioned params."""
+        if sp.persistent or sp.state is ParamState.PARTITIONED:
+            return
+        self.wait_available(sp)
+        sp.to_partitioned()
+        self.count_live(sp, -1)
+
+    def count_live(self, sp: ShardedParam, sign: int) -> None:
+        self.live_numel += sign * sp.numel
+        self.live_bytes += sign * sp.numel * sp.local_shard.element_size()
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def reset_peak(self) -> None:
+        self.peak_live_bytes = self.live_bytes
+
+
+_GATHERERS: dict = {}
+
+
+def gatherer_for(group=None) -> Gatherer:
+    """The Gatherer of ``group`` (None: the default group). Created on first use -- a collective, so every rank of
+    the group must make that first call at the same point (partitioning a parameter does)."""
+    g = _GATHERERS.get(group)
+    if g is None or (dist.is_initialized() and g.world_size != dist.get_world_size(group)):
+        g = _GATHERERS[group] = Gatherer(group)
+    return g

@@ -1,0 +1,224 @@
+"""One partitioned parameter: :class:`ShardedParam` and its :class:`ParamState`.
+
+The visible ``nn.Parameter`` stays registered on its module(s), so FQNs, ``named_parameters()`` and optimizer
+param groups keep working. What changes is its ``.data``::
+
+    PARTITIONED  param.data = placeholder (0,)        local_shard (chunk_numel,) is the only copy of the values
+    GATHERING    param.data = placeholder (0,)        an all-gather into a packed buffer is in flight
+    AVAILABLE    param.data = full (shape) view       of a flat (numel,) buffer unpacked from the all-gather
+
+A *persistent* parameter (``numel <= param_persistence_threshold``) is AVAILABLE for its whole life: every rank
+keeps the full tensor, and its local shard is only what the optimizer updates (the runtime re-publishes it).
+
+Only the ``to_<state>()`` methods change ``state``, and each asserts the state it leaves. The ``ds_*`` attributes
+that transformers and peft read (``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_tensor``, ``ds_status``) are written
+onto the Parameter by :meth:`ShardedParam._publish_compat` -- a compatibility layer, never read back internally.
+The way from a Parameter to its ShardedParam is one attribute, see :func:`sharded_param_of`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from hf_zero.zero.layout import ShardLayout, chunk_numel
+
+if TYPE_CHECKING:
+    from .gather import PendingGather
+
+__all__ = ["ParamState", "ShardedParam", "sharded_param_of", "is_sharded"]
+
+_SP_ATTR = "_hf_zero_sharded"  # the only internal attribute hf_zero sets on an nn.Parameter
+_next_ds_id = itertools.count()
+
+
+class ParamState(enum.Enum):
+    PARTITIONED = "PARTITIONED"
+    GATHERING = "GATHERING"
+    AVAILABLE = "AVAILABLE"
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's names for the states, as ``param.ds_status`` shows them."""
+
+    NOT_AVAILABLE = 1
+    INFLIGHT = 2
+    AVAILABLE = 3
+
+
+_DS_STATUS = {ParamState.PARTITIONED: ZeroParamStatus.NOT_AVAILABLE, ParamState.GATHERING: ZeroParamStatus.INFLIGHT,
+              ParamState.AVAILABLE: ZeroParamStatus.AVAILABLE}
+
+
+def sharded_param_of(param: torch.Tensor) -> "ShardedParam | None":
+    return getattr(param, _SP_ATTR, None)
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    return sharded_param_of(param) is not None
+
+
+class ShardedParam:
+    """Rank ``rank``'s chunk of one parameter and the state of its full copy. See the module docstring."""
+
+    param: nn.Parameter          # ND when AVAILABLE, (0,) otherwise; registered on its module(s)
+    local_shard: torch.Tensor    # 1D (chunk_numel,), zero-padded past the parameter's end on the last ranks
+    grad_storage: torch.Tensor | None  # 1D (chunk_numel,) where reduced gradient chunks are added, or None
+    _full: torch.Tensor | None   # 1D (numel,) while AVAILABLE
+
+    def __init__(self, param: nn.Parameter, name: str, *, rank: int, world_size: int, group=None,
+                 dtype: torch.dtype | None = None) -> None:
+        if sharded_param_of(param) is not None:
+            raise ValueError(f"parameter {name!r} is already partitioned")
+        self.param = param
+        self.name = name
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.chunk_numel = chunk_numel(self.numel, world_size)
+        self.layout = ShardLayout((self.numel,), world_size)
+        self.ds_id = next(_next_ds_id)
+        self.persistent = False
+        self.state = ParamState.AVAILABLE
+        self.holders = 0                  # forward/backward/GatheredParameters uses currently needing the full data
+        self.block_holds = 0              # the part of ``holders`` taken by GatheredParameters blocks
+        self.pending: PendingGather | None = None
+        self.grad_storage = None
+        flat = param.data.detach().reshape(-1)
+        dtype = dtype or param.dtype
+        self.local_shard = torch.empty(self.chunk_numel, dtype=dtype, device=param.device)
+        self.layout.shard_of(flat, 0, rank, self.local_shard)
+        self._fp32_shard: torch.Tensor | None = None
+        self._full = None
+        setattr(param, _SP_ATTR, self)
+        self.to_partitioned()
+
+    # ------------------------------------------------------------------ engine contract
+    @property
+    def requires_grad(self) -> bool:
+        return self.param.requires_grad
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local_shard.dtype
+
+    def initial_fp32_shard(self) -> torch.Tensor:
+        """The shard's values before any cast to the compute dtype, as fp32 (chunk_numel,)."""
+        if self._fp32_shard is not None:
+            return self._fp32_shard
+        return self.local_shard.float() if self.local_shard.dtype != torch.float32 else self.local_shard.clone()
+
+    def cast_shard(self, dtype: torch.dtype) -> None:
+        """Store the shard (and the full data of a persistent param) in ``dtype``; keep the fp32 original."""
+        if self.local_shard.dtype == dtype:
+            return
+        if self._fp32_shard is None:
+            self._fp32_shard = self.local_shard.float()
+        self.local_shard = self.local_shard.to(dtype)
+        if self.state is ParamState.AVAILABLE:
+            self._set_full(self._full.to(dtype))
+        else:
+            self.param.data = self._placeholder()
+        self._publish_compat()
+
+    def drop_initial_fp32_shard(self) -> None:
+        self._fp32_shard = None
+
+    def use_shard_storage(self, view: torch.Tensor) -> None:
+        """From now on the local shard *is* ``view`` (chunk_numel,), e.g. a slice of the engine's flat buffer."""
+        if view.shape != (self.chunk_numel,):
+            raise ValueError(f"{self.name}: shard storage must have shape ({self.chunk_numel},), got "
+                             f"{tuple(view.shape)}")
+        view.copy_(self.local_shard)
+        self.local_shard = view
+        self._publish_compat()
+
+    def use_grad_storage(self, view: torch.Tensor) -> None:
+        """Reduced gradient chunks are added into ``view`` (chunk_numel,) from now on."""
+        if view.shape != (self.chunk_numel,):
+            raise ValueError(f"{self.name}: grad storage must have shape ({self.chunk_numel},), got "
+                             f"{tuple(view.shape)}")
+        if not self.requires_grad:
+            raise ValueError(f"{self.name} is frozen (requires_grad=False) and has no gradient storage")
+        self.grad_storage = view
+
+    # ------------------------------------------------------------------ state transitions
+    def to_gathering(self, pending: "PendingGather") -> None:
+        assert self.state is ParamState.PARTITIONED, f"{self.name}: to_gathering from {self.state.name}"
+        self.pending = pending
+        self.state = ParamState.GATHERING
+        self._publish_compat()
+
+    def to_available(self, full_flat: torch.Tensor) -> None:
+        """``full_flat`` (numel,) holds the whole parameter; the Parameter becomes a view of it."""
+        assert self.state in (ParamState.PARTITIONED, ParamState.GATHERING), \
+            f"{self.name}: to_available from {self.state.name}"
+        self.pending = None
+        self._set_full(full_flat)
+        self.state = ParamState.AVAILABLE
+        self._publish_compat()
+
+    def to_partitioned(self) -> None:
+        """Drop the full copy. The values that count are in ``local_shard``; edits made to the full copy are lost
+        (GatheredParameters with a modifier rank writes them back before calling this)."""
+        assert self.state is ParamState.AVAILABLE, f"{self.name}: to_partitioned from {self.state.name}"
+        assert not self.persistent, f"{self.name} is persistent and never partitioned"
+        assert self.holders == 0, f"{self.name}: partitioned while {self.holders} users still need it"
+        # NOTE: rebinding .data (not resizing the storage in place) matters: activation checkpointing may have
+        # saved an alias of the full tensor, which must stay valid until its backward has used it.
+        self._full = None
+        self.pending = None
+        self.param.data = self._placeholder()
+        self.state = ParamState.PARTITIONED
+        self._publish_compat()
+
+    def abort_gathering(self) -> None:
+        """GATHERING -> PARTITIONED when the gather failed (divergence, timeout): nothing full ever existed."""
+        assert self.state is ParamState.GATHERING, f"{self.name}: abort_gathering from {self.state.name}"
+        self.pending = None
+        self.state = ParamState.PARTITIONED
+        self._publish_compat()
+
+    def make_persistent(self) -> None:
+        """Called while AVAILABLE: the full tensor stays on every rank from now on."""
+        assert self.state is ParamState.AVAILABLE, f"{self.name}: make_persistent from {self.state.name}"
+        self.persistent = True
+
+    def release_persistence(self) -> None:
+        self.persistent = False
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def full_flat(self) -> torch.Tensor:
+        assert self.state is ParamState.AVAILABLE, f"{self.name}: full data read while {self.state.name}"
+        return self.param.data.reshape(-1)
+
+    def update_shard_from_full(self) -> None:
+        """Copy this rank's chunk of the (possibly edited) full parameter into the local shard."""
+        flat = self.full_flat
+        with torch.no_grad():
+            self.layout.shard_of(flat.to(self.local_shard.dtype), 0, self.rank, self.local_shard)
+
+    def _set_full(self, full_flat: torch.Tensor) -> None:
+        self._full = full_flat
+        self.param.data = full_flat.view(self.shape)
+
+    def _placeholder(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.local_shard.dtype, device=self.local_shard.device)
+
+    def _publish_compat(self) -> None:
+        p = self.param
+        p.ds_id = self.ds_id
+        p.ds_shape = self.shape
+        p.ds_numel = self.numel
+        p.ds_tensor = self.local_shard
+        p.ds_status = _DS_STATUS[self.state]
+        p.ds_persist = self.persistent
+
+    def __repr__(self) -> str:
+        return (f"ShardedParam({self.name!r}, shape={tuple(self.shape)}, chunk_numel={self.chunk_numel}, "
+                f"state={self.state.name}, persistent={self.persistent})")

@@ -1,0 +1,76 @@
+"""Gradient reduce-scatter in packed buckets: full gradients in, each rank's summed chunk out.
+
+A gradient arriving for parameter ``p`` (full shape, compute dtype) is packed -- already multiplied by
+``grad_scale`` -- into columns ``[off, off + chunk_numel)`` of the current bucket ``(world_size, capacity)``.
+When the next gradient does not fit, the bucket is reduce-scattered: rank ``r`` receives ``(used,)``, the sum over
+ranks of row ``r``, i.e. its chunk of every parameter in the bucket, and *adds* each chunk into the parameter's
+grad storage (gradient accumulation across micro-steps is this addition). With ``overlap_comm`` one bucket stays
+in flight while the next one fills.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_zero.comm import reduce_scatter_packed
+
+from .divergence import wait_or_diagnose
+from .param import ShardedParam
+
+__all__ = ["GradReducer"]
+
+
+class GradReducer:
+    def __init__(self, *, group, rank: int, world_size: int, bucket_numel: int, grad_scale: float,
+                 overlap_comm: bool, timeout_s_fn, side_fn) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.bucket_numel = max(int(bucket_numel), 1)
+        self.grad_scale = grad_scale
+        self.overlap_comm = overlap_comm
+        self._timeout_s, self._side = timeout_s_fn, side_fn
+        self._bucket: torch.Tensor | None = None  # (world_size, capacity)
+        self._used = 0
+        self._entries: list[tuple[ShardedParam, int]] = []  # (param, column offset)
+        self._inflight: list[tuple[object, torch.Tensor, list[tuple[ShardedParam, int]], torch.Tensor]] = []
+        self.reduced_numel = 0  # statistics: elements reduce-scattered (per rank row)
+
+    def add(self, sp: ShardedParam, grad: torch.Tensor) -> None:
+        width = sp.chunk_numel
+        if self._bucket is not None and (self._used + width > self._bucket.shape[1] or
+                                         self._bucket.dtype != grad.dtype):
+            self.flush()
+        if self._bucket is None:
+            capacity = max(self.bucket_numel // self.world_size, width)
+            self._bucket = torch.empty(self.world_size, capacity, dtype=grad.dtype, device=grad.device)
+            self._used = 0
+        block = self._bucket[:, self._used:self._used + width]
+        sp.layout.pack([grad.detach().reshape(-1)], 0, block, scale=self.grad_scale)
+        self._entries.append((sp, self._used))
+        self._used += width
+
+    def flush(self) -> None:
+        """Reduce-scatter the current bucket (asynchronously with overlap_comm)."""
+        if self._bucket is None:
+            return
+        packed = self._bucket if self._used == self._bucket.shape[1] else self._bucket[:, :self._used].contiguous()
+        out = torch.empty(self._used, dtype=packed.dtype, device=packed.device)
+        work = reduce_scatter_packed(out, packed, group=self.group, async_op=True)
+        self._inflight.append((work, out, self._entries, packed))
+        self.reduced_numel += self._used
+        self._bucket, self._entries, self._used = None, [], 0
+        self._drain(keep=1 if self.overlap_comm else 0)
+
+    def finish(self) -> None:
+        self.flush()
+        self._drain(keep=0)
+
+    def _drain(self, keep: int) -> None:
+        while len(self._inflight) > keep:
+            work, out, entries, _packed = self._inflight.pop(0)
+            names = ", ".join(sp.name for sp, _ in entries[:3]) + (" ..." if len(entries) > 3 else "")
+            wait_or_diagnose(work, self._timeout_s(), self.rank, self.world_size,
+                             f"the gradient reduce-scatter of [{names}]", None, self._side())
+            for sp, off in entries:
+                if sp.grad_storage is None:
+                    sp.grad_storage = torch.zeros(sp.chunk_numel, dtype=torch.float32, device=out.device)
+                sp.grad_storage.add_(out[off:off + sp.chunk_numel])

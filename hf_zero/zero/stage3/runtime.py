@@ -1,0 +1,478 @@
+"""Stage3Runtime: partitions a module's parameters and drives gathers, releases and gradient reduction.
+
+Each module that directly owns partitioned parameters (plus the external parameters registered on it) has a
+*group*: the parameters gathered, in one collective, before its forward and again before its backward. A
+parameter's ``holders`` counts the current uses (a forward in progress, a backward in progress, a gradient still
+to be accumulated, a GatheredParameters block); when it drops to zero the parameter is partitioned again unless
+the recorded trace says it is needed again within ``max_reuse_distance`` elements.
+
+Iterations start at the root module's forward pre-hook. The first iteration of each kind is recorded (see
+prefetch.py) with a divergence header before every gather (see divergence.py).
+
+Order of a training micro-step, as the engine drives it::
+
+    out = module(x)       per module: gather (+ prefetch next) -> forward -> release
+    loss.backward()       per module: gather -> backward -> release; per param: grad -> packed bucket
+    rt.finish_backward()  flush/wait reduce-scatters, free everything still gathered
+    optimizer.step()      (engine) updates the shards in place
+    rt.after_step()       re-gather persistent params; drop stale gathered copies
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hf_zero.comm import get_rank, get_world_size
+
+from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
+from .hooks import (ModuleCall, install_module_hooks, queue_end_of_backward, register_output_grad_hooks,
+                    wrap_inputs_for_post_backward)
+from .param import ParamState, ShardedParam, sharded_param_of
+from .prefetch import GatherTrace
+from .reduce import GradReducer
+
+__all__ = ["Stage3Runtime", "external_parameters", "EXTERNAL_PARAMS_ATTR"]
+
+EXTERNAL_PARAMS_ATTR = "_hf_zero_external_params"  # set on a module by register_external_parameter
+
+
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return list(getattr(module, EXTERNAL_PARAMS_ATTR, ()))
+
+
+class _Group:
+    __slots__ = ("gid", "fqn", "sps", "numel")
+
+    def __init__(self, gid: int, fqn: str, sps: list[ShardedParam]) -> None:
+        self.gid, self.fqn, self.sps = gid, fqn, sps
+        self.numel = sum(sp.numel for sp in sps)
+
+
+class Stage3Runtime:
+    """ZeRO-3 for one module tree. See the module docstring; the engine contract is in the class methods."""
+
+    def __init__(self, module: nn.Module, *, group=None, compute_dtype: torch.dtype = torch.float32,
+                 reduce_bucket_size: int = 500_000_000, prefetch_bucket_size: int = 50_000_000,
+                 max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
+                 param_persistence_threshold: int = 100_000, overlap_comm: bool = False,
+                 grad_scale: float | None = None,
+                 divergence_timeout_s: float = DEFAULT_DIVERGENCE_TIMEOUT_S) -> None:
+        self.module = module
+        self.group = group
+        self.rank = get_rank(group)
+        self.world_size = get_world_size(group)
+        self.compute_dtype = compute_dtype
+        self.prefetch_numel = int(prefetch_bucket_size)
+        self.max_live_numel = int(max_live_parameters)
+        self.max_reuse_numel = int(max_reuse_distance)
+        self.persistence_threshold = int(param_persistence_threshold)
+        self.gatherer = gatherer_for(group)
+        self.gatherer.timeout_s = float(divergence_timeout_s)
+        self._sps = self._partition_all()
+        self.reducer = GradReducer(group=group, rank=self.rank, world_size=self.world_size,
+                                   bucket_numel=reduce_bucket_size,
+                                   grad_scale=1.0 / self.world_size if grad_scale is None else grad_scale,
+                                   overlap_comm=overlap_comm, timeout_s_fn=lambda: self.gatherer.timeout_s,
+                                   side_fn=lambda: self.gatherer.side)
+        self._groups: dict[nn.Module, _Group] = {}
+        self._groups_of_sp: dict[int, set[int]] = {}  # ds_id -> group ids containing it
+        self._build_groups()
+        self.trace = GatherTrace({g.gid: g.numel for g in self._groups.values()})
+        self._calls: dict[int, list[ModuleCall]] = {}  # id(module) -> stack of forward calls in progress
+        self._awaiting_grad: set[int] = set()  # ds_ids holding a "gradient not accumulated yet" reference
+        self._calls_awaiting_grad: dict[int, list[ModuleCall]] = {}  # ds_id -> calls ended by its gradient
+        self._end_of_backward_queued = False
+        self._deferred: set[ShardedParam] = set()  # frozen params kept whole after a recomputation, see _post_forward
+        self._handles = []
+        self._install_hooks()
+        self._stepped = False
+        self.prefetched_numel = 0  # statistics: elements gathered ahead of need
+
+    # ------------------------------------------------------------------ set-up
+    def _partition_all(self) -> list[ShardedParam]:
+        sps: list[ShardedParam] = []
+        seen: set[int] = set()
+        fresh: list[tuple[str, nn.Parameter]] = []
+        for name, p in self.module.named_parameters():  # tied parameters once, under their first name
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            sp = sharded_param_of(p)
+            if sp is None:
+                fresh.append((name, p))
+            else:
+                sp.name = name
+                sps.append(sp)
+        if fresh and self.world_size > 1:
+            # A module not built under zero.Init must start from identical values on every rank: rank 0's.
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            with torch.no_grad():
+                for _, p in fresh:
+                    dist.broadcast(p.data, src=src, group=self.group)
+        for name, p in fresh:
+            sps.append(ShardedParam(p, name, rank=self.rank, world_size=self.world_size, group=self.group))
+        by_id = {id(sp.param): sp for sp in sps}
+        sps = [by_id[id(p)] for _, p in self.module.named_parameters() if id(p) in by_id]
+        for sp in sps:
+            if sp.state is not ParamState.PARTITIONED:
+                raise RuntimeError(f"{sp.name} is {sp.state.name} when ZeRO-3 starts; leave every "
+                                   f"GatheredParameters block before initializing the engine")
+        persistent = [sp for sp in sps if sp.numel <= self.persistence_threshold]
+        for sp in sps:
+            sp.cast_shard(self.compute_dtype)
+        if persistent:
+            self.gatherer.gather(persistent, "persistent parameters", header_check=True)
+            for sp in persistent:
+                sp.make_persistent()
+        return sps
+
+    def _build_groups(self) -> None:
+        self._groups.clear()
+        self._groups_of_sp.clear()
+        for fqn, mod in self.module.named_modules():
+            members: list[ShardedParam] = []
+            for p in list(mod._parameters.values()) + external_parameters(mod):
+                sp = sharded_param_of(p) if p is not None else None
+                if sp is not None and not sp.persistent and sp not in members:
+                    members.append(sp)
+            if members:
+                g = _Group(len(self._groups), fqn or "<root>", members)
+                self._groups[mod] = g
+                for sp in members:
+                    self._groups_of_sp.setdefault(sp.ds_id, set()).add(g.gid)
+                self.gatherer.register_label(members, f"module {g.fqn!r}")
+        self._group_by_gid = {g.gid: g for g in self._groups.values()}
+        self._external_version = _external_version()
+
+    def _install_hooks(self) -> None:
+        for mod in self._groups:
+            self._handles += install_module_hooks(mod, self._pre_forward, self._post_forward)
+        # Registered last: the iteration boundary runs before the root's own gather (prepend) and after its
+        # release (append).
+        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+        self._handles.append(self.module.register_forward_hook(self._root_post_forward))
+        for sp in self._sps:
+            if sp.requires_grad:
+                self._handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    # ------------------------------------------------------------------ engine contract
+    def sharded_params(self) -> list[ShardedParam]:
+        return list(self._sps)
+
+    def finish_backward(self) -> None:
+        """After ``loss.backward()``: every reduced gradient is in its grad storage; nothing stays gathered."""
+        self.reducer.finish()
+        self._reset_gathered()
+
+    def after_step(self) -> None:
+        """After the optimizer updated the shards: gathered copies are stale; persistent params are re-gathered."""
+        self._reset_gathered()
+        persistent = [sp for sp in self._sps if sp.persistent]
+        for sp in persistent:
+            sp.release_persistence()
+            sp.to_partitioned()
+            self.gatherer.count_live(sp, -1)
+        if persistent:
+            self.gatherer.gather(persistent, "persistent parameters")
+            for sp in persistent:
+                sp.make_persistent()
+        if not self._stepped:
+            self._stepped = True
+            for sp in self._sps:
+                sp.drop_initial_fp32_shard()
+
+    # ------------------------------------------------------------------ checkpoint (engine)
+    def checkpoint_tensors(self, *, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's tensors the optimizer does not own, for its checkpoint file: the shards of frozen
+        parameters (``stage3.frozen.<name>``, chunk_numel each) and the module's persistent buffers
+        (``stage3.buffer.<name>``, whole, identical on every rank). Trainable values are the optimizer's masters."""
+        out: dict[str, torch.Tensor] = {}
+        if not exclude_frozen:
+            for sp in self._sps:
+                if not sp.requires_grad:
+                    out[f"stage3.frozen.{sp.name}"] = sp.local_shard
+        for name, buf in _persistent_buffers(self.module):
+            out[f"stage3.buffer.{name}"] = buf
+        return out
+
+    def load_checkpoint_tensors(self, handles, meta: dict) -> None:
+        """Inverse of :meth:`checkpoint_tensors`. ``handles[r]`` reads the file of saved rank ``r`` (``keys()``,
+        ``get_tensor(key)``); a checkpoint saved on another number of ranks is re-cut from the saved chunks.
+        Call :meth:`after_step` once the optimizer has loaded its masters, to re-publish persistent params."""
+        saved_world = len(handles)
+        keys = set(handles[0].keys())
+        with torch.no_grad():
+            for sp in self._sps:
+                key = f"stage3.frozen.{sp.name}"
+                if sp.requires_grad or key not in keys:
+                    continue
+                if saved_world == self.world_size:
+                    sp.local_shard.copy_(handles[self.rank].get_tensor(key))
+                else:
+                    full = torch.cat([h.get_tensor(key) for h in handles])[:sp.numel]
+                    sp.layout.shard_of(full.to(sp.local_shard.dtype), 0, self.rank, sp.local_shard)
+            for name, buf in _persistent_buffers(self.module):
+                key = f"stage3.buffer.{name}"
+                if key in keys:
+                    buf.copy_(handles[0].get_tensor(key))
+        self._reset_gathered()
+
+    def remove(self) -> None:
+        """Remove every hook and give each rank the full parameters back as ordinary tensors."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.reducer.finish()
+        self._reset_gathered()
+        todo = [sp for sp in self._sps if sp.state is ParamState.PARTITIONED]
+        if todo:
+            self.gatherer.gather(todo, "all parameters (remove)", header_check=True)
+        for sp in self._sps:
+            sp.release_persistence()
+            self.gatherer.count_live(sp, -1)  # no longer a gathered copy: an ordinary tensor now
+            full = sp.param.data
+            _forget(sp)
+            sp.param.data = full
+        self._sps = []
+
+    # ------------------------------------------------------------------ iteration boundaries
+    def _root_pre_forward(self, module, args):
+        if self._calls:  # the root called from inside its own forward: not a new iteration
+            return None
+        self._reset_gathered()
+        if _external_version() != self._external_version:
+            self._rebuild_after_external_change()
+        self.trace.begin_iteration(torch.is_grad_enabled())
+        self.gatherer.header_checks = self.trace.recording
+        return None
+
+    def _root_post_forward(self, module, args, output):
+        if not torch.is_grad_enabled() and not self._calls:
+            self._release_unheld()
+        return None
+
+    def _rebuild_after_external_change(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._build_groups()
+        self.trace = GatherTrace({g.gid: g.numel for g in self._groups.values()})
+        self._install_hooks()
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward(self, module, args, kwargs):
+        group = self._groups[module]
+        call = ModuleCall(group, recompute=_in_backward())
+        self._calls.setdefault(id(module), []).append(call)
+        self._acquire(group)
+        if torch.is_grad_enabled():
+            wrapped = wrap_inputs_for_post_backward(args, kwargs, self._post_backward, call)
+            call.has_post_backward = wrapped is not None
+            return wrapped
+        return None
+
+    def _post_forward(self, module, args, output):
+        stack = self._calls.get(id(module))
+        if not stack:  # hooks of an iteration that was reset under us (e.g. an exception); nothing held
+            return None
+        call = stack.pop()
+        if not stack:
+            del self._calls[id(module)]
+        if call.recompute:
+            # Recomputation under activation checkpointing. Non-reentrant checkpointing saves *frozen* parameters
+            # by reference (trainable ones as detached aliases) and compares their shapes with the original
+            # forward's right after recomputing (transformers#47254): frozen ones stay whole until the next
+            # backward event, which comes after that check.
+            for sp in call.group.sps:
+                if sp.requires_grad:
+                    self._unhold(sp)
+                else:
+                    sp.holders -= 1
+                    if sp.holders == 0:
+                        self._deferred.add(sp)
+        else:
+            self._release_group(call.group)
+        if torch.is_grad_enabled():
+            register_output_grad_hooks(output, self._pre_backward, call)
+        return None
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, call: ModuleCall) -> None:
+        if call.pre_backward_done:
+            return
+        call.pre_backward_done = True
+        self._settle_recomputation()
+        self._queue_end_of_backward()
+        self._acquire(call.group)
+        for sp in call.group.sps:
+            if sp.requires_grad and sp.ds_id not in self._awaiting_grad:
+                # Keep it gathered until its AccumulateGrad ran: a gradient must never land on a (0,) placeholder.
+                self._awaiting_grad.add(sp.ds_id)
+                sp.holders += 1
+        if not call.has_post_backward:
+            # No input needs a gradient (e.g. the embedding: token ids), so nothing marks the end of this module's
+            # backward except its own parameters' gradients arriving: the last one ends it.
+            call.grads_pending = {sp.ds_id for sp in call.group.sps if sp.requires_grad}
+            for ds_id in call.grads_pending:
+                self._calls_awaiting_grad.setdefault(ds_id, []).append(call)
+
+    def _post_backward(self, call: ModuleCall) -> None:
+        if not call.pre_backward_done or call.post_backward_done:
+            return
+        call.post_backward_done = True
+        self._settle_recomputation()
+        self._release_group(call.group)
+
+    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        sp = sharded_param_of(param)
+        grad = param.grad
+        param.grad = None
+        self._settle_recomputation()
+        self._queue_end_of_backward()
+        if grad is not None:
+            self.reducer.add(sp, grad)
+        if sp.ds_id in self._awaiting_grad:
+            self._awaiting_grad.discard(sp.ds_id)
+            self._unhold(sp)
+        for call in self._calls_awaiting_grad.pop(sp.ds_id, ()):
+            call.grads_pending.discard(sp.ds_id)
+            if not call.grads_pending:
+                self._post_backward(call)
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            queue_end_of_backward(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        # NOTE: with reentrant activation checkpointing this may run at the end of an *inner* backward, so it
+        # only does what is safe mid-backward: launch the filled bucket, free what nobody holds.
+        self._end_of_backward_queued = False
+        self._settle_recomputation()
+        self.reducer.flush()
+        self._release_unheld()
+
+    # ------------------------------------------------------------------ gather / release policy
+    def _acquire(self, group: _Group) -> None:
+        self.trace.request(group.gid)
+        for sp in group.sps:
+            sp.holders += 1
+        need = [sp for sp in group.sps if sp.state is ParamState.PARTITIONED]
+        need_numel = sum(sp.numel for sp in need)
+        if need and self.gatherer.live_numel + need_numel > self.max_live_numel:
+            self._release_unheld()
+        if need:
+            self.gatherer.gather(need, f"module {group.fqn!r}", async_op=True)
+        self._prefetch()
+        for sp in group.sps:
+            self.gatherer.wait_available(sp)
+
+    def _prefetch(self) -> None:
+        if self.prefetch_numel <= 0:
+            return
+        by_gid = self._group_by_gid
+        picked: list[ShardedParam] = []
+        picked_ids: set[int] = set()
+        budget = self.max_live_numel - self.gatherer.live_numel
+        total = 0
+        for gid in self.trace.upcoming(self.prefetch_numel):
+            for sp in by_gid[gid].sps:
+                if sp.state is ParamState.PARTITIONED and sp.ds_id not in picked_ids:
+                    if total + sp.numel > budget:
+                        break
+                    picked.append(sp)
+                    picked_ids.add(sp.ds_id)
+                    total += sp.numel
+        if picked:
+            self.prefetched_numel += total
+            names = sorted({by_gid[g].fqn for sp in picked for g in self._groups_of_sp[sp.ds_id]})
+            self.gatherer.gather(picked, f"prefetch of modules {names}", async_op=True)
+
+    def _settle_recomputation(self) -> None:
+        """At a backward event, no recomputation is running (it runs synchronously inside one saved-tensor
+        unpack). So recomputed calls still open were stopped early -- non-reentrant checkpointing stops the
+        recomputation once it has every tensor it needs, skipping the rest of the forward and its post-forward
+        hooks -- and their holds are released here, as are the frozen params kept for the shape check."""
+        if self._calls:
+            for key in list(self._calls):
+                stack = self._calls[key]
+                for call in [c for c in stack if c.recompute]:
+                    stack.remove(call)
+                    self._release_group(call.group)
+                if not stack:
+                    del self._calls[key]
+        if self._deferred:
+            self._release_deferred()
+
+    def _release_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, set()
+        for sp in deferred:
+            if sp.holders == 0 and not self._keep_for_reuse(sp):
+                self.gatherer.release(sp)
+
+    def _release_group(self, group: _Group) -> None:
+        for sp in group.sps:
+            self._unhold(sp)
+
+    def _unhold(self, sp: ShardedParam) -> None:
+        assert sp.holders > 0, f"{sp.name}: released more often than gathered"
+        sp.holders -= 1
+        if sp.holders == 0 and not self._keep_for_reuse(sp):
+            self.gatherer.release(sp)
+
+    def _keep_for_reuse(self, sp: ShardedParam) -> bool:
+        if self.gatherer.live_numel > self.max_live_numel:
+            return False
+        return self.trace.reused_within(self._groups_of_sp.get(sp.ds_id, set()), self.max_reuse_numel)
+
+    def _release_unheld(self) -> None:
+        for sp in self._sps:
+            if (sp.holders == 0 and not sp.persistent and sp.state is not ParamState.PARTITIONED
+                    and sp not in self._deferred):
+                self.gatherer.release(sp)
+
+    def _reset_gathered(self) -> None:
+        """Between iterations: forget every hold (leaks from early-stopped recomputation, unused backward
+        paths) and partition everything that is not persistent."""
+        self._calls.clear()
+        self._awaiting_grad.clear()
+        self._calls_awaiting_grad.clear()
+        self._deferred = set()
+        for sp in self._sps:
+            if not sp.persistent:
+                sp.holders = sp.block_holds
+        self._release_unheld()
+
+
+def _persistent_buffers(module: nn.Module):
+    for prefix, mod in module.named_modules():
+        for n, b in mod._buffers.items():
+            if b is not None and n not in mod._non_persistent_buffers_set:
+                yield (f"{prefix}.{n}" if prefix else n), b
+
+
+def _in_backward() -> bool:
+    # NOTE: the autograd engine's current graph task; FSDP2 asks the same question the same way.
+    return torch._C._current_graph_task_id() != -1
+
+
+_EXTERNAL_VERSION = [0]
+
+
+def _external_version() -> int:
+    return _EXTERNAL_VERSION[0]
+
+
+def bump_external_version() -> None:
+    _EXTERNAL_VERSION[0] += 1
+
+
+def _forget(sp: ShardedParam) -> None:
+    """Detach ``sp`` from its Parameter: no hf_zero attribute is left on it."""
+    from .param import _SP_ATTR
+
+    for attr in (_SP_ATTR, "ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist"):
+        if attr in sp.param.__dict__:
+            delattr(sp.param, attr)

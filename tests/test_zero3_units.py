@@ -1,0 +1,213 @@
+"""ZeRO-3 pieces in one process: ShardedParam states, the trace, the divergence trailer, the engine contract at
+world size 1 with a 16-bit compute dtype, and the module attributes transformers reads from zero.init."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hf_zero.zero.stage3 import DivergenceError, ParamState, ShardedParam, Stage3Runtime, sharded_param_of
+from hf_zero.zero.stage3.divergence import TRAILER_NUMEL, check_trailers, params_key, write_trailer
+from hf_zero.zero.stage3.prefetch import GatherTrace
+
+
+def test_sharded_param_states_and_compat_attributes():
+    p = nn.Parameter(torch.arange(12.0).view(4, 3))
+    sp = ShardedParam(p, "w", rank=1, world_size=2)  # rank 1 of 2: elements 6..11
+    assert sharded_param_of(p) is sp
+    assert sp.state is ParamState.PARTITIONED and p.shape == (0,)
+    assert torch.equal(sp.local_shard, torch.arange(6.0, 12.0))
+    assert p.ds_shape == (4, 3) and p.ds_numel == 12 and p.ds_tensor is sp.local_shard and p.ds_id == sp.ds_id
+    assert p.ds_status.name == "NOT_AVAILABLE"
+    with pytest.raises(AssertionError, match="to_partitioned from PARTITIONED"):
+        sp.to_partitioned()
+    sp.to_available(torch.arange(12.0))
+    assert p.shape == (4, 3) and p.ds_status.name == "AVAILABLE"
+    sp.holders = 1
+    with pytest.raises(AssertionError, match="still need it"):
+        sp.to_partitioned()
+    sp.holders = 0
+    sp.to_partitioned()
+    assert p.shape == (0,)
+    with pytest.raises(ValueError, match="already partitioned"):
+        ShardedParam(p, "w", rank=0, world_size=2)
+    q = nn.Parameter(torch.ones(5))  # uneven: chunk 3, rank 1 owns 2 elements + 1 padding
+    sq = ShardedParam(q, "q", rank=1, world_size=2)
+    assert sq.chunk_numel == 3 and torch.equal(sq.local_shard, torch.tensor([1.0, 1.0, 0.0]))
+
+
+def test_trace_prefetch_resync_and_reuse():
+    trace = GatherTrace({0: 10, 1: 20, 2: 30, 3: 40})
+    trace.begin_iteration(True)
+    assert trace.recording
+    for gid in (0, 1, 2, 3, 2, 1, 0):
+        trace.request(gid)
+    trace.begin_iteration(True)  # the second iteration walks the recorded one
+    assert not trace.recording
+    trace.request(0)
+    assert trace.upcoming(55) == [1, 2]     # 20 + 30 <= 55 < 20 + 30 + 40
+    # group 2 comes back after 20 elements of group 1
+    assert trace.reused_within({2}, 20) is True and trace.reused_within({2}, 19) is False
+    assert trace.reused_within({1}, 0) is False and trace.reused_within({1}, 5) is True
+    trace.request(3)                         # skipped 1 and 2: resynchronizes after 3
+    assert trace.upcoming(1000) == [2, 1, 0]
+    trace.request(7)                         # unknown: position unchanged
+    assert trace.upcoming(1000) == [2, 1, 0]
+    trace.begin_iteration(False)             # a no-grad iteration records its own trace
+    assert trace.recording
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_divergence_trailer_round_trips_in_payload_dtype(dtype):
+    key_a, key_b = params_key([3, 4, 5]), params_key([3, 5, 4])
+    assert key_a != key_b and 0 <= key_a < 2 ** 24 and params_key([3, 4, 5]) == key_a
+    tails = torch.empty(2, TRAILER_NUMEL, dtype=dtype)
+    write_trailer(tails[0], key_a, 300)
+    write_trailer(tails[1], key_a, 300)
+    check_trailers(tails, 0, lambda k: f"module {k}")
+    write_trailer(tails[1], key_b, 300)
+    with pytest.raises(DivergenceError, match=rf"ranks \[0\] gathered module {key_a} .*ranks \[1\] gathered module "
+                                              rf"{key_b}"):
+        check_trailers(tails, 1, lambda k: f"module {k}")
+
+
+def test_engine_contract_world_1_bf16():
+    """The contract the engine drives: fp32 originals exposed, shards cast, engine-owned flat buffers used."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    originals = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rt = Stage3Runtime(model, compute_dtype=torch.bfloat16, reduce_bucket_size=50, prefetch_bucket_size=100,
+                       max_live_parameters=1000, max_reuse_distance=0, param_persistence_threshold=4,
+                       overlap_comm=True)
+    sps = rt.sharded_params()
+    assert [sp.name for sp in sps] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert [sp.persistent for sp in sps] == [False, False, False, True]  # 2.bias has 4 elements
+    for sp in sps:
+        assert torch.equal(sp.initial_fp32_shard()[:sp.numel], originals[sp.name].reshape(-1))
+        assert sp.local_shard.dtype == torch.bfloat16
+    flat = torch.empty(sum(sp.chunk_numel for sp in sps), dtype=torch.bfloat16)
+    grads = torch.zeros(flat.numel(), dtype=torch.float32)
+    offset = 0
+    for sp in sps:
+        sp.use_shard_storage(flat[offset:offset + sp.chunk_numel])
+        sp.use_grad_storage(grads[offset:offset + sp.chunk_numel])
+        assert sp.local_shard.data_ptr() == flat[offset:].data_ptr()
+        offset += sp.chunk_numel
+    assert torch.equal(flat.float(), torch.cat([sp.initial_fp32_shard() for sp in sps]).bfloat16().float())
+    x = torch.randn(3, 8)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).bfloat16()
+    ref.load_state_dict({n: v.bfloat16() for n, v in originals.items()})
+    for _ in range(2):  # two micro-steps accumulate
+        model(x.bfloat16()).float().square().mean().backward()
+    rt.finish_backward()
+    for _ in range(2):
+        ref(x.bfloat16()).float().square().mean().backward()
+    expected = torch.cat([dict(ref.named_parameters())[sp.name].grad.float().reshape(-1) for sp in sps])
+    assert (grads - expected).abs().max() <= 2e-2 * expected.abs().max()
+    assert all(p.grad is None for p in model.parameters())
+    flat.add_(-0.1 * grads.bfloat16())  # the "optimizer" writes the engine's buffer
+    rt.after_step()
+    assert torch.equal(model[2].bias.data, flat[-sps[-1].chunk_numel:][:4])  # persistent param re-published
+    rt.remove()
+    assert model[0].weight.shape == (16, 8) and not hasattr(model[0].weight, "ds_id")
+    assert torch.equal(model[0].weight.data.reshape(-1), flat[:128])
+
+
+def test_zero_init_module_attributes_transformers_reads():
+    import hf_zero.zero.init as pp
+
+    assert pp._orig_torch_arange is torch.arange
+    wrapped = pp.zero_wrapper_for_fp_tensor_constructor(torch.zeros, torch.bfloat16, target_device="cpu")
+    assert wrapped(3).dtype == torch.bfloat16 and wrapped(3, dtype=torch.int64).dtype == torch.int64
+    assert pp.get_accelerator().device_name() in ("cpu", "cuda")
+    import hf_zero.zero as zero
+
+    assert zero.Init is pp.Init
+
+
+class _SavedRank:
+    """Stands in for a safetensors handle of one saved rank's file."""
+
+    def __init__(self, tensors):
+        self._t = tensors
+
+    def keys(self):
+        return list(self._t)
+
+    def get_tensor(self, key):
+        return self._t[key]
+
+
+def test_checkpoint_tensors_reshard_frozen_shards_and_buffers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3))
+    model[0].weight.requires_grad_(False)
+    full_weight = model[0].weight.detach().clone()
+    rt = Stage3Runtime(model, reduce_bucket_size=100, prefetch_bucket_size=0, max_live_parameters=1000,
+                       max_reuse_distance=0, param_persistence_threshold=0, overlap_comm=False)
+    saved = rt.checkpoint_tensors()
+    assert sorted(saved) == ["stage3.buffer.1.num_batches_tracked", "stage3.buffer.1.running_mean",
+                             "stage3.buffer.1.running_var", "stage3.frozen.0.weight"]
+    assert "stage3.frozen.0.weight" not in rt.checkpoint_tensors(exclude_frozen=True)
+    # a checkpoint written by 2 ranks (chunks of 8 of the 15 elements), loaded on this 1-rank runtime
+    flat = torch.cat([full_weight.reshape(-1) * 2, torch.zeros(1)])
+    buffers = {k: v.clone() + 1 for k, v in saved.items() if k.startswith("stage3.buffer.")}
+    handles = [_SavedRank({"stage3.frozen.0.weight": flat[:8], **buffers}),
+               _SavedRank({"stage3.frozen.0.weight": flat[8:], **buffers})]
+    rt.load_checkpoint_tensors(handles, {"shard_world_size": 2})
+    assert torch.equal(model[1].running_mean, buffers["stage3.buffer.1.running_mean"])
+    rt.remove()
+    assert torch.equal(model[0].weight, full_weight * 2)
+
+
+def test_root_with_its_own_parameters_still_starts_iterations():
+    """The root's own gather hooks must not hide the iteration boundary: the second step walks a recorded trace
+    and prefetches (world size 1: the collectives are local copies)."""
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(8))
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(self.a(x * self.scale))
+
+    model = Root()
+    rt = Stage3Runtime(model, reduce_bucket_size=100, prefetch_bucket_size=1000, max_live_parameters=10_000,
+                       max_reuse_distance=0, param_persistence_threshold=0, overlap_comm=False)
+    for _ in range(2):
+        model(torch.ones(2, 8)).sum().backward()
+        rt.finish_backward()
+        rt.after_step()
+    assert not rt.trace.recording and rt.prefetched_numel > 0
+    assert rt.gatherer.header_checks is False
+    rt.remove()
+
+
+def _init_starts_the_process_group():
+    import torch.distributed as dist
+
+    from hf_zero.zero import GatheredParameters, Init
+
+    assert not dist.is_initialized()
+    torch.manual_seed(0)
+    expected = nn.Linear(6, 5).weight.detach().clone()
+    torch.manual_seed(0)
+    with Init(dtype=torch.bfloat16):
+        lin = nn.Linear(6, 5)
+        seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    assert dist.is_initialized() and dist.get_world_size() == 2
+    assert lin.weight.shape == (0,) and lin.weight.ds_tensor.dtype == torch.bfloat16
+    assert lin.weight.ds_tensor.numel() == 15 and all(p.shape == (0,) for p in seq.parameters())
+    with GatheredParameters(lin.weight):
+        assert torch.equal(lin.weight, expected.bfloat16())  # initialized (reset_parameters) before partitioning
+    return True
+
+
+def test_zero_init_starts_the_process_group_and_casts():
+    from hf_zero.testing import run_distributed
+
+    assert run_distributed(_init_starts_the_process_group, 2, init_process_group=False, timeout_s=60) == [True, True]
