@@ -625,6 +625,7 @@ ZERO_KEYS = frozenset({
     "offload_optimizer", "offload_param", "sub_group_size", "cpu_offload", "cpu_offload_param",
     "cpu_offload_use_pin_memory", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
     "stage3_model_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "stage3_divergence_timeout_s",
     "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
     "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
     "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients", "zero_hpz_partition_size",

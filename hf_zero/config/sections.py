@@ -159,6 +159,9 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool | Auto = spec(
         False, auto=True, aliases=("stage3_gather_fp16_weights_on_model_save",),
         help="Stage 3: gather full 16-bit weights when saving the model (save_16bit_model, Trainer.save_model).")
+    stage3_divergence_timeout_s: float = spec(
+        300.0, help="Stage 3 (hf_zero): seconds a parameter gather may wait for the other ranks before the job "
+                    "fails with an error naming the module and the ranks that diverged, instead of hanging.")
     stage3_module_granularity_threshold: int = spec(
         0, help="Stage 3: modules with fewer parameters per descendant are fetched as one unit.")
     stage3_use_all_reduce_for_fetch_params: bool = spec(False, help="Stage 3: fetch parameters with all-reduce.")

@@ -69,7 +69,7 @@ def build_stage3_groups(module, plan, config, grad_dtype: torch.dtype, process_g
         max_reuse_distance=int(zero.stage3_max_reuse_distance),
         param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
         overlap_comm=bool(zero.overlap_comm) if zero.overlap_comm is not None else True,
-        grad_scale=1.0 / world)
+        grad_scale=1.0 / world, divergence_timeout_s=float(zero.stage3_divergence_timeout_s))
     sp_of = {id(sp.param): sp for sp in runtime.sharded_params()}
     groups, seen = [], set()
     for params, _ in plan.groups:
