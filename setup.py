@@ -7,7 +7,8 @@ At install time (``pip install --no-build-isolation [-e] .``) this compiles csrc
 
 ``HF_ZERO_BUILD_OPS=0`` skips compilation. A failed compilation never fails the install: the error is printed and
 every op falls back to its pure-PyTorch reference at run time (``hf-zero doctor`` shows which ops are compiled).
-``MAX_JOBS`` limits parallel compile jobs (ninja), as in every torch extension build.
+``MAX_JOBS`` limits parallel compile jobs (ninja), as in every torch extension build. The CPU kernels are tuned for
+the building machine (-march=native); ``HF_ZERO_PORTABLE=1`` drops that when building a wheel for other machines.
 
 It also installs ``hf_zero/integrations/hf_zero_deepspeed.pth`` (the startup hook of the ``deepspeed``
 compatibility layer) into the root of site-packages, for regular and for editable (PEP 660) installs.
@@ -64,9 +65,11 @@ def _extensions() -> list:
     # the host CPU is safe and lets the compiler vectorize the fp32/bf16/fp16 loops with the widest SIMD it
     # has. Building a wheel for other machines: set HF_ZERO_PORTABLE=1 to drop -march=native.
     native = [] if os.environ.get("HF_ZERO_PORTABLE") == "1" else ["-march=native"]
+    # -ffp-contract=off: no fused multiply-add contraction, so the kernels round each operation as the unfused
+    # torch reference does (CPUAdam then tracks torch.optim.AdamW to ~1 ulp); they are memory-bound anyway.
     # No -std flag: BuildExtension adds the standard the installed torch headers need (C++20 since torch 2.10;
     # forcing -std=c++17 breaks them).
-    cxx_flags = ["-O3", "-fopenmp", "-fno-math-errno", *native]
+    cxx_flags = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *native]
     include_dirs = [str(CSRC / "common")]
     extensions = [
         cpp_extension.CppExtension(
@@ -77,6 +80,9 @@ def _extensions() -> list:
             extra_link_args=["-fopenmp"],
         )
     ]
+    if torch.version.cuda is not None and cpp_extension.CUDA_HOME is None:
+        _warn(f"torch {torch.__version__} has CUDA but no CUDA toolkit (nvcc) was found: hf_zero._C_cuda skipped, "
+              "CUDA tensors will use the pure-PyTorch references. Set CUDA_HOME and reinstall to build it.")
     if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None:
         extensions.append(
             cpp_extension.CUDAExtension(

@@ -13,7 +13,7 @@ void scale_add_kernel(const T* x, const T* y, T* out, float alpha, int64_t numel
   at::parallel_for(0, numel, 1 << 15, [&](int64_t begin, int64_t end) {
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
-      out[i] = static_cast<T>(static_cast<float>(x[i]) + alpha * static_cast<float>(y[i]));
+      out[i] = from_float<T>(to_float(x[i]) + alpha * to_float(y[i]));
     }
   });
 }
@@ -28,7 +28,7 @@ at::Tensor scale_add_cpu(const at::Tensor& x, const at::Tensor& y, double alpha)
   at::Tensor out = at::empty_like(xc);
   HF_ZERO_DISPATCH_FLOAT(xc.scalar_type(), "scale_add_cpu", [&] {
     scale_add_kernel<scalar_t>(xc.const_data_ptr<scalar_t>(), yc.const_data_ptr<scalar_t>(),
-                               out.mutable_data_ptr<scalar_t>(), static_cast<float>(alpha), xc.numel());
+                               out.mutable_data_ptr<scalar_t>(), to_float(alpha), xc.numel());
   });
   return out;
 }

@@ -1,1 +1,37 @@
-"""hf_zero.ops"""
+"""hf_zero.ops: compiled fused kernels, each with a pure-PyTorch reference beside it.
+
+Every op is a ``torch.library`` op in the ``hf_zero`` namespace (``torch.ops.hf_zero.*``) with a CPU kernel
+(``hf_zero._C``), a CUDA kernel (``hf_zero._C_cuda``), a fake kernel and autograd. When the compiled extension
+for a device is unavailable, the wrappers below run the reference and warn once (see ``_native``).
+
+    adam       CPUAdam, FusedAdam, adam_step_ (flat-partition step used by the engine and offload)
+    norm       layer_norm, rms_norm, add_layer_norm, add_rms_norm
+    transformer bias_gelu, scaled_masked_softmax, apply_rotary, apply_rotary_pos_emb
+    inject     inject(model): swap a transformers model's norms / GeLUs onto the fused ops
+"""
+
+from hf_zero.ops._native import extension_status, native_available
+from hf_zero.ops.adam import CPUAdam, FusedAdam, adam_step_
+from hf_zero.ops.inject import inject, remove_injection
+from hf_zero.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from hf_zero.ops.scale_add import scale_add
+from hf_zero.ops.transformer import apply_rotary, apply_rotary_pos_emb, bias_gelu, scaled_masked_softmax
+
+__all__ = [
+    "CPUAdam",
+    "FusedAdam",
+    "adam_step_",
+    "add_layer_norm",
+    "add_rms_norm",
+    "apply_rotary",
+    "apply_rotary_pos_emb",
+    "bias_gelu",
+    "extension_status",
+    "inject",
+    "layer_norm",
+    "native_available",
+    "remove_injection",
+    "rms_norm",
+    "scale_add",
+    "scaled_masked_softmax",
+]

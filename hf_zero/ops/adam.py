@@ -1,0 +1,242 @@
+"""Fused Adam/AdamW: the functional step the engine calls on flat partitions, and two optimizers.
+
+* ``adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, ...)`` -- one in-place step over a flat fp32
+  partition in one pass over memory; ``grad`` may be fp32, bf16 or fp16; ``grad_scale`` divides the gradient
+  (loss-scale unscale and clipping coefficient folded in); ``out16`` receives the updated parameter in 16 bit.
+* ``CPUAdam`` -- drop-in for DeepSpeed's ``DeepSpeedCPUAdam`` (same constructor), for offloaded optimizer states.
+* ``FusedAdam`` -- the same for CUDA parameters, one multi-tensor launch per step; on CPU it runs the CPU kernel.
+
+Dispatch: compiled CPU kernel for CPU tensors, compiled CUDA kernel for CUDA tensors, ``adam_step_reference``
+(pure PyTorch, torch.optim.Adam/AdamW semantics) when the extension for that device is not available.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from hf_zero.ops._native import native_available, warn_fallback
+
+__all__ = ["CPUAdam", "FusedAdam", "adam_step_", "adam_step_reference"]
+
+_FLOAT16 = (torch.bfloat16, torch.float16)
+
+
+def adam_step_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    bias_correction: bool,
+    grad_scale: float = 1.0,
+    out16: torch.Tensor | None = None,
+) -> None:
+    """Pure-PyTorch reference of ``adam_step_``: the formula of torch.optim.AdamW (adamw_mode) / Adam (L2)."""
+    g = grad.reshape(param.shape).float()
+    if grad_scale != 1.0:
+        g = g / grad_scale
+    if weight_decay != 0.0:
+        if adamw_mode:
+            param.mul_(1.0 - lr * weight_decay)
+        else:
+            g = g + weight_decay * param
+    exp_avg.lerp_(g.reshape(exp_avg.shape), 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g.reshape(exp_avg_sq.shape), g.reshape(exp_avg_sq.shape), value=1.0 - beta2)
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
+    param.addcdiv_(exp_avg.reshape(param.shape), denom.reshape(param.shape), value=-lr / bc1)
+    if out16 is not None:
+        out16.copy_(param.reshape(out16.shape))
+
+
+def adam_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    bias_correction: bool,
+    grad_scale: float = 1.0,
+    out16: torch.Tensor | None = None,
+) -> None:
+    """One Adam/AdamW step, in place on ``param`` (fp32), ``exp_avg`` and ``exp_avg_sq`` (fp32).
+
+    ``grad_used = grad / grad_scale``; ``out16`` (bf16/fp16, same numel) gets the updated param in 16 bit.
+    """
+    if native_available(param.device):
+        # The kernel works on flat contiguous storage; strided views (rare: the engine passes flat partitions)
+        # take the reference path, which handles any layout.
+        flat = all(t is None or t.is_contiguous() for t in (param, exp_avg, exp_avg_sq, out16))
+        if flat and param.dtype == torch.float32:
+            torch.ops.hf_zero.adam_step(
+                param, grad, exp_avg, exp_avg_sq, out16, int(step), float(lr), float(beta1), float(beta2),
+                float(eps), float(weight_decay), bool(adamw_mode), bool(bias_correction), float(grad_scale),
+            )
+            return
+    elif param.device.type in ("cpu", "cuda"):
+        warn_fallback("adam_step", param.device)
+    adam_step_reference(
+        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction,
+        grad_scale=grad_scale, out16=out16,
+    )
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW over CPU parameters with the compiled kernel; constructor of DeepSpeed's DeepSpeedCPUAdam.
+
+    Parameters are updated in fp32: fp32 parameters in place, 16-bit parameters through an fp32 copy written
+    back in 16 bit by the kernel. Optimizer states are fp32 (``fp32_optimizer_states=True``) or in the
+    parameter's dtype. Gradients may be fp32, bf16 or fp16.
+    """
+
+    def __init__(
+        self,
+        model_params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        if amsgrad:
+            # DeepSpeedCPUAdam raises here too; silently ignoring it would change the optimizer.
+            raise ValueError("CPUAdam does not support amsgrad=True (neither does DeepSpeedCPUAdam); use "
+                             "torch.optim.AdamW(amsgrad=True) instead")
+        if not 0.0 <= lr:
+            raise ValueError(f"CPUAdam: invalid lr {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"CPUAdam: invalid betas {betas}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                        amsgrad=amsgrad, adamw_mode=adamw_mode)
+        super().__init__(model_params, defaults)
+        self.fp32_optimizer_states = fp32_optimizer_states
+
+    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state_dtype = torch.float32 if self.fp32_optimizer_states else p.dtype
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
+        return state
+
+    def _group_kwargs(self, group: dict[str, Any], step: int) -> dict[str, Any]:
+        beta1, beta2 = group["betas"]
+        return dict(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                    bias_correction=group["bias_correction"])
+
+    def _step_param(self, p: torch.Tensor, state: dict[str, Any], kwargs: dict[str, Any]) -> None:
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if p.dtype == torch.float32 and exp_avg.dtype == torch.float32:
+            adam_step_(p.data, p.grad, exp_avg, exp_avg_sq, **kwargs)
+            return
+        # 16-bit parameter (and maybe 16-bit states): compute in fp32, write back in the storage dtypes.
+        master = p.data.float()
+        m32, v32 = exp_avg.float(), exp_avg_sq.float()
+        adam_step_(master, p.grad, m32, v32, out16=p.data if p.dtype in _FLOAT16 else None, **kwargs)
+        if p.dtype not in _FLOAT16:
+            p.data.copy_(master)
+        if m32.data_ptr() != exp_avg.data_ptr():
+            exp_avg.copy_(m32)
+            exp_avg_sq.copy_(v32)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("CPUAdam does not support sparse gradients")
+                state = self._init_state(p)
+                state["step"] += 1
+                self._step_param(p, state, self._group_kwargs(group, state["step"]))
+        return loss
+
+
+class FusedAdam(CPUAdam):
+    """Adam/AdamW for CUDA parameters: fp32 parameters of a group that share a step count are updated with one
+    multi-tensor kernel launch; anything else (16-bit params, CPU params) goes through ``adam_step_``.
+
+    Same constructor as CPUAdam / DeepSpeed's FusedAdam-compatible arguments.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            # (device, step) -> lists for one multi-tensor launch
+            batches: dict[tuple[torch.device, int], tuple[list, list, list, list]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FusedAdam does not support sparse gradients")
+                state = self._init_state(p)
+                state["step"] += 1
+                fusable = (p.is_cuda and native_available(p.device) and p.dtype == torch.float32
+                           and state["exp_avg"].dtype == torch.float32 and p.is_contiguous())
+                if not fusable:
+                    self._step_param(p, state, self._group_kwargs(group, state["step"]))
+                    continue
+                lists = batches.setdefault((p.device, state["step"]), ([], [], [], []))
+                for lst, t in zip(lists, (p.data, p.grad, state["exp_avg"], state["exp_avg_sq"])):
+                    lst.append(t)
+            for (_, step), (params, grads, exp_avgs, exp_avg_sqs) in batches.items():
+                kw = self._group_kwargs(group, step)
+                torch.ops.hf_zero.multi_tensor_adam(
+                    params, grads, exp_avgs, exp_avg_sqs, kw["step"], float(kw["lr"]), float(kw["beta1"]),
+                    float(kw["beta2"]), float(kw["eps"]), float(kw["weight_decay"]), bool(kw["adamw_mode"]),
+                    bool(kw["bias_correction"]), 1.0,
+                )
+        return loss
+
+
+def _register() -> None:
+    @torch.library.register_fake("hf_zero::adam_step")
+    def _(param, grad, exp_avg, exp_avg_sq, out16, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
+          bias_correction, grad_scale):
+        torch._check(param.dtype == torch.float32, lambda: "adam_step: param must be float32")
+        torch._check(grad.numel() == param.numel(), lambda: "adam_step: grad and param differ in numel")
+        return None
+
+    @torch.library.register_fake("hf_zero::multi_tensor_adam")
+    def _(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
+          bias_correction, grad_scale):
+        torch._check(len(params) == len(grads), lambda: "multi_tensor_adam: list lengths differ")
+        return None
+
+
+if native_available("cpu"):
+    _register()

@@ -1,0 +1,184 @@
+"""The install-time build: regular and editable installs (with the deepspeed-compatibility .pth at the root of
+site-packages), HF_ZERO_BUILD_OPS=0, a failing compiler that must not fail the install, and an nvcc compile check
+of every CUDA source against torch's headers. (A real compile at install is exercised by every developer install;
+it takes minutes, so these tests install without one.)
+
+Installs go into throw-away virtual environments (which import torch, setuptools and pip from this interpreter) from
+a copy of the sources, so the shared checkout and the real site-packages are never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PTH = Path("hf_zero", "integrations", "hf_zero_deepspeed.pth")
+
+
+def _copy_sources(dest: Path, pth_line: str | None) -> Path:
+    src = dest / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info", "build")
+    shutil.copytree(REPO / "hf_zero", src / "hf_zero", ignore=ignore)
+    shutil.copytree(REPO / "csrc", src / "csrc", ignore=ignore)
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        if (REPO / name).exists():
+            shutil.copy2(REPO / name, src / name)
+    if pth_line is not None:  # a marker .pth of our own, so the test does not depend on the shim's content
+        (src / PTH).write_text(pth_line + "\n")
+    return src
+
+
+def _venv(path: Path) -> Path:
+    """A venv that sees this interpreter's packages (torch, setuptools, pip) as a plain sys.path entry.
+
+    Not --system-site-packages: that would also run the system site-packages' .pth files, and an hf_zero already
+    installed there (editable, by a developer) would then shadow the copy under test.
+    """
+    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(path)
+    python = path / "bin" / "python"
+    system_paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (_site_packages(python) / "_hf_zero_test_system_packages.pth").write_text("\n".join(sorted(system_paths)) + "\n")
+    return python
+
+
+def _pip_install(python: Path, src: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [str(python), "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", *args, str(src)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "MAX_JOBS": "2", **env}, cwd=src.parent,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def _site_packages(python: Path) -> Path:
+    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip())
+
+
+def _probe(python: Path, code: str) -> str:
+    result = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120, cwd="/",
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+MARKER = "import os; os.environ['HF_ZERO_TEST_PTH_RAN'] = '1'"
+PROBE = ("import os, hf_zero; from hf_zero.ops._native import extension_status as s; "
+         "print(os.environ.get('HF_ZERO_TEST_PTH_RAN'), hf_zero.__file__, s('cpu').reason, sep='|')")
+
+
+def _broken_compiler(tmp_path: Path) -> Path:
+    broken = tmp_path / "broken-cxx"
+    broken.write_text("#!/bin/sh\necho 'simulated compiler failure' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    return broken
+
+
+# regular: a compiler that fails (the install must still succeed, ops fall back); editable: HF_ZERO_BUILD_OPS=0.
+@pytest.mark.parametrize("editable", [False, True], ids=["regular-compile-fails", "editable-ops-off"])
+def test_install_puts_pth_in_site_packages_and_survives_without_ops(tmp_path, editable):
+    src = _copy_sources(tmp_path, MARKER)
+    python = _venv(tmp_path / "venv")
+    if editable:
+        result = _pip_install(python, src, "-v", "-e", HF_ZERO_BUILD_OPS="0")
+        expected_warning = "HF_ZERO_BUILD_OPS=0: compiled ops skipped"
+    else:
+        broken = str(_broken_compiler(tmp_path))
+        result = _pip_install(python, src, "-v", CXX=broken, CC=broken)
+        expected_warning = "compiling the hf_zero ops failed"
+    assert expected_warning in result.stdout + result.stderr
+
+    site_packages = _site_packages(python)
+    installed = site_packages / PTH.name
+    assert installed.read_text().strip() == MARKER
+    ran, location, reason = _probe(python, PROBE).split("|")
+    assert ran == "1", "the .pth line must run at interpreter start-up"
+    expected_root = src if editable else site_packages
+    assert Path(location).resolve().is_relative_to(expected_root.resolve())
+    assert "not built" in reason, reason
+    record = next(site_packages.glob("hf_zero-*.dist-info")) / "RECORD"
+    assert PTH.name in record.read_text(), "pip uninstall must remove the .pth too"
+
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "hf-zero"], check=True, capture_output=True)
+    assert not installed.exists()
+
+
+# ---------------------------------------------------------------- CUDA sources
+
+
+def _nvcc() -> str | None:
+    # torch.utils.cpp_extension.CUDA_HOME is None under a CPU build of torch, so look for nvcc ourselves.
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if root and (Path(root) / "bin" / "nvcc").exists():
+            return str(Path(root) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def _torch_include() -> Path:
+    return Path(torch.__file__).parent / "include"
+
+
+CUDA_SOURCES = sorted((REPO / "csrc").rglob("*.cu"))
+
+# The one header a CPU wheel of torch lacks: c10/cuda/impl/cuda_cmake_macros.h is generated by CMake only in CUDA
+# builds (every other c10/cuda header ships). Its entire content in CUDA wheels is this define; the stand-in goes
+# in its own include directory, searched after torch's, so a torch that has the real file uses that.
+CUDA_CMAKE_MACROS = "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
+
+
+@pytest.mark.parametrize("source", CUDA_SOURCES, ids=lambda p: str(p.relative_to(REPO / "csrc")))
+def test_cuda_source_compiles_with_nvcc(source, tmp_path):
+    """nvcc -c each .cu with torch's headers, as setup.py would on a CUDA machine.
+
+    The CPU wheel of torch ships the c10/cuda and ATen/cuda headers except one CMake-generated file (see
+    CUDA_CMAKE_MACROS); the kernels include only c10/cuda (see csrc/common/cuda_utils.cuh) plus the CUDA runtime,
+    so the check runs against torch's real headers with that single one-line stand-in. A successful compile is cached by content hash under build/, so it costs nothing until a source,
+    header, torch or nvcc changes.
+    """
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (no CUDA toolkit): CUDA sources not compile-checked")
+    if not (_torch_include() / "c10" / "cuda" / "CUDAStream.h").exists():
+        pytest.skip("this torch ships no c10/cuda headers: CUDA sources cannot be compile-checked")
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+
+    # include_paths() without CUDA: torch's own headers; nvcc adds the toolkit's include directory itself.
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    standin = tmp_path / "standin"
+    (standin / "c10" / "cuda" / "impl").mkdir(parents=True)
+    (standin / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text(CUDA_CMAKE_MACROS)
+    flags = [*COMMON_NVCC_FLAGS, "-std=c++20", "-O1", "-Xcompiler", "-fPIC",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *[f"-I{p}" for p in include_paths()],
+             f"-I{REPO / 'csrc' / 'common'}", f"-I{sysconfig.get_paths()['include']}", f"-I{standin}"]
+    digest = hashlib.sha256()
+    for path in [source, *sorted((REPO / "csrc").rglob("*.h")), *sorted((REPO / "csrc").rglob("*.cuh"))]:
+        digest.update(path.read_bytes())
+    digest.update(" ".join([torch.__version__, version, *flags[:-1], CUDA_CMAKE_MACROS]).encode())
+    stamp = REPO / "build" / "nvcc_check" / f"{source.stem}-{digest.hexdigest()[:16]}.ok"
+    if stamp.exists():
+        return
+    result = subprocess.run([nvcc, *flags, "-c", str(source), "-o", str(tmp_path / "out.o")],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"nvcc failed on {source.name}:\n{result.stderr[-6000:]}"
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(version)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: CUDA kernels are compile-checked only")
+def test_cuda_extension_loaded_on_gpu_machine():
+    from hf_zero.ops._native import extension_status
+
+    status = extension_status("cuda")
+    assert status.loaded, status.reason
