@@ -96,11 +96,12 @@ out["listed"] = sorted({(d.metadata["Name"] or "").lower() for d in md.distribut
 out["VALID_LR_SCHEDULES"] = deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES  # the chain accelerate reads
 
 import hf_zero.comm, hf_zero.runtime.lr_schedules, hf_zero.comm.accelerator, hf_zero.integrations.compat
+import hf_zero.integrations.ds_comm
 import hf_zero.runtime.checkpoint_utils, hf_zero.ops.adam
 out["same_objects"] = {
     "lr_schedules": deepspeed.runtime.lr_schedules is hf_zero.runtime.lr_schedules,
     "WarmupLR": deepspeed.runtime.lr_schedules.WarmupLR is hf_zero.runtime.lr_schedules.WarmupLR,
-    "comm": deepspeed.comm is hf_zero.comm,
+    "comm": deepspeed.comm is hf_zero.integrations.ds_comm,
     "init_distributed": deepspeed.init_distributed is hf_zero.comm.init_distributed,
     "zero": deepspeed.zero is deepspeed.runtime.zero,
     "get_accelerator": deepspeed.accelerator.get_accelerator is hf_zero.comm.accelerator.get_accelerator,

@@ -4,5 +4,32 @@
   forwarders onto hf_zero's native API -- and the import hook that provides it.
 - ``hf_zero_deepspeed.pth``: the one start-up line, copied into site-packages at install, that installs that hook
   in every Python process. ``HF_ZERO_DISABLE_DEEPSPEED_SHIM=1`` switches it off.
+- ``ds_comm.py``: ``deepspeed.comm`` -- ``hf_zero.comm`` plus the fix that lets accelerate see every rank on CPU.
+- ``trainer_callback.py``: ``HfZeroCallback`` (engine statistics in the Trainer's logs, model cards) and
+  ``write_model_card``; ``phase_totals.py``: the running phase-time totals the callback's time shares come from.
 - ``compat.py``: module-level DeepSpeed names hf_zero keeps (``logger``, ``DEEPSPEED_ENVIRONMENT_NAME``).
+
+Names are imported on first use: ``import hf_zero.integrations`` must not import transformers.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "HfZeroCallback": "hf_zero.integrations.trainer_callback",
+    "write_model_card": "hf_zero.integrations.trainer_callback",
+    "peak_memory_mb": "hf_zero.integrations.trainer_callback",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'hf_zero.integrations' has no attribute {name!r}")
+    value = getattr(importlib.import_module(target), name)
+    globals()[name] = value
+    return value

@@ -109,6 +109,10 @@ class CPUAdam(torch.optim.Optimizer):
     parameter's dtype. Gradients may be fp32, bf16 or fp16.
     """
 
+    # Read by hf_zero.runtime.optimizers: a client optimizer of this class is re-applied to the ZeRO shards as
+    # the fused Adam update (adamw_mode and bias_correction come from its defaults).
+    hf_zero_adam = True
+
     def __init__(
         self,
         model_params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],

@@ -71,7 +71,9 @@ def _write_rank_files(engine, tmp: Path, exclude_frozen: bool) -> None:
             break  # stage 0: every rank holds the same full state; rank 0 writes it
         tensors[f"group{gi}.master"] = g.master
         for key, value in engine.optimizer.state.get(g.master, {}).items():
-            if torch.is_tensor(value) and value.numel() == g.master.numel() and value.numel() > 0:
+            # per-element state (exp_avg, ...) is 1-d like the master, also for a group with no trainable
+            # parameter (a LoRA run's no-decay group: 0 elements); 0-d tensors (step) are scalars
+            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == g.master.numel():
                 tensors[f"group{gi}.state.{key}"] = value
     if engine.stage3 is not None:
         tensors.update(engine.stage3.checkpoint_tensors(exclude_frozen=exclude_frozen))
@@ -85,7 +87,7 @@ def _write_rank_files(engine, tmp: Path, exclude_frozen: bool) -> None:
     for g in engine.groups:
         st = engine.optimizer.state.get(g.master, {})
         scalar_state.append({k: (v.item() if torch.is_tensor(v) else v) for k, v in st.items()
-                             if not (torch.is_tensor(v) and v.numel() == g.master.numel() and v.numel() > 0)})
+                             if not (torch.is_tensor(v) and v.dim() > 0 and v.numel() == g.master.numel())})
     meta = {
         "format_version": FORMAT_VERSION, "world_size": engine.world_size, "stage": engine.stage,
         "shard_world_size": engine.groups[0].world_size if engine.groups else 1,

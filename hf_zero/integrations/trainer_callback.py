@@ -1,0 +1,245 @@
+"""``HfZeroCallback``: what the ZeRO engine knows, in the Trainer's logs and next to every saved model.
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    HfZeroCallback.attach(trainer)          # or Trainer(..., callbacks=[HfZeroCallback()])
+    trainer.train()
+
+At every logging step it adds to the Trainer's logs (``trainer.state.log_history`` and every callback after it;
+with :meth:`attach` it runs before them, so ``report_to`` integrations see the values too):
+
+- ``zero/peak_mem_mb/rank<r>``: each rank's peak memory so far (CUDA: ``max_memory_allocated``; CPU: peak RSS);
+- ``zero/grad_norm``: the engine's global gradient norm (all shards, before clipping);
+- ``zero/loss_scale`` and ``zero/skipped_steps``: the fp16 loss scale and the steps it skipped (1.0 and 0 otherwise);
+- ``zero/time_share/<phase>``: the share of wall-clock time since the previous log that the engine spent in each
+  phase it times (forward, backward, step, and communication / offload phases where the engine times them).
+
+On every checkpoint save and at the end of training it writes a model card (``model_cards/training.md``) into
+the saved directory, describing the ZeRO configuration, precision and hardware; :func:`write_model_card` does the
+same for any directory (e.g. after ``trainer.save_model(dir)``).
+
+Memory figures are gathered from all ranks in ``on_step_end``, which every rank runs at every optimizer step, never
+in ``on_log`` (which user code may call on one rank only), so the callback cannot cause a collective hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import resource
+import string
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+__all__ = ["HfZeroCallback", "write_model_card", "peak_memory_mb", "CARD_BEGIN", "CARD_END"]
+
+CARD_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "training.md"
+CARD_BEGIN = "<!-- hf_zero:training -->"
+CARD_END = "<!-- /hf_zero:training -->"
+_STAGE_MEANING = {0: "plain data parallelism", 1: "optimizer states sharded", 2: "optimizer states and gradients "
+                  "sharded", 3: "optimizer states, gradients and parameters sharded"}
+
+
+def peak_memory_mb(device: torch.device | None = None) -> float:
+    """This process's peak memory in MiB: CUDA allocator peak on a GPU, peak resident set size on CPU."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def _engine_of(obj: Any):
+    """The hf_zero engine behind a Trainer (``model_wrapped``) or the engine itself; None for non-ZeRO runs."""
+    from hf_zero.runtime.engine import HfZeroEngine
+
+    if isinstance(obj, HfZeroEngine):
+        return obj
+    wrapped = getattr(obj, "model_wrapped", None)
+    return wrapped if isinstance(wrapped, HfZeroEngine) else None
+
+
+class HfZeroCallback(TrainerCallback):
+    """Adds ZeRO engine statistics to the Trainer's logs and writes a model card next to saved models."""
+
+    def __init__(self, write_cards: bool = True):
+        self.write_cards = write_cards
+        self._trainer = None
+        self._pending: dict[str, float] = {}
+        self._phase_mark: tuple[float, dict[str, float]] | None = None
+
+    @classmethod
+    def attach(cls, trainer, **kwargs) -> "HfZeroCallback":
+        """Add the callback to ``trainer`` right after ``DefaultFlowCallback`` (which decides when to log) and
+        ahead of the reporting integrations (so they log its values)."""
+        from transformers.trainer_callback import DefaultFlowCallback
+
+        callback = cls(**kwargs)
+        callback._trainer = trainer
+        callbacks = trainer.callback_handler.callbacks
+        flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
+        callbacks.insert(flow[0] + 1 if flow else 0, callback)
+        return callback
+
+    # ---- where the engine comes from --------------------------------------------------------------------------
+    def _engine(self, kwargs: dict):
+        if self._trainer is not None:
+            return _engine_of(self._trainer)
+        # Without attach(): the optimizer the Trainer hands to callbacks wraps the engine's optimizer.
+        return None
+
+    def _optimizer(self, kwargs: dict):
+        engine = self._engine(kwargs)
+        if engine is not None:
+            return engine.optimizer
+        opt = kwargs.get("optimizer")
+        inner = getattr(opt, "optimizer", None)  # accelerate's DeepSpeedOptimizerWrapper
+        return inner if hasattr(inner, "global_grad_norm") else None
+
+    # ---- callbacks ----------------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        engine = self._engine(kwargs)
+        if engine is not None:
+            self._phase_mark = (time.perf_counter(), engine.phase_seconds_total())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not control.should_log:
+            return
+        stats: dict[str, float] = {}
+        device = args.device if hasattr(args, "device") else None
+        mine = peak_memory_mb(device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[float | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        for rank, mb in enumerate(gathered):
+            stats[f"zero/peak_mem_mb/rank{rank}"] = round(float(mb), 1)
+
+        optimizer = self._optimizer(kwargs)
+        if optimizer is not None:
+            norm = optimizer.global_grad_norm
+            if norm is not None:
+                stats["zero/grad_norm"] = float(norm)
+            scaler = getattr(optimizer, "loss_scaler", None)
+            stats["zero/loss_scale"] = float(scaler.scale) if scaler is not None else 1.0
+            stats["zero/skipped_steps"] = int(optimizer.skipped_steps)
+
+        engine = self._engine(kwargs)
+        if engine is not None and self._phase_mark is not None:
+            now, totals = time.perf_counter(), engine.phase_seconds_total()
+            then, before = self._phase_mark
+            wall = max(now - then, 1e-9)
+            for phase, seconds in totals.items():
+                stats[f"zero/time_share/{phase}"] = round((seconds - before.get(phase, 0.0)) / wall, 4)
+            self._phase_mark = (now, totals)
+        self._pending = stats
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._pending or logs is None or "loss" not in logs:
+            return
+        logs.update(self._pending)
+        # Trainer.log appended a copy of ``logs`` to the history just before calling us
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(self._pending)
+        self._pending = {}
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.write_cards and state.is_world_process_zero:
+            directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if directory.is_dir():
+                write_model_card(directory, self._trainer or kwargs, state=state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.write_cards and state.is_world_process_zero and Path(args.output_dir).is_dir():
+            write_model_card(args.output_dir, self._trainer or kwargs, state=state)
+
+
+def _hardware() -> str:
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        per_node = f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+        return f"{per_node} per node (CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            found = re.search(r"model name\s*:\s*(.+)", f.read())
+        cpu = found.group(1).strip() if found else cpu
+    except OSError:
+        pass
+    return f"CPU only: {cpu}, {os.cpu_count()} cores per node"
+
+
+def _accelerate_deepspeed_config() -> dict:
+    """The DeepSpeed config accelerate handed the engine ({} when the run does not use one)."""
+    from accelerate.state import AcceleratorState
+
+    if not AcceleratorState._shared_state:
+        return {}
+    plugin = AcceleratorState().deepspeed_plugin
+    return dict(plugin.deepspeed_config) if plugin is not None else {}
+
+
+def write_model_card(directory, source: Any, state=None) -> Path:
+    """Write the hf_zero training card into ``directory/README.md`` (rank 0 only; returns the path).
+
+    ``source`` is a Trainer or an hf_zero engine; for anything else the config comes from accelerate's state.
+    An existing README keeps its content: hf_zero's section (between ``CARD_BEGIN``/``CARD_END``) is replaced or appended.
+    """
+    import transformers
+
+    import hf_zero
+
+    engine = _engine_of(source)
+    if state is None:
+        state = getattr(source, "state", None)
+    config = dict(engine.config) if engine is not None else _accelerate_deepspeed_config()
+    zero = config.get("zero_optimization", {})
+    zero_run = bool(config)
+    stage = int(zero.get("stage", 0))
+    if config.get("fp16", {}).get("enabled") is True:
+        precision = "fp16 mixed precision (fp32 master weights)"
+    elif config.get("bf16", config.get("bfloat16", {})).get("enabled") is True:
+        precision = "bf16 mixed precision (fp32 master weights)"
+    else:
+        precision = "fp32"
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    losses = [e["loss"] for e in getattr(state, "log_history", []) if "loss" in e]
+    values = {
+        "stage": stage if zero_run else "none",
+        "stage_meaning": _STAGE_MEANING.get(stage, "") if zero_run else "not trained by the ZeRO engine",
+        "world_size": world,
+        "precision": precision,
+        "offload_optimizer": (zero.get("offload_optimizer") or {}).get("device", "none"),
+        "offload_param": (zero.get("offload_param") or {}).get("device", "none"),
+        "micro_batch": config.get("train_micro_batch_size_per_gpu", "?"),
+        "grad_accum": config.get("gradient_accumulation_steps", "?"),
+        "global_batch": config.get("train_batch_size", "?"),
+        "gradient_clipping": config.get("gradient_clipping", "none") or "none",
+        "global_step": getattr(state, "global_step", "?"),
+        "last_loss": f"{losses[-1]:.4f}" if losses else "n/a",
+        "hardware": _hardware(),
+        "hf_zero_version": hf_zero.__version__,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "config_json": json.dumps(config, indent=2, sort_keys=True, default=str),
+    }
+    section = f"{CARD_BEGIN}\n{string.Template(CARD_TEMPLATE.read_text()).substitute(values).strip()}\n{CARD_END}\n"
+    path = Path(directory) / "README.md"
+    if path.exists():
+        text = path.read_text()
+        if CARD_BEGIN in text and CARD_END in text:
+            head, rest = text.split(CARD_BEGIN, 1)
+            text = head + section + rest.split(CARD_END, 1)[1].lstrip("\n")
+        else:
+            text = text.rstrip("\n") + "\n\n" + section
+    else:
+        text = section
+    path.write_text(text)
+    return path
