@@ -25,6 +25,7 @@ head) are made by :func:`hf_zero.compression.init_compression`, with the same ke
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
@@ -198,8 +199,6 @@ def _string_list(raw: Any, path: str, required: bool) -> tuple[str, ...]:
         raise ConfigError(path, f"expected a list of non-empty strings, got {raw!r}")
     if required and not raw:
         raise ConfigError(path, 'must name at least one module pattern, or ["*"] for all')
-    import re
-
     for i, pattern in enumerate(raw):
         if pattern == "*":
             continue

@@ -1,1 +1,16 @@
-"""hf_zero.offload"""
+"""CPU and NVMe placement of optimizer states (``zero_optimization.offload_optimizer``).
+
+* :class:`OptimizerOffload` -- owns each group's fp32 master weights and Adam moments when offload is on, and runs
+  the tiled CPU-Adam step (NVMe reads/writes overlapped with the math).
+* :class:`SwapDir` -- this rank's swap files under ``nvme_path``, with asynchronous reads and writes through the
+  compiled ``aio`` op (:mod:`hf_zero.ops.aio`).
+* :func:`check_offload_config` -- refuses, at start-up, offload sections the engine cannot honour
+  (``offload_param``'s status: :mod:`hf_zero.offload.params`).
+"""
+
+from hf_zero.offload.optimizer_states import STATE_NAMES, OptimizerOffload, build_optimizer_offload
+from hf_zero.offload.params import check_offload_config, check_param_offload
+from hf_zero.offload.swapper import AioParams, SwapDir
+
+__all__ = ["AioParams", "OptimizerOffload", "STATE_NAMES", "SwapDir", "build_optimizer_offload",
+           "check_offload_config", "check_param_offload"]

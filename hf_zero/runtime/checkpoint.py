@@ -69,6 +69,13 @@ def _write_rank_files(engine, tmp: Path, exclude_frozen: bool) -> None:
     for gi, g in enumerate(engine.groups):
         if engine.stage == 0 and rank != 0:
             break  # stage 0: every rank holds the same full state; rank 0 writes it
+        if engine.optimizer.offload is not None:
+            # offloaded states (CPU memory / NVMe files): read back whole, saved under the same keys as resident ones
+            full = engine.optimizer.offload.state_tensors(gi)
+            tensors[f"group{gi}.master"] = full["master"]
+            if engine.optimizer.state.get(g.master):  # moments exist once the optimizer has stepped
+                tensors.update({f"group{gi}.state.{k}": full[k] for k in ("exp_avg", "exp_avg_sq")})
+            continue
         tensors[f"group{gi}.master"] = g.master
         for key, value in engine.optimizer.state.get(g.master, {}).items():
             # per-element state (exp_avg, ...) is 1-d like the master, also for a group with no trainable
@@ -197,6 +204,8 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
         if engine.stage3 is not None:
             engine.stage3.load_checkpoint_tensors(handles, meta)
         for gi, g in enumerate(engine.groups):
+            # with optimizer offload: full copies of the group's states, filled below and then written back
+            offloaded = engine.optimizer.offload.state_tensors(gi) if engine.optimizer.offload is not None else None
             saved_layout = ShardLayout(tuple(meta["groups"][gi]["numels"]), saved_shard_world)
             keys = [k for k in handles[0].keys() if k.startswith(f"group{gi}.")]
             for key in keys:
@@ -204,6 +213,8 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
                 if name != "master" and not load_optimizer_states:
                     continue
                 target = g.master if name == "master" else None
+                if offloaded is not None:
+                    target = offloaded[name if name == "master" else name.split(".", 1)[1]]
                 if target is None:
                     state = engine.optimizer.state.setdefault(g.master, {})
                     target = state.setdefault(name.split(".", 1)[1], torch.zeros_like(g.master))
@@ -213,7 +224,9 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
                     for i in range(len(g.params)):
                         full = _full_param_from_shards(handles, key, saved_layout, i)
                         g.layout.shard_of(full, i, g.rank, target[g.layout.offsets[i]:g.layout.offsets[i + 1]])
-            if g.param16 is not g.master:
+            if offloaded is not None:
+                engine.optimizer.offload.load_state_tensors(gi, offloaded)  # also refreshes param16
+            elif g.param16 is not g.master:
                 g.param16.copy_(g.master)
             if load_optimizer_states:
                 for k, v in meta["optimizer_scalar_state"][gi].items():

@@ -57,6 +57,10 @@ class HfZeroEngine(nn.Module):
         self._pending_client_state: dict | None = None  # set only while save_checkpoint runs
         self.loss_scaler = LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled is True else None
 
+        # offload sections the engine cannot honour are refused here, before the model is partitioned or cast
+        from hf_zero.offload import check_offload_config
+
+        check_offload_config(config.zero, stage=self.stage, param_device=self.device, fused_adam=plan.fused_adam)
         names = {p: n for n, p in module.named_parameters(remove_duplicate=False)}
         grad_dtype = _DTYPES[config.data_types.grad_accum_dtype] if config.data_types.grad_accum_dtype \
             else self.compute_dtype
@@ -68,11 +72,16 @@ class HfZeroEngine(nn.Module):
             self.groups = self._init_stages_0_to_2(plan, names, grad_dtype)
             publisher = None
         zero = config.zero
+        # offload_optimizer (hf_zero/offload): moves each group's master and Adam moments to CPU memory / NVMe
+        from hf_zero.offload import build_optimizer_offload
+
+        offload = build_optimizer_offload(self.groups, zero, config.aio, rank=self.global_rank,
+                                          fused_adam=plan.fused_adam)
         self.optimizer = ZeroOptimizer(
             self.groups, [h for _, h in plan.groups], inner_cls=plan.inner_cls, inner_defaults=plan.defaults,
             fused_adam=plan.fused_adam, loss_scaler=self.loss_scaler, clip_norm=float(config.gradient_clipping),
             publish_bucket_numel=int(zero.allgather_bucket_size), check_overflow=self.loss_scaler is not None,
-            process_group=process_group, publisher=publisher)
+            process_group=process_group, publisher=publisher, offload=offload)
         if self.stage < 3:
             self.reducer = GradReducer(
                 self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,
@@ -294,6 +303,8 @@ class HfZeroEngine(nn.Module):
             self.reducer.remove()
         if self.stage3 is not None:
             self.stage3.remove()
+        if self.optimizer.offload is not None:  # waits for swap I/O, deletes this rank's NVMe swap files
+            self.optimizer.offload.close()
 
     # ---- Hugging Face integration surface (owned by the HF integration) ----
     def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule=None) -> None:

@@ -1,0 +1,253 @@
+"""Optimizer-state offload: where the fp32 master weights and Adam moments of each group's shard live.
+
+``zero_optimization.offload_optimizer`` moves, for every :class:`~hf_zero.zero.sharded_group.ShardedGroup`, the
+three fp32 streams ``master``, ``exp_avg`` and ``exp_avg_sq`` (12 bytes per parameter of the shard) out of the
+accelerator's memory; the 16-bit weights (``param16``) and the gradient shard stay where they were.
+
+Each group's shard ``[0, shard_numel)`` is split in two tiers::
+
+    [0, keep)             resident on the compute device; stepped in place      keep = shard_numel - offloaded
+    [keep, shard_numel)   offloaded: CPU memory (device "cpu") or per-rank swap files (device "nvme")
+                          offloaded = round(ratio * shard_numel)                (offload_optimizer.ratio, default 1)
+
+and the offloaded tier is stepped tile by tile, tiles of at most ``sub_group_size`` elements. Per tile: the
+gradient slice is brought to the CPU (a no-op when it is there already), the compiled CPU Adam updates master and
+moments and writes the 16-bit weights in the same pass, and those are copied back into ``param16``. With NVMe, two
+sets of tile buffers alternate: tile i+1 is read, and tile i-1 written, while tile i is computed, so at most
+``2 * 3 * sub_group_size * 4`` bytes of offloaded state are resident at any time.
+
+The group's ``master`` attribute becomes an empty placeholder tensor (still the key of ``optimizer.state`` and the
+entry of ``param_groups``, as schedulers and ``state_dict`` expect); :meth:`OptimizerOffload.state_tensors` and
+:meth:`~OptimizerOffload.load_state_tensors` give checkpoints the full per-group tensors, so a checkpoint holds the
+same optimizer state with or without offload. For fp32 training ``param16`` *was* ``master``: it keeps that storage
+as the model's weights and the master copy moves out.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from hf_zero.offload.params import check_optimizer_offload
+from hf_zero.offload.swapper import AioParams, SwapDir
+from hf_zero.ops.adam import adam_step_
+
+__all__ = ["OptimizerOffload", "STATE_NAMES", "build_optimizer_offload"]
+
+STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+_FP32_BYTES = 4
+_pin_warned = False
+
+
+def _host_empty(numel: int, pin: bool) -> torch.Tensor:
+    """fp32 CPU buffer, page-locked when asked and possible; pageable with one warning otherwise."""
+    return _pinned_or_pageable(torch.zeros(numel, dtype=torch.float32), pin)
+
+
+def _host_copy(src: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``src`` in CPU memory: src itself when it is on the CPU already and need not be pinned (no copy)."""
+    if src.device.type == "cpu" and not (pin and torch.cuda.is_available()):
+        _pinned_or_pageable(src, pin)  # the pin_memory warning, if asked for
+        return src
+    return _pinned_or_pageable(src.detach().to("cpu", copy=True), pin)
+
+
+def _pinned_or_pageable(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    global _pin_warned
+    if not pin:
+        return t
+    if torch.cuda.is_available():
+        try:
+            return t.pin_memory()
+        except RuntimeError as exc:
+            reason = f"pinning failed ({exc})"
+    else:
+        reason = "there is no CUDA device to pin host memory for"
+    if not _pin_warned:
+        _pin_warned = True
+        warnings.warn(f"hf_zero: offload_optimizer.pin_memory=true but {reason}; using pageable memory",
+                      RuntimeWarning, stacklevel=3)
+    return t
+
+
+@dataclass(frozen=True)
+class _Tile:
+    group: int
+    lo: int  # element range [lo, hi) of the group's shard, inside the offloaded tier
+    hi: int
+
+
+class OptimizerOffload:
+    """Owns master weights and Adam moments of every group when optimizer offload is on; see the module docstring."""
+
+    def __init__(self, groups: Sequence, *, device: str, nvme_path: str | None, pin_memory: bool, ratio: float,
+                 sub_group_size: int, aio: AioParams, rank: int):
+        if device not in ("cpu", "nvme"):
+            raise ValueError(f"offload_optimizer.device={device!r}: expected 'cpu' or 'nvme'")
+        self.groups = list(groups)
+        self.device = device
+        self.ratio = float(ratio)
+        self.tile_numel = max(1, int(sub_group_size))
+        self.keep = [g.shard_numel - int(round(self.ratio * g.shard_numel)) for g in self.groups]
+        # resident tier: three (keep,) fp32 tensors per group on the compute device
+        self._resident: list[dict[str, torch.Tensor]] = []
+        # offloaded tier, device "cpu": three (shard_numel - keep,) fp32 host tensors per group
+        self._host: list[dict[str, torch.Tensor]] = []
+        self.swap: SwapDir | None = None
+        self.tiles = [_Tile(gi, lo, min(lo + self.tile_numel, g.shard_numel))
+                      for gi, g in enumerate(self.groups)
+                      for lo in range(self.keep[gi], g.shard_numel, self.tile_numel)]
+        if device == "nvme":
+            sizes = {f"group{gi}.{s}": (g.shard_numel - self.keep[gi]) * _FP32_BYTES
+                     for gi, g in enumerate(self.groups) for s in STATE_NAMES}
+            self.swap = SwapDir(nvme_path, kind="optimizer", rank=rank, sizes_nbytes=sizes, aio=aio,
+                                config_key="zero_optimization.offload_optimizer")
+        for gi, g in enumerate(self.groups):
+            k, n = self.keep[gi], g.shard_numel
+            master = g.master
+            # Views where the master may stay where it is (no copy); a clone where a view would keep the whole
+            # fp32 buffer alive after its offloaded part went to NVMe (16-bit training).
+            keep_view = g.param16 is master or (device == "cpu" and master.device.type == "cpu")
+            self._resident.append({"master": master[:k] if keep_view else master[:k].clone(),
+                                   "exp_avg": torch.zeros_like(master[:k]),
+                                   "exp_avg_sq": torch.zeros_like(master[:k])})
+            if device == "cpu":
+                # CPU training: the master is in CPU memory already and stays (for fp32 it is the weights)
+                host = {s: _host_empty(n - k, pin_memory) for s in ("exp_avg", "exp_avg_sq")}
+                host["master"] = _host_copy(master[k:], pin_memory)
+                self._host.append(host)
+            else:
+                self.swap.write_async(f"group{gi}.master", master[k:].cpu().contiguous(), 0).result()
+            # The master moves out. fp32 training: param16 is the same tensor and stays as the model's weights.
+            g.master = torch.empty(0, dtype=torch.float32, device=master.device)
+        # NVMe: two sets of tile buffers, used alternately (compute on one while the other is read / written)
+        max_tile = max((t.hi - t.lo for t in self.tiles), default=0)
+        self._tile_bufs = ([{s: _host_empty(max_tile, pin_memory) for s in STATE_NAMES} for _ in range(2)]
+                           if device == "nvme" else [])
+
+    # ---- the step ---------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, hyper: Sequence[dict], divisor: float) -> None:
+        """One Adam step of every group. ``hyper[gi]``: step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
+        bias_correction of group gi (the optimizer's param_groups plus its step count)."""
+        for gi, g in enumerate(self.groups):
+            k = self.keep[gi]
+            if k:
+                r = self._resident[gi]
+                self._adam(g, hyper[gi], divisor, 0, k, r["master"], r["exp_avg"], r["exp_avg_sq"])
+        if self.device == "cpu":
+            for t in self.tiles:
+                g, h, base = self.groups[t.group], self._host[t.group], self.keep[t.group]
+                sl = slice(t.lo - base, t.hi - base)
+                self._adam(g, hyper[t.group], divisor, t.lo, t.hi, h["master"][sl], h["exp_avg"][sl],
+                           h["exp_avg_sq"][sl])
+            return
+        self._nvme_step(hyper, divisor)
+
+    def _nvme_step(self, hyper: Sequence[dict], divisor: float) -> None:
+        tiles = self.tiles
+        if not tiles:
+            return
+        writes: list[list[Future]] = [[], []]
+        reads = self._read_tile(tiles[0], self._tile_bufs[0])
+        for i, t in enumerate(tiles):
+            cur = self._tile_bufs[i % 2]
+            _wait(reads)
+            if i + 1 < len(tiles):
+                _wait(writes[(i + 1) % 2])  # the other buffer set is free once tile i-1 is on disk
+                reads = self._read_tile(tiles[i + 1], self._tile_bufs[(i + 1) % 2])
+            numel = t.hi - t.lo
+            self._adam(self.groups[t.group], hyper[t.group], divisor, t.lo, t.hi, cur["master"][:numel],
+                       cur["exp_avg"][:numel], cur["exp_avg_sq"][:numel])
+            writes[i % 2] = self._write_tile(t, cur)
+        _wait(writes[0] + writes[1])
+
+    def _read_tile(self, t: _Tile, bufs: dict[str, torch.Tensor]) -> list[Future]:
+        off, numel = t.lo - self.keep[t.group], t.hi - t.lo
+        return [self.swap.read_async(f"group{t.group}.{s}", bufs[s][:numel], off) for s in STATE_NAMES]
+
+    def _write_tile(self, t: _Tile, bufs: dict[str, torch.Tensor]) -> list[Future]:
+        off, numel = t.lo - self.keep[t.group], t.hi - t.lo
+        return [self.swap.write_async(f"group{t.group}.{s}", bufs[s][:numel], off) for s in STATE_NAMES]
+
+    @staticmethod
+    def _adam(g, h: dict, divisor: float, lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor,
+              exp_avg_sq: torch.Tensor) -> None:
+        """Adam on elements [lo, hi) of group g, whose states are ``master``/``exp_avg``/``exp_avg_sq`` (hi-lo,)."""
+        grad = g.grad[lo:hi]
+        param16 = g.param16[lo:hi]
+        if grad.device != master.device:
+            grad = grad.to(master.device)
+        direct16 = param16.dtype != torch.float32 and param16.device == master.device
+        adam_step_(master, grad, exp_avg, exp_avg_sq, step=h["step"], lr=h["lr"], beta1=h["beta1"],
+                   beta2=h["beta2"], eps=h["eps"], weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
+                   bias_correction=h["bias_correction"], grad_scale=divisor, out16=param16 if direct16 else None)
+        if not direct16 and param16.data_ptr() != master.data_ptr():  # same memory: fp32 master kept in place
+            param16.copy_(master)  # blocking: the tile buffer is reused
+
+    # ---- checkpoint access ------------------------------------------------------------------------------------------
+    def state_tensors(self, gi: int) -> dict[str, torch.Tensor]:
+        """Full ``(shard_numel,)`` fp32 copies of group gi's master, exp_avg and exp_avg_sq (read from NVMe)."""
+        g, k = self.groups[gi], self.keep[gi]
+        out = {}
+        for s in STATE_NAMES:
+            full = torch.empty(g.shard_numel, dtype=torch.float32)
+            full[:k].copy_(self._resident[gi][s])
+            if self.device == "cpu":
+                full[k:].copy_(self._host[gi][s])
+            elif g.shard_numel > k:
+                self.swap.read_async(f"group{gi}.{s}", full[k:], 0).result()
+            out[s] = full
+        return out
+
+    def load_state_tensors(self, gi: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace group gi's states with ``tensors`` (names from STATE_NAMES, ``(shard_numel,)`` each) and refresh
+        the 16-bit weights from the master."""
+        g, k = self.groups[gi], self.keep[gi]
+        for s, full in tensors.items():
+            full = full.detach().to(torch.float32).cpu().contiguous()
+            self._resident[gi][s].copy_(full[:k])
+            if self.device == "cpu":
+                self._host[gi][s].copy_(full[k:])
+            elif g.shard_numel > k:
+                self.swap.write_async(f"group{gi}.{s}", full[k:], 0).result()
+            if s == "master":
+                g.param16.copy_(full.to(g.param16.dtype))
+
+    # ---- accounting -------------------------------------------------------------------------------------------------
+    def offloaded_numel(self) -> int:
+        return sum(g.shard_numel - k for g, k in zip(self.groups, self.keep))
+
+    def resident_state_nbytes(self) -> int:
+        """Bytes of optimizer state held in memory: the resident tier, host tensors, and NVMe tile buffers."""
+        tensors = [t for r in self._resident for t in r.values()] + [t for h in self._host for t in h.values()]
+        tensors += [t for b in self._tile_bufs for t in b.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def close(self) -> None:
+        if self.swap is not None:
+            self.swap.close()
+
+
+def _wait(futures: list[Future]) -> None:
+    wait(futures)
+    for f in futures:
+        f.result()  # re-raise an I/O error with its file name
+
+
+def build_optimizer_offload(groups: Sequence, zero_config, aio_config, *, rank: int,
+                            fused_adam: bool) -> OptimizerOffload | None:
+    """The offload object for ``zero_optimization.offload_optimizer``, or None when it is off."""
+    off = zero_config.offload_optimizer
+    if not off.enabled:
+        return None
+    check_optimizer_offload(zero_config, stage=int(zero_config.stage), fused_adam=fused_adam)
+    nvme_path = os.fspath(off.nvme_path) if off.nvme_path is not None else None
+    return OptimizerOffload(groups, device=str(off.device), nvme_path=nvme_path, pin_memory=bool(off.pin_memory),
+                            ratio=float(off.ratio), sub_group_size=int(zero_config.sub_group_size),
+                            aio=AioParams.from_config(aio_config), rank=rank)
