@@ -36,6 +36,7 @@ import torch
 from hf_zero.offload.params import check_optimizer_offload
 from hf_zero.offload.swapper import AioParams, SwapDir
 from hf_zero.ops.adam import adam_step_
+from hf_zero.runtime.timers import NO_TIMERS
 
 __all__ = ["OptimizerOffload", "STATE_NAMES", "build_optimizer_offload"]
 
@@ -91,6 +92,7 @@ class OptimizerOffload:
             raise ValueError(f"offload_optimizer.device={device!r}: expected 'cpu' or 'nvme'")
         self.groups = list(groups)
         self.device = device
+        self.timers = NO_TIMERS  # the engine's: time blocked on NVMe reads/writes counts as "offload_io"
         self.ratio = float(ratio)
         self.tile_numel = max(1, int(sub_group_size))
         self.keep = [g.shard_numel - int(round(self.ratio * g.shard_numel)) for g in self.groups]
@@ -157,15 +159,18 @@ class OptimizerOffload:
         reads = self._read_tile(tiles[0], self._tile_bufs[0])
         for i, t in enumerate(tiles):
             cur = self._tile_bufs[i % 2]
-            _wait(reads)
+            with self.timers.phase("offload_io"):
+                _wait(reads)
             if i + 1 < len(tiles):
-                _wait(writes[(i + 1) % 2])  # the other buffer set is free once tile i-1 is on disk
+                with self.timers.phase("offload_io"):
+                    _wait(writes[(i + 1) % 2])  # the other buffer set is free once tile i-1 is on disk
                 reads = self._read_tile(tiles[i + 1], self._tile_bufs[(i + 1) % 2])
             numel = t.hi - t.lo
             self._adam(self.groups[t.group], hyper[t.group], divisor, t.lo, t.hi, cur["master"][:numel],
                        cur["exp_avg"][:numel], cur["exp_avg_sq"][:numel])
             writes[i % 2] = self._write_tile(t, cur)
-        _wait(writes[0] + writes[1])
+        with self.timers.phase("offload_io"):
+            _wait(writes[0] + writes[1])
 
     def _read_tile(self, t: _Tile, bufs: dict[str, torch.Tensor]) -> list[Future]:
         off, numel = t.lo - self.keep[t.group], t.hi - t.lo

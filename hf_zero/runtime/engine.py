@@ -90,6 +90,24 @@ class HfZeroEngine(nn.Module):
         else:
             self.reducer = None
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.timers = self._timers  # hand the timers to the reducer / stage-3 runtime / offload (see the setter)
+
+    # ---- timers ---------------------------------------------------------------------------------------------------
+    @property
+    def timers(self) -> PhaseTimers:
+        return self._timers
+
+    @timers.setter
+    def timers(self, timers: PhaseTimers) -> None:
+        """Replacing the timers (the HF callback does) also re-points every component that times its waits."""
+        self._timers = timers
+        if getattr(self, "reducer", None) is not None:
+            self.reducer.timers = timers
+        if getattr(self, "stage3", None) is not None:
+            self.stage3.set_timers(timers)
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "offload", None) is not None:
+            optimizer.offload.timers = timers
 
     # ---- construction ---------------------------------------------------------------------------------------------
     def _init_stages_0_to_2(self, plan: OptimizerPlan, names: dict, grad_dtype: torch.dtype) -> list[ShardedGroup]:

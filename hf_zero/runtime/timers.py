@@ -6,7 +6,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-__all__ = ["PhaseTimers"]
+__all__ = ["PhaseTimers", "NO_TIMERS"]
 
 
 class PhaseTimers:
@@ -38,3 +38,7 @@ class PhaseTimers:
         out = dict(self.seconds)
         self.seconds.clear()
         return out
+
+
+# What components (gradient reducers, gatherers, offload) time with until an engine hands them its own timers.
+NO_TIMERS = PhaseTimers(enabled=False)

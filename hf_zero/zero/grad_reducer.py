@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import all_reduce_, reduce_scatter_packed
+from hf_zero.runtime.timers import NO_TIMERS
 from hf_zero.zero.sharded_group import ShardedGroup, bucket_ranges
 
 __all__ = ["GradReducer", "ReduceMode"]
@@ -77,6 +78,7 @@ class GradReducer:
         self._reducing = False
         self._next = 0  # index of the next bucket to launch
         self._in_flight: list[_InFlight] = []
+        self.timers = NO_TIMERS  # the engine's: time blocked in collectives counts as "communication"
 
     # ---- public -----------------------------------------------------------------------------------------------
     def begin(self, reducing: bool) -> None:
@@ -134,12 +136,13 @@ class GradReducer:
             g.params[i].grad = None  # the full gradient is no longer needed: this is where stage 2 saves memory
         bucket.launched = True
         self._next += 1
-        if self.mode is ReduceMode.REDUCE_SCATTER:
-            out = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
-            work = reduce_scatter_packed(out, packed, group=self.process_group, async_op=self.overlap)
-        else:
-            out = packed[0]
-            work = all_reduce_(out, group=self.process_group, async_op=self.overlap)
+        with self.timers.phase("communication"):
+            if self.mode is ReduceMode.REDUCE_SCATTER:
+                out = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
+                work = reduce_scatter_packed(out, packed, group=self.process_group, async_op=self.overlap)
+            else:
+                out = packed[0]
+                work = all_reduce_(out, group=self.process_group, async_op=self.overlap)
         self._in_flight.append(_InFlight(work, out, bucket))
         self._drain(self.max_in_flight if self.overlap else 0)
 
@@ -147,7 +150,8 @@ class GradReducer:
         """Complete the oldest collectives until at most ``keep`` are in flight."""
         while len(self._in_flight) > keep:
             item = self._in_flight.pop(0)
-            item.work.wait()
+            with self.timers.phase("communication"):
+                item.work.wait()
             g = item.bucket.group
             lo, hi = g.layout.span(item.bucket.start, item.bucket.stop)
             g.grad[lo:hi].add_(item.out)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.comm import all_gather_packed
+from hf_zero.runtime.timers import NO_TIMERS
 from hf_zero.zero.layout import ShardLayout
 
 from .divergence import (TRAILER_NUMEL, SideChannel, check_header, check_trailers, params_key, wait_or_diagnose,
@@ -43,7 +44,8 @@ class PendingGather:
         g = self.gatherer
         span = self.layout.shard_numel
         try:
-            wait_or_diagnose(self.work, g.timeout_s, g.rank, g.world_size, self.label, self.seq, g.side)
+            with g.timers.phase("communication"):
+                wait_or_diagnose(self.work, g.timeout_s, g.rank, g.world_size, self.label, self.seq, g.side)
             check_trailers(self.packed[:, span:], g.rank, g.describe)
         except BaseException:
             # The parameters were never gathered; leave them PARTITIONED so the error is raised once, not again
@@ -71,6 +73,7 @@ class Gatherer:
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.timeout_s = DEFAULT_DIVERGENCE_TIMEOUT_S
         self.header_checks = True  # a Stage3Runtime turns this off once its gather order is recorded
+        self.timers = NO_TIMERS  # the engine's: time blocked waiting for a gather counts as "communication"
         self.side = SideChannel(group) if self.world_size > 1 else None
         self.seq = 0
         self._labels: dict[int, str] = {}

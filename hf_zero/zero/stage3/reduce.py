@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from hf_zero.comm import reduce_scatter_packed
+from hf_zero.runtime.timers import NO_TIMERS
 
 from .divergence import wait_or_diagnose
 from .param import ShardedParam
@@ -33,6 +34,7 @@ class GradReducer:
         self._entries: list[tuple[ShardedParam, int]] = []  # (param, column offset)
         self._inflight: list[tuple[object, torch.Tensor, list[tuple[ShardedParam, int]], torch.Tensor]] = []
         self.reduced_numel = 0  # statistics: elements reduce-scattered (per rank row)
+        self.timers = NO_TIMERS  # the engine's: time blocked in reduce-scatters counts as "communication"
 
     def add(self, sp: ShardedParam, grad: torch.Tensor) -> None:
         width = sp.chunk_numel
@@ -68,8 +70,9 @@ class GradReducer:
         while len(self._inflight) > keep:
             work, out, entries, _packed = self._inflight.pop(0)
             names = ", ".join(sp.name for sp, _ in entries[:3]) + (" ..." if len(entries) > 3 else "")
-            wait_or_diagnose(work, self._timeout_s(), self.rank, self.world_size,
-                             f"the gradient reduce-scatter of [{names}]", None, self._side())
+            with self.timers.phase("communication"):
+                wait_or_diagnose(work, self._timeout_s(), self.rank, self.world_size,
+                                 f"the gradient reduce-scatter of [{names}]", None, self._side())
             for sp, off in entries:
                 if sp.grad_storage is None:
                     sp.grad_storage = torch.zeros(sp.chunk_numel, dtype=torch.float32, device=out.device)

@@ -158,6 +158,11 @@ class Stage3Runtime:
                 self._handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
 
     # ------------------------------------------------------------------ engine contract
+    def set_timers(self, timers) -> None:
+        """Time spent blocked in gathers and gradient reduce-scatters goes to ``timers`` as "communication"."""
+        self.gatherer.timers = timers
+        self.reducer.timers = timers
+
     def sharded_params(self) -> list[ShardedParam]:
         return list(self._sps)
 
