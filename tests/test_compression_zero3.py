@@ -106,3 +106,59 @@ def _compressed_under_zero3():
 def test_compression_on_zero3_partitioned_parameters():
     losses = run_distributed(_compressed_under_zero3, 2, timeout_s=180)
     assert losses[0] == losses[1]
+
+
+ENGINE_CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 40}}
+
+
+def _engine(seed: int):
+    import hf_zero
+    from hf_zero.compression import init_compression
+
+    torch.manual_seed(seed)
+    model = TinyLM()
+    init_compression(model, CFG)
+    engine, *_ = hf_zero.initialize(model=model, config=ENGINE_CFG)
+    return engine
+
+
+def _compression_state_through_zero3_checkpoint(save_dir):
+    from hf_zero.compression import CompressionScheduler
+
+    torch.set_num_threads(1)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine = _engine(seed=0)
+    scheduler = CompressionScheduler(engine.module)
+    for step in range(3):
+        engine.backward(engine(ids).square().mean())
+        engine.step()
+        scheduler.step(step)
+    engine.save_checkpoint(save_dir)
+    probe = torch.arange(20).reshape(2, 10) % 64
+    with torch.no_grad():
+        expected = engine(probe)
+    saved_masks = {k: v.clone() for k, v in engine.module.state_dict().items() if k.endswith(".mask")}
+    weights = engine._zero3_consolidated_16bit_state_dict()
+
+    fresh = _engine(seed=123)  # other weights and scores: everything must come from the checkpoint
+    fresh.load_checkpoint(save_dir)
+    with torch.no_grad():
+        got = fresh(probe)
+    masks = {k: v for k, v in fresh.module.state_dict().items() if k.endswith(".mask")}
+    loaded = fresh._zero3_consolidated_16bit_state_dict()
+    return expected, got, saved_masks, masks, weights, loaded
+
+
+def test_compression_state_survives_a_zero3_engine_checkpoint(tmp_path):
+    results = run_distributed(_compression_state_through_zero3_checkpoint, 2, args=(str(tmp_path / "ck"),),
+                              timeout_s=240)
+    for expected, got, saved_masks, masks, _, _ in results:
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert len(saved_masks) == 4 and saved_masks.keys() == masks.keys()
+        assert all(torch.equal(saved_masks[k], masks[k]) for k in masks)
+    weights, loaded = results[0][4], results[0][5]
+    assert weights.keys() == loaded.keys() and any(k.endswith("scores") for k in weights)
+    for k in weights:
+        assert torch.equal(weights[k], loaded[k]), k
