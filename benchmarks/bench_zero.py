@@ -156,11 +156,9 @@ def _launch(runner: str, steps: int, out_dir: str, ds_python: str | None) -> str
         python = ds_python
         env["DS_ACCELERATOR"] = "cpu"
         env["HF_ZERO_DISABLE_DEEPSPEED_SHIM"] = "1"
-    import socket
+    from hf_zero.comm.process_group import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            __file__, "--worker", runner, "--steps", str(steps), "--out", out_dir]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)

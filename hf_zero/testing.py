@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_mod
-import socket
 import time
 import traceback
 from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
+
+from hf_zero.comm.process_group import free_port
 
 __all__ = ["run_distributed", "DistributedFailure", "free_port"]
 
@@ -29,12 +30,6 @@ class DistributedFailure(AssertionError):
     def __init__(self, message: str, per_rank: dict[int, str]):
         self.per_rank = per_rank
         super().__init__(message)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn: Callable, args: Sequence[Any], kwargs: dict, rank: int, world_size: int, port: int,

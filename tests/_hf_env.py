@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from hf_zero.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -33,12 +34,6 @@ def make_venv(root: Path) -> Path:
     (site_packages / "_hf_zero_src.pth").write_text(f"{REPO}\n")
     shutil.copy(PTH, site_packages / PTH.name)
     return python
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

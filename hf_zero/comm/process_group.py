@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "barrier",
-           "default_backend", "get_sequence_parallel_group", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
+           "default_backend", "free_port", "get_sequence_parallel_group", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
 
 ReduceOp = dist.ReduceOp
 
@@ -25,8 +25,9 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now (for MASTER_PORT of a local world)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -53,7 +54,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if env_rank is None and env_world is None and world_size == 1 and init_method is None:
         # Not launched by torchrun/accelerate: a world of one on loopback, so single-process scripts just work.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     elif "MASTER_ADDR" not in os.environ and init_method is None:
         raise RuntimeError(
             f"hf_zero: RANK={env_rank} WORLD_SIZE={env_world} are set but MASTER_ADDR is not; launch with torchrun "

@@ -101,12 +101,13 @@ class ShardLayout:
             return
         full_rows = n // c
         if full_rows:
-            src = flat[:full_rows * c].view(full_rows, c)
+            src, dst = flat[:full_rows * c].view(full_rows, c), block[:full_rows]
             if scale is None:
-                block[:full_rows].copy_(src)
+                dst.copy_(src)
+            elif src.dtype == dst.dtype:
+                torch.mul(src, scale, out=dst)  # one pass: scale while copying
             else:
-                torch.mul(src, scale, out=block[:full_rows]) if src.dtype == block.dtype else \
-                    block[:full_rows].copy_(src).mul_(scale)
+                dst.copy_(src).mul_(scale)  # cast first, then scale in the buffer's dtype
         rem = n - full_rows * c
         row = full_rows
         if rem:
