@@ -112,19 +112,34 @@ class OptimizerOffload:
         for gi, g in enumerate(self.groups):
             k, n = self.keep[gi], g.shard_numel
             master = g.master
+            # A group may hand over no master at all (ZeRO-3 with swapped partitions builds none): the starting
+            # values are then read range by range with g.initial_master, never materialised whole.
+            built = master.numel() == n
             # Views where the master may stay where it is (no copy); a clone where a view would keep the whole
             # fp32 buffer alive after its offloaded part went to NVMe (16-bit training).
-            keep_view = g.param16 is master or (device == "cpu" and master.device.type == "cpu")
-            self._resident.append({"master": master[:k] if keep_view else master[:k].clone(),
-                                   "exp_avg": torch.zeros_like(master[:k]),
-                                   "exp_avg_sq": torch.zeros_like(master[:k])})
+            keep_view = built and (g.param16 is master or (device == "cpu" and master.device.type == "cpu"))
+            if keep_view:
+                resident_master = master[:k]
+            else:
+                resident_master = torch.empty(k, dtype=torch.float32, device=master.device)
+                g.initial_master(0, k, resident_master)
+            self._resident.append({"master": resident_master, "exp_avg": torch.zeros_like(resident_master),
+                                   "exp_avg_sq": torch.zeros_like(resident_master)})
             if device == "cpu":
                 # CPU training: the master is in CPU memory already and stays (for fp32 it is the weights)
                 host = {s: _host_empty(n - k, pin_memory) for s in ("exp_avg", "exp_avg_sq")}
-                host["master"] = _host_copy(master[k:], pin_memory)
+                if built:
+                    host["master"] = _host_copy(master[k:], pin_memory)
+                else:
+                    host["master"] = _host_empty(n - k, pin_memory)
+                    g.initial_master(k, n, host["master"])
                 self._host.append(host)
             else:
-                self.swap.write_async(f"group{gi}.master", master[k:].cpu().contiguous(), 0).result()
+                buf = torch.empty(min(self.tile_numel, n - k), dtype=torch.float32)
+                for lo in range(k, n, self.tile_numel):
+                    hi = min(lo + self.tile_numel, n)
+                    g.initial_master(lo, hi, buf[:hi - lo])
+                    self.swap.write_async(f"group{gi}.master", buf[:hi - lo], lo - k).result()
             # The master moves out. fp32 training: param16 is the same tensor and stays as the model's weights.
             g.master = torch.empty(0, dtype=torch.float32, device=master.device)
         # NVMe: two sets of tile buffers, used alternately (compute on one while the other is read / written)
@@ -141,13 +156,16 @@ class OptimizerOffload:
             k = self.keep[gi]
             if k:
                 r = self._resident[gi]
-                self._adam(g, hyper[gi], divisor, 0, k, r["master"], r["exp_avg"], r["exp_avg_sq"])
+                _wait(self._adam(g, hyper[gi], divisor, 0, k, r["master"], r["exp_avg"], r["exp_avg_sq"]))
         if self.device == "cpu":
+            writes = []  # 16-bit weights on their way to swapped ZeRO-3 partitions (offload_param nvme)
             for t in self.tiles:
                 g, h, base = self.groups[t.group], self._host[t.group], self.keep[t.group]
                 sl = slice(t.lo - base, t.hi - base)
-                self._adam(g, hyper[t.group], divisor, t.lo, t.hi, h["master"][sl], h["exp_avg"][sl],
-                           h["exp_avg_sq"][sl])
+                writes += self._adam(g, hyper[t.group], divisor, t.lo, t.hi, h["master"][sl], h["exp_avg"][sl],
+                                     h["exp_avg_sq"][sl])
+            with self.timers.phase("offload_io"):
+                _wait(writes)
             return
         self._nvme_step(hyper, divisor)
 
@@ -166,9 +184,9 @@ class OptimizerOffload:
                     _wait(writes[(i + 1) % 2])  # the other buffer set is free once tile i-1 is on disk
                 reads = self._read_tile(tiles[i + 1], self._tile_bufs[(i + 1) % 2])
             numel = t.hi - t.lo
-            self._adam(self.groups[t.group], hyper[t.group], divisor, t.lo, t.hi, cur["master"][:numel],
-                       cur["exp_avg"][:numel], cur["exp_avg_sq"][:numel])
-            writes[i % 2] = self._write_tile(t, cur)
+            params16 = self._adam(self.groups[t.group], hyper[t.group], divisor, t.lo, t.hi,
+                                  cur["master"][:numel], cur["exp_avg"][:numel], cur["exp_avg_sq"][:numel])
+            writes[i % 2] = self._write_tile(t, cur) + params16
         with self.timers.phase("offload_io"):
             _wait(writes[0] + writes[1])
 
@@ -182,18 +200,21 @@ class OptimizerOffload:
 
     @staticmethod
     def _adam(g, h: dict, divisor: float, lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor,
-              exp_avg_sq: torch.Tensor) -> None:
-        """Adam on elements [lo, hi) of group g, whose states are ``master``/``exp_avg``/``exp_avg_sq`` (hi-lo,)."""
+              exp_avg_sq: torch.Tensor) -> list[Future]:
+        """Adam on elements [lo, hi) of group g, whose states are ``master``/``exp_avg``/``exp_avg_sq`` (hi-lo,).
+        Returns the writes of the 16-bit weights still in flight (swapped ZeRO-3 partitions); ``master`` must not
+        be reused before they finish."""
         grad = g.grad[lo:hi]
-        param16 = g.param16[lo:hi]
         if grad.device != master.device:
             grad = grad.to(master.device)
-        direct16 = param16.dtype != torch.float32 and param16.device == master.device
+        param16 = g.param16[lo:hi] if g.param16 is not None else None
+        direct16 = param16 is not None and param16.dtype != torch.float32 and param16.device == master.device
         adam_step_(master, grad, exp_avg, exp_avg_sq, step=h["step"], lr=h["lr"], beta1=h["beta1"],
                    beta2=h["beta2"], eps=h["eps"], weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
                    bias_correction=h["bias_correction"], grad_scale=divisor, out16=param16 if direct16 else None)
-        if not direct16 and param16.data_ptr() != master.data_ptr():  # same memory: fp32 master kept in place
-            param16.copy_(master)  # blocking: the tile buffer is reused
+        if direct16:
+            return []
+        return g.write_param16(lo, hi, master)  # a no-op when the fp32 master is the weights' own memory
 
     # ---- checkpoint access ------------------------------------------------------------------------------------------
     def state_tensors(self, gi: int) -> dict[str, torch.Tensor]:
@@ -222,7 +243,7 @@ class OptimizerOffload:
             elif g.shard_numel > k:
                 self.swap.write_async(f"group{gi}.{s}", full[k:], 0).result()
             if s == "master":
-                g.param16.copy_(full.to(g.param16.dtype))
+                _wait(g.write_param16(0, g.shard_numel, full))
 
     # ---- accounting -------------------------------------------------------------------------------------------------
     def offloaded_numel(self) -> int:

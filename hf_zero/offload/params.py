@@ -1,13 +1,15 @@
 """``zero_optimization.offload_param``: where ZeRO-3 parameter partitions live.
 
-What is supported today, checked once when the engine is built (never silently ignored):
+What is supported, checked once when the engine is built (never silently ignored):
 
 * ``device: cpu`` with ZeRO-3 on CPU parameters (gloo training): the partitions already live in CPU memory and
   are gathered from there; nothing moves. Parity with the run without the section is tested.
-* ``device: cpu`` with accelerator parameters, and ``device: nvme``: refused with an error that names the key.
-  Both need the stage-3 gather to fetch a partition from host memory / a swap file before its all-gather, which
-  the stage-3 runtime does not expose yet. The optimizer states of the same model can be offloaded to NVMe
-  (``offload_optimizer``), which is where most of the memory is (12 of the 16-18 bytes per parameter).
+* ``device: nvme`` with ZeRO-3 on CPU parameters: every partition that is not persistent lives in a per-rank swap
+  file under ``nvme_path`` and is read for its gather (ahead of time, following the recorded module order); the
+  optimizer writes the updated values back. See :mod:`hf_zero.offload.param_swap`. ``zero.Init`` with the same
+  config swaps partitions out while the model is built, so the model is never whole in memory.
+* either device with parameters on an accelerator: refused with an error that names the key. It needs host
+  staging of the partitions before each all-gather and has not run on a GPU yet (none was available).
 * stages 0-2: the section has no effect (as in DeepSpeed); a warning says so.
 """
 
@@ -31,17 +33,13 @@ def check_param_offload(zero_config, *, stage: int, param_device: torch.device) 
         logger.warning("hf_zero: zero_optimization.offload_param (device %r) only applies to ZeRO stage 3; "
                        "stage is %d, so it has no effect", off.device, stage)
         return
-    if off.device == "nvme":
-        raise ValueError("hf_zero: zero_optimization.offload_param.device='nvme' is not supported yet (stage-3 "
-                         "partitions are not swapped to files). Use offload_param.device 'cpu' or 'none'; "
-                         "offload_optimizer.device 'nvme' is supported and moves the optimizer states (12 bytes "
-                         "per parameter) to nvme_path")
     if param_device.type != "cpu":
-        raise ValueError(f"hf_zero: zero_optimization.offload_param.device='cpu' with parameters on "
-                         f"{param_device} is not supported yet (the stage-3 gather does not fetch partitions from "
-                         "host memory). Remove offload_param, or offload the optimizer states instead "
+        raise ValueError(f"hf_zero: zero_optimization.offload_param.device={off.device!r} with parameters on "
+                         f"{param_device} is not supported yet (the stage-3 gather does not stage partitions "
+                         "through host memory). Remove offload_param, or offload the optimizer states instead "
                          "(offload_optimizer.device 'cpu' or 'nvme')")
-    logger.info("hf_zero: offload_param.device='cpu': the ZeRO-3 partitions are in CPU memory (CPU training)")
+    if off.device == "cpu":
+        logger.info("hf_zero: offload_param.device='cpu': the ZeRO-3 partitions are in CPU memory (CPU training)")
 
 
 def check_offload_config(zero_config, *, stage: int, param_device: torch.device, fused_adam: bool) -> None:

@@ -70,25 +70,56 @@ class SwapDir:
             raise OSError(28, f"hf_zero: {config_key}.nvme_path={str(root)!r} has {free} bytes free; rank {rank} "
                               f"needs {total} bytes ({total / 2**30:.2f} GiB) for its swap files. Free space, "
                               f"point nvme_path at a larger drive, or offload less (offload_optimizer.ratio)")
+        self.root, self.rank, self.config_key = root, rank, config_key
         self._files: dict[str, str] = {}
+        self._nbytes: dict[str, int] = {}
         try:
             for name, nbytes in sizes_nbytes.items():
-                file = str(self.path / f"{name}.swp")
-                fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-                try:
-                    if nbytes:
-                        os.posix_fallocate(fd, 0, nbytes)  # reserved now: reads of unwritten ranges give zeros
-                finally:
-                    os.close(fd)
-                self._files[name] = file
+                self._create(name, nbytes)
         except OSError as exc:
             shutil.rmtree(self.path, ignore_errors=True)
             raise OSError(exc.errno, f"hf_zero: cannot create swap files in {config_key}.nvme_path={str(root)!r} "
                                      f"({exc.strerror}); rank {rank} needs {total} bytes "
                                      f"({total / 2**30:.2f} GiB) there") from exc
-        self.nbytes = total
         self._pool = ThreadPoolExecutor(max_workers=aio.max_concurrent_ops, thread_name_prefix="hf_zero-aio")
         self._finalizer = weakref.finalize(self, _remove, self.path, self._pool)
+
+    def _create(self, name: str, nbytes: int) -> None:
+        file = str(self.path / f"{name}.swp")
+        fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)  # reserved now: reads of unwritten ranges give zeros
+        except OSError:
+            os.unlink(file)  # nothing half-reserved is left behind
+            raise
+        finally:
+            os.close(fd)
+        self._files[name] = file
+        self._nbytes[name] = nbytes
+
+    def add(self, name: str, nbytes: int) -> None:
+        """Create one more stream of ``nbytes`` (parameters swapped out one by one as a model is built)."""
+        if name in self._files:
+            raise ValueError(f"swap stream {name!r} exists already in {self.path}")
+        try:
+            self._create(name, nbytes)
+        except OSError as exc:
+            free = shutil.disk_usage(self.path).free
+            raise OSError(exc.errno, f"hf_zero: cannot reserve {nbytes} bytes for {name!r} in {self.config_key}."
+                                     f"nvme_path={str(self.root)!r} ({exc.strerror}); rank {self.rank} holds "
+                                     f"{self.nbytes} bytes there already and {free} bytes are free. Free space "
+                                     f"or point nvme_path at a larger drive") from exc
+
+    def remove(self, name: str) -> None:
+        """Delete one stream (its file and reservation)."""
+        os.unlink(self._files.pop(name))
+        del self._nbytes[name]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved on the drive by this rank's streams."""
+        return sum(self._nbytes.values())
 
     def file(self, name: str) -> str:
         return self._files[name]

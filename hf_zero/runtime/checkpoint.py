@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hf_zero import comm
+from hf_zero.offload.param_swap import wait_all
 from hf_zero.zero.layout import ShardLayout
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "read_latest_tag"]
@@ -226,8 +227,8 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
                         g.layout.shard_of(full, i, g.rank, target[g.layout.offsets[i]:g.layout.offsets[i + 1]])
             if offloaded is not None:
                 engine.optimizer.offload.load_state_tensors(gi, offloaded)  # also refreshes param16
-            elif g.param16 is not g.master:
-                g.param16.copy_(g.master)
+            else:
+                wait_all(g.write_param16(0, g.shard_numel, g.master))
             if load_optimizer_states:
                 for k, v in meta["optimizer_scalar_state"][gi].items():
                     engine.optimizer.state.setdefault(g.master, {})[k] = torch.tensor(float(v))

@@ -10,6 +10,10 @@ How, without patching tensor constructors: two public global hooks of ``torch.nn
 
 Parameters of the outermost module(s), which no parent adopts, are partitioned on ``__exit__``.
 
+With ``zero_optimization.offload_param.device: nvme`` in the config (or ``remote_device="nvme"``), each partition
+is written to this rank's swap files under ``nvme_path`` right after it is cut, so a model larger than memory can
+be built: the peak is one submodule's full parameters. The engine built with the same config finds them there.
+
 This module is also ``deepspeed.runtime.zero.partition_parameters`` for transformers (through the shim): it defines
 ``zero_wrapper_for_fp_tensor_constructor``, ``_orig_torch_arange`` and ``get_accelerator``, which
 ``transformers.integrations.deepspeed.prevent_arange_dtype_change`` reads and temporarily replaces. hf_zero never
@@ -83,40 +87,64 @@ def _read_config(config_dict_or_path, config) -> dict:
 
 
 def partition_module(module: nn.Module, *, group=None, dtype: torch.dtype | None = None,
-                     pin_memory: bool = False) -> list[ShardedParam]:
-    """Partition every not-yet-partitioned parameter of ``module`` (recursively). Call on every rank."""
+                     pin_memory: bool = False, swapper=None) -> list[ShardedParam]:
+    """Partition every not-yet-partitioned parameter of ``module`` (recursively). Call on every rank.
+    ``swapper`` (a :class:`~hf_zero.offload.param_swap.ParamSwapper`): write each partition to swap files."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     gatherer_for(group)  # its side channel is created collectively, so at the same point on every rank
     out = []
     for prefix, mod in module.named_modules():
         for name in list(mod._parameters):
-            sp = _partition_one(mod, name, prefix, rank, world, group, dtype, pin_memory)
+            sp = _partition_one(mod, name, prefix, rank, world, group, dtype, pin_memory, swapper)
             if sp is not None:
                 out.append(sp)
     return out
 
 
 def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int, group, dtype,
-                   pin_memory: bool) -> ShardedParam | None:
+                   pin_memory: bool, swapper=None) -> ShardedParam | None:
     p = mod._parameters.get(name)
     if p is None or sharded_param_of(p) is not None:
         return None
     label = f"{prefix}.{name}" if prefix else f"{type(mod).__name__}.{name}"
     sp = ShardedParam(p, label, rank=rank, world_size=world, group=group, dtype=dtype)
-    if pin_memory and torch.cuda.is_available() and sp.local_shard.device.type == "cpu":
+    if swapper is not None:
+        swapper.swap_out(sp)
+    elif pin_memory and torch.cuda.is_available() and sp.local_shard.device.type == "cpu":
         sp.use_shard_storage(torch.empty_like(sp.local_shard).pin_memory())
     return sp
+
+
+def _param_swapper(raw: dict, remote_device, rank: int):
+    """The ParamSwapper zero.Init swaps partitions into, or None: ``remote_device`` when given, else the config's
+    ``zero_optimization.offload_param.device`` (DeepSpeed's rule)."""
+    from hf_zero.config.schema import parse
+    from hf_zero.config.sections import AioConfig, OffloadConfig
+    from hf_zero.offload.param_swap import param_swapper_for
+    from hf_zero.offload.swapper import AioParams
+
+    section = (raw.get("zero_optimization") or {}).get("offload_param")
+    off = parse(OffloadConfig, section, "zero_optimization.offload_param") if section else None
+    device = remote_device if remote_device is not None else (off.device if off is not None else "none")
+    if device != "nvme":
+        return None
+    if off is None or not isinstance(off.nvme_path, str):
+        raise ValueError("zero.Init(remote_device='nvme') needs zero_optimization.offload_param.nvme_path in the "
+                         "config passed as config_dict_or_path: the directory for the swap files")
+    aio = AioParams.from_config(parse(AioConfig, raw.get("aio"), "aio"))
+    return param_swapper_for(off.nvme_path, rank=rank, aio=aio)
 
 
 class Init:
     """Context manager: modules built inside get their parameters partitioned as they are constructed.
 
     Same signature as ``deepspeed.zero.Init``. Accepted for compatibility and without effect here:
-    ``mem_efficient_linear`` (hf_zero's linear layers are torch's), ``config_dict_or_path``/``config`` (read for
-    validation only; the engine reads the config), ``param_swapper``. ``remote_device`` may be None, "none" or
-    "cpu" (parameters already live where they are built). Shards keep the dtype the parameters were built in
-    unless ``dtype`` is given, so the engine can build exact fp32 master weights from them.
+    ``mem_efficient_linear`` (hf_zero's linear layers are torch's), ``param_swapper``. ``config_dict_or_path`` /
+    ``config`` is read for ``zero_optimization.offload_param`` and ``aio`` only (the engine reads the rest).
+    ``remote_device`` may be None (the config's offload_param device), "none" or "cpu" (parameters stay where they
+    are built) or "nvme" (partitions go to ``offload_param.nvme_path``). Shards keep the dtype the parameters were
+    built in unless ``dtype`` is given, so the engine can build exact fp32 master weights from them.
     ``module=``: partition an already built module immediately (no context needed).
     """
 
@@ -126,20 +154,23 @@ class Init:
                  module: nn.Module | None = None, mem_efficient_linear: bool = True, remote_device=None,
                  pin_memory: bool = False, config=None, mpu=None, data_parallel_group=None, param_swapper=None,
                  sequence_data_parallel_group=None) -> None:
-        if remote_device not in (None, "none", "cpu"):
-            raise ValueError(f"zero.Init(remote_device={remote_device!r}): hf_zero partitions parameters where "
-                             f"they are built; offload them with the config's offload_param section instead")
+        if remote_device not in (None, "none", "cpu", "nvme"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected None, 'none', 'cpu' or 'nvme' "
+                             f"(partitions stay where they are built, or go to offload_param.nvme_path)")
         self.enabled = enabled
         self.dtype = dtype
         self.pin_memory = pin_memory
         self.config = _read_config(config_dict_or_path, config)
         self.group = _resolve_group(data_parallel_group, mpu, sequence_data_parallel_group)
+        self._remote_device = remote_device
+        self.swapper = None  # set when enabled, once the rank is known (see _param_swapper)
         self._pending: dict[int, tuple[nn.Module, set[str]]] = {}
         self._handles: list = []
         self._owner = False
         if module is not None and enabled:
             self._ensure_distributed()
-            partition_module(module, group=self.group, dtype=dtype, pin_memory=pin_memory)
+            self.swapper = _param_swapper(self.config, remote_device, dist.get_rank())
+            partition_module(module, group=self.group, dtype=dtype, pin_memory=pin_memory, swapper=self.swapper)
 
     @staticmethod
     def _ensure_distributed() -> None:
@@ -154,6 +185,7 @@ class Init:
         self._ensure_distributed()
         self._rank = dist.get_rank(self.group)
         self._world = dist.get_world_size(self.group)
+        self.swapper = _param_swapper(self.config, self._remote_device, dist.get_rank())
         gatherer_for(self.group)
         # Looked up at enter time, as transformers expects (it may have swapped it in); see the module docstring
         # for why it is not installed anywhere.
@@ -196,4 +228,5 @@ class Init:
     def _partition_noted(self, mod: nn.Module, names: set[str]) -> None:
         # Registration order, never set order: ds_ids must be assigned identically on every rank.
         for name in [n for n in mod._parameters if n in names]:
-            _partition_one(mod, name, "", self._rank, self._world, self.group, self.dtype, self.pin_memory)
+            _partition_one(mod, name, "", self._rank, self._world, self.group, self.dtype, self.pin_memory,
+                           self.swapper)

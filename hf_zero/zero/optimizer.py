@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from hf_zero.comm import all_reduce_
+from hf_zero.offload.param_swap import wait_all
 from hf_zero.runtime.loss_scaler import LossScaler
 from hf_zero.zero.sharded_group import ShardedGroup
 
@@ -136,8 +137,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             g.master.grad = grad
         self.inner.step()
         for g in self.groups:
-            if g.param16 is not g.master:
-                g.param16.copy_(g.master)
+            wait_all(g.write_param16(0, g.shard_numel, g.master))
 
     def _fused_adam_step(self, divisor: float) -> None:
         from hf_zero.ops.adam import adam_step_
@@ -150,11 +150,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(g.master)
             state["step"] += 1
             beta1, beta2 = group["betas"]
+            # The 16-bit weights are written in the same pass: into param16, or (swapped ZeRO-3 partitions,
+            # param16 None) into a scratch buffer that write_param16 then sends to the swap files.
+            out16 = g.param16
+            if out16 is None and g.compute_dtype != torch.float32:
+                out16 = torch.empty(g.shard_numel, dtype=g.compute_dtype, device=g.master.device)
             adam_step_(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()),
                        lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=group["weight_decay"], adamw_mode=group.get("adamw_mode", True),
                        bias_correction=group.get("bias_correction", True), grad_scale=divisor,
-                       out16=None if g.param16 is g.master else g.param16)
+                       out16=None if out16 is None or out16 is g.master else out16)
+            if g.param16 is None:
+                wait_all(g.write_param16(0, g.shard_numel, g.master if out16 is None else out16))
 
     def _offload_step(self, divisor: float) -> None:
         """Adam with the states where the offload object keeps them; the step count stays in self.state."""

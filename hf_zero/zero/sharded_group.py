@@ -11,11 +11,13 @@ Buffers, each ``(shard_numel,)`` flat and in the layout's order::
                              (gradients are reduced every micro-step); stages 0/1 allocate it at the boundary
                              only and free it after the step, since between micro-steps ``param.grad`` holds them
     param16  compute dtype   master cast to the model's dtype, written by the optimizer in the same pass;
-                             for fp32 training it *is* ``master`` (no copy)
+                             for fp32 training it *is* ``master`` (no copy). Stage 3 with swapped partitions
+                             has none (None): updated values go out through :meth:`ShardedGroup.write_param16`
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Sequence
 
 import torch
@@ -52,6 +54,7 @@ class ShardedGroup:
         self.names = list(names)
         self.world_size = world_size
         self.rank = rank
+        self.compute_dtype = compute_dtype
         self.layout = ShardLayout(tuple(p.numel() for p in self.params), world_size)
         numel = self.layout.shard_numel
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -83,6 +86,18 @@ class ShardedGroup:
     @property
     def shard_numel(self) -> int:
         return self.layout.shard_numel
+
+    def initial_master(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """``out`` (fp32) <- elements ``[lo, hi)`` of the master shard as built (what an offload starts from)."""
+        out.copy_(self.master[lo:hi])
+
+    def write_param16(self, lo: int, hi: int, values: torch.Tensor) -> list[Future]:
+        """Make elements ``[lo, hi)`` of the 16-bit shard equal ``values`` (any float dtype; cast on the way).
+        Returns the Futures of writes still in flight (swap files); ``values`` must stay untouched until then."""
+        dst = self.param16[lo:hi]
+        if dst.data_ptr() != values.data_ptr():  # fp32 training: the master slice *is* the weights
+            dst.copy_(values)
+        return []
 
     def ensure_grad(self) -> None:
         """Make sure the gradient shard exists (zeros) before reductions add into it."""

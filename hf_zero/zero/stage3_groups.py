@@ -10,6 +10,9 @@ the runtime's own ``after_step`` (persistent parameters).
 
 from __future__ import annotations
 
+import bisect
+from concurrent.futures import Future
+
 import torch
 
 from hf_zero import comm
@@ -20,31 +23,71 @@ __all__ = ["Stage3Group", "build_stage3_groups"]
 
 
 class Stage3Group(ShardedGroup):
-    """A ShardedGroup over already-partitioned parameters; see the module docstring."""
+    """A ShardedGroup over already-partitioned parameters; see the module docstring.
 
-    def __init__(self, sps, *, world_size: int, rank: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype):
+    With ``offload_param: nvme`` some shards are in swap files, so there is no flat 16-bit buffer: ``param16`` is
+    None and :meth:`write_param16` sends each updated range to the parameters' own storage (file or tensor).
+    ``master_offloaded``: the optimizer offload will own the fp32 master, so it is not built here (``master`` is
+    an empty placeholder); the offload reads the starting values range by range with :meth:`initial_master`.
+    """
+
+    def __init__(self, sps, *, world_size: int, rank: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
+                 master_offloaded: bool = False):
         self.sps = list(sps)
         self.params = [sp.param for sp in self.sps]
         self.names = [sp.name for sp in self.sps]
         self.world_size = world_size
         self.rank = rank
+        self.compute_dtype = compute_dtype
         self.persistent_grad = True  # stage 3 reduces every micro-step, like stage 2
         self._grad_dtype = grad_dtype
         self.layout = ShardLayout(tuple(sp.numel for sp in self.sps), world_size)
         numel = self.layout.shard_numel
         device = self.sps[0].local_shard.device if self.sps else torch.device("cpu")
-        self.master = torch.zeros(numel, dtype=torch.float32, device=device)
+        swapped = any(sp.swapped for sp in self.sps)
         self.grad = torch.zeros(numel, dtype=grad_dtype, device=device)
-        self.param16 = self.master if compute_dtype == torch.float32 else torch.empty(numel, dtype=compute_dtype,
-                                                                                     device=device)
+        if swapped:
+            self.master = torch.empty(0 if master_offloaded else numel, dtype=torch.float32, device=device)
+            self.param16 = None
+            if not master_offloaded:
+                self.initial_master(0, numel, self.master)
+        else:
+            self.master = torch.zeros(numel, dtype=torch.float32, device=device)
+            self.initial_master(0, numel, self.master)
+            self.param16 = self.master if compute_dtype == torch.float32 else self.master.to(compute_dtype)
         for i, sp in enumerate(self.sps):
             lo, hi = self.layout.offsets[i], self.layout.offsets[i + 1]
             assert hi - lo == sp.chunk_numel, (sp.name, hi - lo, sp.chunk_numel)
-            self.master[lo:hi].copy_(sp.initial_fp32_shard())
-            if self.param16 is not self.master:
-                self.param16[lo:hi].copy_(self.master[lo:hi])
-            sp.use_shard_storage(self.param16[lo:hi])
+            if self.param16 is not None:
+                sp.use_shard_storage(self.param16[lo:hi])
             sp.use_grad_storage(self.grad[lo:hi])
+
+    def _pieces(self, lo: int, hi: int):
+        """``(sp, start, stop, offset)`` for each parameter chunk overlapping the shard range ``[lo, hi)``:
+        elements ``[start, stop)`` of sp's chunk are ``[offset, offset + stop - start)`` of the range."""
+        offsets = self.layout.offsets
+        i = max(bisect.bisect_right(offsets, lo) - 1, 0)
+        while i < len(self.sps) and offsets[i] < hi:
+            a, b = max(lo, offsets[i]), min(hi, offsets[i + 1])
+            if a < b:
+                yield self.sps[i], a - offsets[i], b - offsets[i], a - lo
+            i += 1
+
+    def initial_master(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        for sp, a, b, off in self._pieces(lo, hi):
+            sp.read_initial_fp32(out[off:off + b - a], a)
+
+    def write_param16(self, lo: int, hi: int, values: torch.Tensor) -> list[Future]:
+        if self.param16 is not None:
+            return super().write_param16(lo, hi, values)
+        futures = []
+        for sp, a, b, off in self._pieces(lo, hi):
+            piece = values[off:off + b - a]
+            if sp.swapper is not None:
+                futures.append(sp.swapper.write_async(sp, piece, a))
+            else:
+                sp.local_shard[a:b].copy_(piece)
+        return futures
 
     def ensure_grad(self) -> None:  # always allocated: the ShardedParams hold views into it
         pass
@@ -58,10 +101,15 @@ class Stage3Group(ShardedGroup):
 
 def build_stage3_groups(module, plan, config, grad_dtype: torch.dtype, process_group=None):
     """Partition ``module`` (if zero.Init did not already) and build one Stage3Group per optimizer group."""
+    from hf_zero.offload.param_swap import param_swapper_for
+    from hf_zero.offload.swapper import AioParams
     from hf_zero.zero.stage3 import Stage3Runtime
 
     zero = config.zero
     world, rank = comm.get_world_size(process_group), comm.get_rank(process_group)
+    swapper = None
+    if zero.offload_param.enabled and zero.offload_param.device == "nvme":
+        swapper = param_swapper_for(zero.offload_param.nvme_path, rank=rank, aio=AioParams.from_config(config.aio))
     runtime = Stage3Runtime(
         module, group=process_group, compute_dtype=config.compute_dtype,
         reduce_bucket_size=int(zero.reduce_bucket_size), prefetch_bucket_size=int(zero.stage3_prefetch_bucket_size),
@@ -69,7 +117,7 @@ def build_stage3_groups(module, plan, config, grad_dtype: torch.dtype, process_g
         max_reuse_distance=int(zero.stage3_max_reuse_distance),
         param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
         overlap_comm=bool(zero.overlap_comm) if zero.overlap_comm is not None else True,
-        grad_scale=1.0 / world, divergence_timeout_s=float(zero.stage3_divergence_timeout_s))
+        grad_scale=1.0 / world, divergence_timeout_s=float(zero.stage3_divergence_timeout_s), swapper=swapper)
     sp_of = {id(sp.param): sp for sp in runtime.sharded_params()}
     groups, seen = [], set()
     for params, _ in plan.groups:
@@ -83,5 +131,5 @@ def build_stage3_groups(module, plan, config, grad_dtype: torch.dtype, process_g
                 seen.add(id(p))
                 sps.append(sp)
         groups.append(Stage3Group(sps, world_size=world, rank=rank, compute_dtype=config.compute_dtype,
-                                  grad_dtype=grad_dtype))
+                                  grad_dtype=grad_dtype, master_offloaded=zero.offload_optimizer.enabled))
     return runtime, groups

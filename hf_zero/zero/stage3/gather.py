@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.comm import all_gather_packed
+from hf_zero.offload.param_swap import wait_all
 from hf_zero.runtime.timers import NO_TIMERS
 from hf_zero.zero.layout import ShardLayout
 
@@ -112,8 +113,16 @@ class Gatherer:
                              self.side)
         dtype, device = sps[0].dtype, sps[0].local_shard.device
         send = torch.empty(span + TRAILER_NUMEL, dtype=dtype, device=device)
+        reads = []
         for i, sp in enumerate(sps):
-            send[layout.offsets[i]:layout.offsets[i + 1]].copy_(sp.local_shard)
+            dst = send[layout.offsets[i]:layout.offsets[i + 1]]
+            if sp.swapper is not None:  # offload_param nvme: read the partition straight into the send buffer
+                reads.append(sp.swapper.read_async(sp, dst))
+            else:
+                dst.copy_(sp.local_shard)
+        if reads:
+            with self.timers.phase("offload_io"):
+                wait_all(reads)
         write_trailer(send[span:], key, seq)
         packed = torch.empty(self.world_size, span + TRAILER_NUMEL, dtype=dtype, device=device)
         work = all_gather_packed(packed, send, group=self.group, async_op=True)

@@ -10,6 +10,10 @@ param groups keep working. What changes is its ``.data``::
 A *persistent* parameter (``numel <= param_persistence_threshold``) is AVAILABLE for its whole life: every rank
 keeps the full tensor, and its local shard is only what the optimizer updates (the runtime re-publishes it).
 
+With ``offload_param: nvme`` the shard's values live in a swap file (``swapper`` is set, ``local_shard`` is an
+empty tensor of the shard's dtype): read them with :meth:`ShardedParam.shard_values` / ``swapper.read_async`` and
+store them with :meth:`ShardedParam.store_shard`, never through ``local_shard``. See hf_zero/offload/param_swap.py.
+
 Only the ``to_<state>()`` methods change ``state``, and each asserts the state it leaves. The ``ds_*`` attributes
 that transformers and peft read (``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_tensor``, ``ds_status``) are written
 onto the Parameter by :meth:`ShardedParam._publish_compat` -- a compatibility layer, never read back internally.
@@ -66,7 +70,8 @@ class ShardedParam:
     """Rank ``rank``'s chunk of one parameter and the state of its full copy. See the module docstring."""
 
     param: nn.Parameter          # ND when AVAILABLE, (0,) otherwise; registered on its module(s)
-    local_shard: torch.Tensor    # 1D (chunk_numel,), zero-padded past the parameter's end on the last ranks
+    local_shard: torch.Tensor    # 1D (chunk_numel,), zero-padded past the parameter's end on the last ranks;
+                                 # (0,) while the values are in a swap file (``swapper`` set)
     grad_storage: torch.Tensor | None  # 1D (chunk_numel,) where reduced gradient chunks are added, or None
     _full: torch.Tensor | None   # 1D (numel,) while AVAILABLE
 
@@ -88,6 +93,7 @@ class ShardedParam:
         self.block_holds = 0              # the part of ``holders`` taken by GatheredParameters blocks
         self.pending: PendingGather | None = None
         self.grad_storage = None
+        self.swapper = None  # hf_zero.offload.param_swap.ParamSwapper holding the values (offload_param nvme)
         flat = param.data.detach().reshape(-1)
         dtype = dtype or param.dtype
         self.local_shard = torch.empty(self.chunk_numel, dtype=dtype, device=param.device)
@@ -106,15 +112,47 @@ class ShardedParam:
     def dtype(self) -> torch.dtype:
         return self.local_shard.dtype
 
+    @property
+    def swapped(self) -> bool:
+        return self.swapper is not None
+
+    def read_initial_fp32(self, out: torch.Tensor, lo: int = 0) -> None:
+        """``out`` (fp32) <- elements ``[lo, lo + out.numel())`` of the shard's values before any cast to the
+        compute dtype: what the fp32 master weights start from."""
+        if self.swapper is not None:
+            self.swapper.read_initial(self, out, lo)
+            return
+        src = self._fp32_shard if self._fp32_shard is not None else self.local_shard
+        out.copy_(src[lo:lo + out.numel()])
+
     def initial_fp32_shard(self) -> torch.Tensor:
-        """The shard's values before any cast to the compute dtype, as fp32 (chunk_numel,)."""
-        if self._fp32_shard is not None:
-            return self._fp32_shard
-        return self.local_shard.float() if self.local_shard.dtype != torch.float32 else self.local_shard.clone()
+        """The shard's values before any cast to the compute dtype, as a new fp32 (chunk_numel,) tensor."""
+        out = torch.empty(self.chunk_numel, dtype=torch.float32, device=self.local_shard.device)
+        self.read_initial_fp32(out)
+        return out
+
+    def shard_values(self) -> torch.Tensor:
+        """The shard's current values (chunk_numel,): ``local_shard`` itself, or a copy read from the swap file."""
+        if self.swapper is None:
+            return self.local_shard
+        out = torch.empty(self.chunk_numel, dtype=self.dtype)
+        self.swapper.read(self, out)
+        return out
+
+    def store_shard(self, values: torch.Tensor, lo: int = 0) -> None:
+        """Replace elements ``[lo, lo + values.numel())`` of the shard (cast to its dtype), wherever it lives."""
+        if self.swapper is None:
+            self.local_shard[lo:lo + values.numel()].copy_(values)
+        else:
+            self.swapper.write_async(self, values, lo).result()
 
     def cast_shard(self, dtype: torch.dtype) -> None:
         """Store the shard (and the full data of a persistent param) in ``dtype``; keep the fp32 original."""
         if self.local_shard.dtype == dtype:
+            return
+        if self.swapper is not None:
+            self.swapper.cast(self, dtype)  # never AVAILABLE here: swapped parameters are not persistent
+            self.param.data = self._placeholder()
             return
         if self._fp32_shard is None:
             self._fp32_shard = self.local_shard.float()
@@ -127,12 +165,17 @@ class ShardedParam:
 
     def drop_initial_fp32_shard(self) -> None:
         self._fp32_shard = None
+        if self.swapper is not None:
+            self.swapper.drop_initial(self)
 
     def use_shard_storage(self, view: torch.Tensor) -> None:
         """From now on the local shard *is* ``view`` (chunk_numel,), e.g. a slice of the engine's flat buffer."""
         if view.shape != (self.chunk_numel,):
             raise ValueError(f"{self.name}: shard storage must have shape ({self.chunk_numel},), got "
                              f"{tuple(view.shape)}")
+        if self.swapper is not None:
+            raise ValueError(f"{self.name}: the shard is in a swap file (offload_param nvme); it has no storage "
+                             f"to move")
         view.copy_(self.local_shard)
         self.local_shard = view
         self._publish_compat()
@@ -201,7 +244,12 @@ class ShardedParam:
         """Copy this rank's chunk of the (possibly edited) full parameter into the local shard."""
         flat = self.full_flat
         with torch.no_grad():
-            self.layout.shard_of(flat.to(self.local_shard.dtype), 0, self.rank, self.local_shard)
+            if self.swapper is None:
+                self.layout.shard_of(flat.to(self.local_shard.dtype), 0, self.rank, self.local_shard)
+            else:
+                chunk = torch.empty(self.chunk_numel, dtype=self.dtype)
+                self.layout.shard_of(flat.to(self.dtype), 0, self.rank, chunk)
+                self.store_shard(chunk)
 
     def _set_full(self, full_flat: torch.Tensor) -> None:
         self._full = full_flat

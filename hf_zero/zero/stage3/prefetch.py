@@ -66,12 +66,13 @@ class GatherTrace:
         trace = self._traces.get(self._mode, [])
         return trace[self._pos:]
 
-    def upcoming(self, budget_numel: int) -> list[int]:
-        """Group ids coming next, while their total elements stay within ``budget_numel``."""
+    def upcoming(self, budget_numel: int, *, min_groups: int = 0) -> list[int]:
+        """Group ids coming next, while their total elements stay within ``budget_numel`` (the first
+        ``min_groups`` of them whatever their size)."""
         out, total = [], 0
         for gid in self._ahead():
             n = self._group_numel[gid]
-            if total + n > budget_numel:
+            if total + n > budget_numel and len(out) >= min_groups:
                 break
             out.append(gid)
             total += n

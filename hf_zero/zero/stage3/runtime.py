@@ -58,7 +58,7 @@ class Stage3Runtime:
                  max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
                  param_persistence_threshold: int = 100_000, overlap_comm: bool = False,
                  grad_scale: float | None = None,
-                 divergence_timeout_s: float = DEFAULT_DIVERGENCE_TIMEOUT_S) -> None:
+                 divergence_timeout_s: float = DEFAULT_DIVERGENCE_TIMEOUT_S, swapper=None) -> None:
         self.module = module
         self.group = group
         self.rank = get_rank(group)
@@ -70,6 +70,9 @@ class Stage3Runtime:
         self.persistence_threshold = int(param_persistence_threshold)
         self.gatherer = gatherer_for(group)
         self.gatherer.timeout_s = float(divergence_timeout_s)
+        # offload_param nvme (hf_zero.offload.ParamSwapper): every partition that is not persistent lives in a
+        # swap file; the gathers read it from there, ahead of time when the trace says what comes next
+        self.swapper = swapper
         self._sps = self._partition_all()
         self.reducer = GradReducer(group=group, rank=self.rank, world_size=self.world_size,
                                    bucket_numel=reduce_bucket_size,
@@ -120,8 +123,15 @@ class Stage3Runtime:
                 raise RuntimeError(f"{sp.name} is {sp.state.name} when ZeRO-3 starts; leave every "
                                    f"GatheredParameters block before initializing the engine")
         persistent = [sp for sp in sps if sp.numel <= self.persistence_threshold]
+        for sp in persistent:
+            if sp.swapper is not None:  # swapped out by zero.Init; persistent parameters stay in memory
+                sp.swapper.swap_in(sp)
         for sp in sps:
             sp.cast_shard(self.compute_dtype)
+        if self.swapper is not None:
+            for sp in sps:
+                if sp.swapper is None and sp.numel > self.persistence_threshold:
+                    self.swapper.swap_out(sp)
         if persistent:
             self.gatherer.gather(persistent, "persistent parameters", header_check=True)
             for sp in persistent:
@@ -159,9 +169,12 @@ class Stage3Runtime:
 
     # ------------------------------------------------------------------ engine contract
     def set_timers(self, timers) -> None:
-        """Time spent blocked in gathers and gradient reduce-scatters goes to ``timers`` as "communication"."""
+        """Time spent blocked in gathers and gradient reduce-scatters goes to ``timers`` as "communication";
+        waits for swapped partitions as "offload_io"."""
         self.gatherer.timers = timers
         self.reducer.timers = timers
+        if self.swapper is not None:
+            self.swapper.timers = timers
 
     def sharded_params(self) -> list[ShardedParam]:
         return list(self._sps)
@@ -170,6 +183,8 @@ class Stage3Runtime:
         """After ``loss.backward()``: every reduced gradient is in its grad storage; nothing stays gathered."""
         self.reducer.finish()
         self._reset_gathered()
+        if self.swapper is not None:
+            self.swapper.discard_read_ahead()  # the optimizer is about to write new values
 
     def after_step(self) -> None:
         """After the optimizer updated the shards: gathered copies are stale; persistent params are re-gathered."""
@@ -197,7 +212,7 @@ class Stage3Runtime:
         if not exclude_frozen:
             for sp in self._sps:
                 if not sp.requires_grad:
-                    out[f"stage3.frozen.{sp.name}"] = sp.local_shard
+                    out[f"stage3.frozen.{sp.name}"] = sp.shard_values()
         for name, buf in _persistent_buffers(self.module):
             out[f"stage3.buffer.{name}"] = buf
         return out
@@ -214,10 +229,12 @@ class Stage3Runtime:
                 if sp.requires_grad or key not in keys:
                     continue
                 if saved_world == self.world_size:
-                    sp.local_shard.copy_(handles[self.rank].get_tensor(key))
+                    sp.store_shard(handles[self.rank].get_tensor(key))
                 else:
                     full = torch.cat([h.get_tensor(key) for h in handles])[:sp.numel]
-                    sp.layout.shard_of(full.to(sp.local_shard.dtype), 0, self.rank, sp.local_shard)
+                    chunk = torch.empty(sp.chunk_numel, dtype=sp.dtype)
+                    sp.layout.shard_of(full.to(sp.dtype), 0, self.rank, chunk)
+                    sp.store_shard(chunk)
             for name, buf in _persistent_buffers(self.module):
                 key = f"stage3.buffer.{name}"
                 if key in keys:
@@ -241,6 +258,8 @@ class Stage3Runtime:
             _forget(sp)
             sp.param.data = full
         self._sps = []
+        if self.swapper is not None:  # every parameter is an ordinary tensor again: the swap files can go
+            self.swapper.close()
 
     # ------------------------------------------------------------------ iteration boundaries
     def _root_pre_forward(self, module, args):
@@ -394,6 +413,12 @@ class Stage3Runtime:
             self.prefetched_numel += total
             names = sorted({by_gid[g].fqn for sp in picked for g in self._groups_of_sp[sp.ds_id]})
             self.gatherer.gather(picked, f"prefetch of modules {names}", async_op=True)
+        if self.swapper is not None:
+            # Swapped partitions: start reading the groups after those (at least the next one) from the drive,
+            # so their gathers find the data in memory. Only this rank's chunks are read: 1/world of the bytes.
+            window = self.trace.upcoming(2 * self.prefetch_numel, min_groups=1)
+            self.swapper.read_ahead(sp for gid in window for sp in by_gid[gid].sps
+                                    if sp.state is ParamState.PARTITIONED)
 
     def _settle_recomputation(self) -> None:
         """At a backward event, no recomputation is running (it runs synchronously inside one saved-tensor
