@@ -1,6 +1,6 @@
 // Schemas of every hf_zero op and the Python module object of the CPU extension `hf_zero._C`.
 //
-// Kernels live beside their op family (adam/, norm/, transformer/, common/) and register with
+// Kernels live beside their op family (adam/, norm/, reduce/, transformer/, common/) and register with
 // TORCH_LIBRARY_IMPL(hf_zero, CPU|CUDA, m). Fake (meta) implementations and autograd formulas are registered
 // from Python in hf_zero/ops/, next to the pure-PyTorch reference of each op.
 
@@ -31,6 +31,9 @@ TORCH_LIBRARY(hf_zero, m) {
       "multi_tensor_adam(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "int step, float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, "
       "bool bias_correction, float grad_scale) -> ()");
+
+  // sum(x.float() ** 2) over all elements as a 0-dim fp32 tensor; inf / nan propagate (fp16 overflow detection).
+  m.def("sum_of_squares(Tensor x) -> Tensor");
 
   // Norms over the last dimension. mean / rstd are fp32, one per row, saved for the backward.
   m.def("layer_norm_fwd(Tensor x, Tensor weight, Tensor bias, float eps) -> (Tensor out, Tensor mean, Tensor rstd)");

@@ -6,6 +6,7 @@ for a device is unavailable, the wrappers below run the reference and warn once 
 
     adam       CPUAdam, FusedAdam, adam_step_ (flat-partition step used by the engine and offload)
     norm       layer_norm, rms_norm, add_layer_norm, add_rms_norm
+    reduce     sum_of_squares (fp32-accumulated, for the global gradient norm)
     transformer bias_gelu, scaled_masked_softmax, apply_rotary, apply_rotary_pos_emb
     inject     inject(model): swap a transformers model's norms / GeLUs onto the fused ops
 """
@@ -14,6 +15,7 @@ from hf_zero.ops._native import extension_status, native_available
 from hf_zero.ops.adam import CPUAdam, FusedAdam, adam_step_
 from hf_zero.ops.inject import inject, remove_injection
 from hf_zero.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from hf_zero.ops.reduce import sum_of_squares
 from hf_zero.ops.scale_add import scale_add
 from hf_zero.ops.transformer import apply_rotary, apply_rotary_pos_emb, bias_gelu, scaled_masked_softmax
 
@@ -34,4 +36,5 @@ __all__ = [
     "rms_norm",
     "scale_add",
     "scaled_masked_softmax",
+    "sum_of_squares",
 ]

@@ -116,13 +116,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # internals ---------------------------------------------------------------------------------------------------
     def _global_norm(self) -> float:
+        # The compiled sum of squares, not vector_norm: torch converts bf16 element by element on CPUs without
+        # AVX512-BF16 (~15x slower over an offloaded shard). inf / nan in a gradient propagate into sq.
+        from hf_zero.ops.reduce import sum_of_squares
+
         sq = torch.zeros((), dtype=torch.float32)
         for g in self.groups:
             if g.grad.numel():
-                sq += torch.linalg.vector_norm(g.grad, 2, dtype=torch.float32).square()
+                sq += sum_of_squares(g.grad)
         if any(g.world_size > 1 for g in self.groups):
             all_reduce_(sq, group=self.process_group)
-        return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("inf")
+        total = sq.item()
+        return math.sqrt(total) if math.isfinite(total) else float("inf")
 
     def _zero_grad_shards(self) -> None:
         for g in self.groups:
