@@ -150,19 +150,3 @@ def test_bf16_offload_writes_16bit_weights_in_the_step(launched):
     for name, t in out["none"][1].items():
         torch.testing.assert_close(out["nvme_half"][1][name], t, rtol=0, atol=0)
     assert not any(Path(tmp_path).glob("nvme_half/hf_zero-*")), os.listdir(tmp_path / "nvme_half")
-
-
-def test_offload_param_nvme_and_accelerator_cpu_are_refused_not_ignored(tmp_path):
-    from hf_zero.config import load_config
-    from hf_zero.offload import check_param_offload
-
-    cfg = _config(3, "none", str(tmp_path))
-    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
-    zero = load_config(cfg, world_size=2).zero
-    with pytest.raises(ValueError, match="offload_param.device='nvme' is not supported yet"):
-        check_param_offload(zero, stage=3, param_device=torch.device("cpu"))
-    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    zero = load_config(cfg, world_size=2).zero
-    check_param_offload(zero, stage=3, param_device=torch.device("cpu"))  # CPU training: partitions are in CPU
-    with pytest.raises(ValueError, match="offload_param.device='cpu' with parameters on cuda"):
-        check_param_offload(zero, stage=3, param_device=torch.device("cuda", 0))

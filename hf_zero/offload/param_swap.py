@@ -65,6 +65,7 @@ class ParamSwapper:
         self._initial: set[int] = set()  # ds_ids with a p<id>.init stream (fp32 values before the cast)
         self.read_numel = 0  # statistics: elements read from and written to the drive
         self.written_numel = 0
+        self.ahead_hits = 0  # reads served from a finished (or in-flight) read-ahead
 
     # ------------------------------------------------------------------ placement
     def swap_out(self, sp: "ShardedParam") -> None:
@@ -125,6 +126,7 @@ class ParamSwapper:
         ahead = self._ahead.pop(sp.ds_id, None)
         if ahead is not None:
             buf, fut = ahead
+            self.ahead_hits += 1
             with self.timers.phase("offload_io"):
                 fut.result()
             out.copy_(buf[lo:lo + out.numel()])

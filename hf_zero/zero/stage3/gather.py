@@ -12,6 +12,8 @@ dropped, right after. The Gatherer also counts the bytes of full parameters aliv
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -56,8 +58,16 @@ class PendingGather:
             for sp in self.sps:
                 sp.abort_gathering()
             raise
-        outs = [torch.empty(sp.numel, dtype=self.packed.dtype, device=self.packed.device) for sp in self.sps]
-        self.layout.unpack(self.packed[:, :span], 0, outs)
+        outs = []
+        with contextlib.ExitStack() as refills:
+            for sp in self.sps:
+                out = sp.take_parked() if sp.dtype == self.packed.dtype else None
+                if out is None:
+                    out = torch.empty(sp.numel, dtype=self.packed.dtype, device=self.packed.device)
+                else:  # the same values again, into storage that views saved by autograd still point at
+                    refills.enter_context(torch.autograd._unsafe_preserve_version_counter(out))
+                outs.append(out)
+            self.layout.unpack(self.packed[:, :span], 0, outs)
         self.packed = self.work = None
         self.done = True
         for sp, out in zip(self.sps, outs):
@@ -137,12 +147,13 @@ class Gatherer:
         if sp.state is ParamState.GATHERING:
             sp.pending.wait()
 
-    def release(self, sp: ShardedParam) -> None:
-        """PARTITIONED again (waits for an in-flight gather first). No-op for persistent or partitioned params."""
+    def release(self, sp: ShardedParam, *, park: bool = False) -> None:
+        """PARTITIONED again (waits for an in-flight gather first). No-op for persistent or partitioned params.
+        ``park``: free the full buffer's storage in place (forward-pass releases; see ShardedParam.to_partitioned)."""
         if sp.persistent or sp.state is ParamState.PARTITIONED:
             return
         self.wait_available(sp)
-        sp.to_partitioned()
+        sp.to_partitioned(park=park)
         self.count_live(sp, -1)
 
     def count_live(self, sp: ShardedParam, sign: int) -> None:

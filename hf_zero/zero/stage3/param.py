@@ -100,6 +100,7 @@ class ShardedParam:
         self.layout.shard_of(flat, 0, rank, self.local_shard)
         self._fp32_shard: torch.Tensor | None = None
         self._full = None
+        self._parked: torch.Tensor | None = None  # the last full buffer, storage freed; see to_partitioned(park)
         setattr(param, _SP_ATTR, self)
         self.to_partitioned()
 
@@ -205,19 +206,43 @@ class ShardedParam:
         self.state = ParamState.AVAILABLE
         self._publish_compat()
 
-    def to_partitioned(self) -> None:
+    def to_partitioned(self, *, park: bool = False) -> None:
         """Drop the full copy. The values that count are in ``local_shard``; edits made to the full copy are lost
-        (GatheredParameters with a modifier rank writes them back before calling this)."""
+        (GatheredParameters with a modifier rank writes them back before calling this).
+
+        ``park`` (releases during the forward pass): also free the full buffer's *storage* in place and remember
+        the buffer, so the next gather refills that same storage (:meth:`take_parked`). Autograd saved views of
+        the weight in forward (``linear`` saves ``weight.t()``), which would otherwise keep every layer's full
+        weight alive until backward; with the storage freed they cost nothing, and the backward's re-gather makes
+        them valid again before they are used. Without ``park`` (releases in backward) only ``.data`` is rebound:
+        an alias saved by activation checkpointing must stay valid until its backward has used it.
+        """
         assert self.state is ParamState.AVAILABLE, f"{self.name}: to_partitioned from {self.state.name}"
         assert not self.persistent, f"{self.name} is persistent and never partitioned"
         assert self.holders == 0, f"{self.name}: partitioned while {self.holders} users still need it"
-        # NOTE: rebinding .data (not resizing the storage in place) matters: activation checkpointing may have
-        # saved an alias of the full tensor, which must stay valid until its backward has used it.
+        full = self._full
+        if park and full is not None and full.storage_offset() == 0 and \
+                full.untyped_storage().nbytes() == full.numel() * full.element_size():
+            full.untyped_storage().resize_(0)
+            self._parked = full
         self._full = None
         self.pending = None
         self.param.data = self._placeholder()
         self.state = ParamState.PARTITIONED
         self._publish_compat()
+
+    def take_parked(self) -> torch.Tensor | None:
+        """The parked full buffer (see ``to_partitioned(park=True)``) with its storage allocated again, to gather
+        into; None when there is none. Fill it under ``torch.autograd._unsafe_preserve_version_counter``: saved
+        views see the same values again, which is not an in-place change autograd should reject."""
+        full, self._parked = self._parked, None
+        if full is not None:
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+        return full
+
+    def forget_parked(self) -> None:
+        """Between iterations: the graph that saved views of the parked buffer is gone."""
+        self._parked = None
 
     def abort_gathering(self) -> None:
         """GATHERING -> PARTITIONED when the gather failed (divergence, timeout): nothing full ever existed."""

@@ -274,7 +274,7 @@ class Stage3Runtime:
 
     def _root_post_forward(self, module, args, output):
         if not torch.is_grad_enabled() and not self._calls:
-            self._release_unheld()
+            self._release_unheld(park=True)
         return None
 
     def _rebuild_after_external_change(self) -> None:
@@ -317,7 +317,7 @@ class Stage3Runtime:
                     if sp.holders == 0:
                         self._deferred.add(sp)
         else:
-            self._release_group(call.group)
+            self._release_group(call.group, park=True)
         if torch.is_grad_enabled():
             register_output_grad_hooks(output, self._pre_backward, call)
         return None
@@ -386,7 +386,7 @@ class Stage3Runtime:
         need = [sp for sp in group.sps if sp.state is ParamState.PARTITIONED]
         need_numel = sum(sp.numel for sp in need)
         if need and self.gatherer.live_numel + need_numel > self.max_live_numel:
-            self._release_unheld()
+            self._release_unheld(park=not _in_backward())
         if need:
             self.gatherer.gather(need, f"module {group.fqn!r}", async_op=True)
         self._prefetch()
@@ -442,26 +442,27 @@ class Stage3Runtime:
             if sp.holders == 0 and not self._keep_for_reuse(sp):
                 self.gatherer.release(sp)
 
-    def _release_group(self, group: _Group) -> None:
+    def _release_group(self, group: _Group, *, park: bool = False) -> None:
         for sp in group.sps:
-            self._unhold(sp)
+            self._unhold(sp, park=park)
 
-    def _unhold(self, sp: ShardedParam) -> None:
+    def _unhold(self, sp: ShardedParam, *, park: bool = False) -> None:
+        """``park``: a release in the forward pass, see ShardedParam.to_partitioned."""
         assert sp.holders > 0, f"{sp.name}: released more often than gathered"
         sp.holders -= 1
         if sp.holders == 0 and not self._keep_for_reuse(sp):
-            self.gatherer.release(sp)
+            self.gatherer.release(sp, park=park)
 
     def _keep_for_reuse(self, sp: ShardedParam) -> bool:
         if self.gatherer.live_numel > self.max_live_numel:
             return False
         return self.trace.reused_within(self._groups_of_sp.get(sp.ds_id, set()), self.max_reuse_numel)
 
-    def _release_unheld(self) -> None:
+    def _release_unheld(self, *, park: bool = False) -> None:
         for sp in self._sps:
             if (sp.holders == 0 and not sp.persistent and sp.state is not ParamState.PARTITIONED
                     and sp not in self._deferred):
-                self.gatherer.release(sp)
+                self.gatherer.release(sp, park=park)
 
     def _reset_gathered(self) -> None:
         """Between iterations: forget every hold (leaks from early-stopped recomputation, unused backward
@@ -473,6 +474,7 @@ class Stage3Runtime:
         for sp in self._sps:
             if not sp.persistent:
                 sp.holders = sp.block_holds
+            sp.forget_parked()
         self._release_unheld()
 
 
