@@ -149,7 +149,8 @@ def main() -> None:
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     phases = engine.phase_seconds_total()
-    engine.destroy()
+    # NOTE: no engine.destroy(): it hands every rank the whole model as ordinary tensors, which is exactly what does
+    # not fit here. The swap files are removed at interpreter exit.
     if rank == 0:
         mem = _mem_total()
         disk_total = sum(int(e[1]) for e in every)

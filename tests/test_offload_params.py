@@ -241,3 +241,30 @@ def test_offload_param_errors_name_the_key(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(OSError, match=r"zero_optimization.offload_param.nvme_path=.*a_file.* is not a writable"):
         ParamSwapper(blocker, rank=0, aio=AioParams())
+
+
+def _destroy_when_the_model_does_not_fit(root: str) -> dict:
+    import hf_zero.zero.stage3.runtime as runtime
+
+    cfg = _config("param_nvme", root)
+    cfg["gradient_accumulation_steps"] = 1
+    engine, *_ = hf_zero.initialize(model=make_model(), config=cfg)
+    real = runtime._mem_available_bytes
+    runtime._mem_available_bytes = lambda: 1000  # fewer bytes than the swapped weights (1757 fp32 weights: 7028 bytes)
+    try:
+        with pytest.raises(MemoryError, match=r"engine.destroy\) needs 7028 bytes .* 1000 bytes .*save_16bit_model"):
+            engine.destroy()
+    finally:
+        runtime._mem_available_bytes = real
+    # refused before anything changed: the engine still trains, then destroys normally
+    x = torch.randn(2, 13)
+    loss = engine(x).square().mean()
+    engine.backward(loss)
+    engine.step()
+    engine.destroy()
+    return {"loss": loss.item(), "weight_shape": tuple(engine.module[0].weight.shape)}
+
+
+def test_destroy_refuses_to_materialize_a_model_larger_than_memory(tmp_path):
+    out = run_distributed(_destroy_when_the_model_does_not_fit, 1, args=(str(tmp_path),), timeout_s=120)[0]
+    assert out["weight_shape"] == (37, 13) and out["loss"] > 0

@@ -198,7 +198,8 @@ class ParamSwapper:
     def close(self) -> None:
         self.discard_read_ahead()
         self.dir.close()
-        _SWAPPERS.pop(self.nvme_path, None)
+        if _SWAPPERS.get(self.nvme_path) is self:
+            del _SWAPPERS[self.nvme_path]
 
     # ------------------------------------------------------------------ helpers
     def _own(self, sp: "ShardedParam") -> None:

@@ -242,7 +242,18 @@ class Stage3Runtime:
         self._reset_gathered()
 
     def remove(self) -> None:
-        """Remove every hook and give each rank the full parameters back as ordinary tensors."""
+        """Remove every hook and give each rank the full parameters back as ordinary tensors.
+
+        With partitions swapped to NVMe the whole model may not fit in memory; then this refuses (before changing
+        anything) instead of being killed by the OOM killer half-way."""
+        swapped = sum(sp.numel * sp.local_shard.element_size() for sp in self._sps if sp.swapped)
+        available = _mem_available_bytes()
+        if swapped and available is not None and swapped > available:
+            raise MemoryError(
+                f"hf_zero: giving the model back as ordinary tensors (engine.destroy) needs {swapped} bytes "
+                f"({swapped / 2**30:.2f} GiB) on every rank for the parameters in offload_param's swap files, and "
+                f"{available} bytes ({available / 2**30:.2f} GiB) are available. Save it instead with engine.save_16bit_model() or save_checkpoint() (both stream "
+                "module by module); the swap files are removed when the process exits")
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -476,6 +487,18 @@ class Stage3Runtime:
                 sp.holders = sp.block_holds
             sp.forget_parked()
         self._release_unheld()
+
+
+def _mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _persistent_buffers(module: nn.Module):
