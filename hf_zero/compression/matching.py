@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import contextlib
 import re
+from typing import TYPE_CHECKING, Iterator
 
 from torch import nn
 
@@ -14,7 +14,17 @@ if TYPE_CHECKING:
     from .config import Group
 
 
-__all__ = ["linear_names", "match_group", "find_related"]
+__all__ = ["linear_names", "match_group", "find_related", "blamed_on"]
+
+
+@contextlib.contextmanager
+def blamed_on(group: Group, name: str) -> Iterator[None]:
+    """A ValueError raised while attaching a transform to module ``name`` (e.g. two methods claiming the same
+    weight) becomes a ConfigError naming the group's ``modules`` key, which is what the user can change."""
+    try:
+        yield
+    except ValueError as err:
+        raise ConfigError(f"{group.path}.modules", f"{name}: {err}") from None
 
 
 def linear_names(model: nn.Module) -> list[str]:

@@ -6,10 +6,9 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from hf_zero.config.errors import ConfigError
 
 from ..layer import wrap_linear
-from ..matching import match_group
+from ..matching import blamed_on, match_group
 from .layer import ActivationQuantizer
 
 if TYPE_CHECKING:
@@ -28,9 +27,7 @@ def install(model: nn.Module, cfg: MethodConfig) -> list[str]:
                                             symmetric=shared.quantization_type == "symmetric",
                                             static=shared.range_calibration == "static",
                                             momentum=shared.range_momentum).to(module.weight.device)
-            try:
+            with blamed_on(group, name):
                 module.add_input_transform("activation_quantization", quantizer)
-            except ValueError as err:
-                raise ConfigError(f"{group.path}.modules", f"{name}: {err}") from None
             touched.append(name)
     return touched

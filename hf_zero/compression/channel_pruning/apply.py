@@ -15,7 +15,7 @@ from torch import nn
 from hf_zero.config.errors import ConfigError
 
 from ..layer import CompressedLinear, wrap_linear
-from ..matching import linear_names, match_group
+from ..matching import blamed_on, linear_names, match_group
 from ..registry import CleanPlan, Slice
 from ..schedule import DensitySchedule
 from .layer import ChannelMask, ChannelRows
@@ -77,10 +77,8 @@ def install(model: nn.Module, cfg: "MethodConfig") -> list[str]:
     owner = ChannelMask(hidden=hidden, schedule=schedule, scored=scored).to(device)
     for i, name in enumerate(writers):
         module = wrap_linear(model, name)
-        try:
+        with blamed_on(group, name):
             module.add_weight_transform("channel_pruning", owner if i == 0 else ChannelRows(owner))
-        except ValueError as err:
-            raise ConfigError(f"{group.path}.modules", f"{name}: {err}") from None
     owner._handles.append(model.get_submodule(embedding).register_forward_hook(owner.embedding_hook))
     return writers
 

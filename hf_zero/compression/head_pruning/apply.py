@@ -18,7 +18,7 @@ from hf_zero.config.errors import ConfigError
 
 from ..layer import CompressedLinear, wrap_linear
 from ..masking import UnitMask
-from ..matching import find_related, match_group
+from ..matching import blamed_on, find_related, match_group
 from ..registry import CleanPlan, Slice
 from ..schedule import DensitySchedule
 from ..structured import check_keeps_some as _check_keeps_some, config_of, uniform_count
@@ -66,10 +66,8 @@ def install(model: nn.Module, cfg: MethodConfig) -> list[str]:
             module = wrap_linear(model, name)
             mask = UnitMask(weight=module.weight, axis="col", num_units=kv_heads, method=shared.method,
                             schedule=schedule, mask_bias=False)
-            try:
+            with blamed_on(group, name):
                 module.add_weight_transform("head_pruning", mask)
-            except ValueError as err:
-                raise ConfigError(f"{group.path}.modules", f"{name}: {err}") from None
             touched.append(name)
     return touched
 

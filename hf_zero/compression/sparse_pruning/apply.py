@@ -6,11 +6,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from hf_zero.config.errors import ConfigError
 
 from ..layer import full_shape, wrap_linear
 from ..masking import UnitMask
-from ..matching import match_group
+from ..matching import blamed_on, match_group
 from ..schedule import DensitySchedule
 
 if TYPE_CHECKING:
@@ -29,9 +28,7 @@ def install(model: nn.Module, cfg: MethodConfig) -> list[str]:
             module = wrap_linear(model, name)
             mask = UnitMask(weight=module.weight, axis="element", num_units=full_shape(module.weight).numel(),
                             method=shared.method, schedule=schedule, mask_bias=False)
-            try:
+            with blamed_on(group, name):
                 module.add_weight_transform("sparse_pruning", mask)
-            except ValueError as err:
-                raise ConfigError(f"{group.path}.modules", f"{name}: {err}") from None
             touched.append(name)
     return touched

@@ -9,7 +9,7 @@ from torch import nn
 from hf_zero.config.errors import ConfigError
 
 from ..layer import full_shape, wrap_linear
-from ..matching import match_group
+from ..matching import blamed_on, match_group
 from ..quant import GroupSpec
 from ..schedule import BitSchedule
 from .layer import WeightQuantizer
@@ -38,13 +38,9 @@ def install(model: nn.Module, cfg: MethodConfig) -> list[str]:
             quantizer = WeightQuantizer(schedule=schedule, symmetric=shared.quantization_type == "symmetric",
                                         groups=groups, stochastic=shared.rounding == "stochastic",
                                         mix_step=mix_step, verbose=shared.quantize_verbose).to(weight.device)
-            _add(wrap_linear(model, name), quantizer, name, group.path)
+            module = wrap_linear(model, name)
+            with blamed_on(group, name):
+                module.add_weight_transform("weight_quantization", quantizer)
             touched.append(name)
     return touched
 
-
-def _add(module, transform, name: str, path: str) -> None:
-    try:
-        module.add_weight_transform("weight_quantization", transform)
-    except ValueError as err:
-        raise ConfigError(f"{path}.modules", f"{name}: {err}") from None
