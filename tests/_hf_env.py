@@ -2,7 +2,7 @@
 
 The HF tests run the user's way: real ``torchrun`` / ``accelerate launch`` processes, in an environment where the
 real DeepSpeed is *not* installed and ``import deepspeed`` reaches hf_zero through the start-up ``.pth`` line (a
-throw-away virtual environment over the system site-packages, holding a path entry for this checkout and a copy
+throw-away virtual environment over this interpreter's site-packages, holding a path entry for this checkout and a copy
 of ``hf_zero/integrations/hf_zero_deepspeed.pth`` -- what ``pip install`` of hf_zero puts in site-packages).
 """
 
@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
+import venv
 from pathlib import Path
 
 from hf_zero.testing import free_port
@@ -23,16 +26,29 @@ PTH = REPO / "hf_zero" / "integrations" / "hf_zero_deepspeed.pth"
 DISABLE = "HF_ZERO_DISABLE_DEEPSPEED_SHIM"
 
 
-def make_venv(root: Path) -> Path:
-    """A virtual environment (system site-packages) where hf_zero is 'installed'; returns its python."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(root)], check=True,
-                   timeout=120)
+def make_venv(root: Path, *, with_checkout: bool = True) -> Path:
+    """A throw-away virtual environment that imports this interpreter's packages; returns its python.
+
+    The packages come from the *running* interpreter's site-packages, added as plain path entries. Not
+    ``--system-site-packages``: inside a virtual environment or conda env that flag reaches the base interpreter,
+    which need not have torch (this is how the suite failed when run from a user's venv), and it would also run the
+    base site-packages' .pth files, where an hf_zero installed by a developer would shadow the copy under test.
+    ``with_checkout``: hf_zero is 'installed' from this checkout -- a path entry plus a copy of the start-up .pth
+    line, which is what ``pip install`` of hf_zero puts in site-packages.
+    """
+    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(root)
     python = root / "bin" / "python"
-    site_packages = Path(subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+    site_packages = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                         check=True, capture_output=True, text=True, timeout=60).stdout.strip())
-    # sorts before hf_zero_deepspeed.pth: hf_zero must be importable when the .pth line runs
-    (site_packages / "_hf_zero_src.pth").write_text(f"{REPO}\n")
-    shutil.copy(PTH, site_packages / PTH.name)
+    ours = dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
+        ours[site.getusersitepackages()] = None
+    # .pth files run in name order: the checkout ("_hf_zero_src") goes ahead of every other package, and both
+    # before hf_zero_deepspeed.pth, as an installed hf_zero is importable before its .pth line runs.
+    (site_packages / "_hf_zero_test_packages.pth").write_text("".join(f"{p}\n" for p in ours))
+    if with_checkout:
+        (site_packages / "_hf_zero_src.pth").write_text(f"{REPO}\n")
+        shutil.copy(PTH, site_packages / PTH.name)
     return python
 
 

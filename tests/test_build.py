@@ -15,11 +15,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import venv
 from pathlib import Path
 
 import pytest
 import torch
+
+from _hf_env import make_venv
 
 REPO = Path(__file__).resolve().parents[1]
 PTH = Path("hf_zero", "integrations", "hf_zero_deepspeed.pth")
@@ -30,7 +31,7 @@ def _copy_sources(dest: Path, pth_line: str | None) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info", "build")
     shutil.copytree(REPO / "hf_zero", src / "hf_zero", ignore=ignore)
     shutil.copytree(REPO / "csrc", src / "csrc", ignore=ignore)
-    for name in ("setup.py", "pyproject.toml", "README.md"):
+    for name in ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in"):
         if (REPO / name).exists():
             shutil.copy2(REPO / name, src / name)
     if pth_line is not None:  # a marker .pth of our own, so the test does not depend on the shim's content
@@ -39,16 +40,8 @@ def _copy_sources(dest: Path, pth_line: str | None) -> Path:
 
 
 def _venv(path: Path) -> Path:
-    """A venv that sees this interpreter's packages (torch, setuptools, pip) as a plain sys.path entry.
-
-    Not --system-site-packages: that would also run the system site-packages' .pth files, and an hf_zero already
-    installed there (editable, by a developer) would then shadow the copy under test.
-    """
-    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(path)
-    python = path / "bin" / "python"
-    system_paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    (_site_packages(python) / "_hf_zero_test_system_packages.pth").write_text("\n".join(sorted(system_paths)) + "\n")
-    return python
+    """A venv that sees this interpreter's packages (torch, setuptools, pip) but not this checkout."""
+    return make_venv(path, with_checkout=False)
 
 
 def _pip_install(python: Path, src: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -112,6 +105,35 @@ def test_install_puts_pth_in_site_packages_and_survives_without_ops(tmp_path, ed
 
     subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "hf-zero"], check=True, capture_output=True)
     assert not installed.exists()
+
+
+def test_wheel_ships_package_data_and_writes_a_model_card(tmp_path):
+    """A wheel (not a checkout) must carry every non-Python file hf_zero reads: the model card template is read
+    by HfZeroCallback at every save, so a wheel install without it fails at the first checkpoint."""
+    import zipfile
+
+    src = _copy_sources(tmp_path, None)
+    dist = tmp_path / "dist"
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
+                             "-w", str(dist), str(src)], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "HF_ZERO_BUILD_OPS": "0"}, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    wheel = next(dist.glob("hf_zero-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "hf_zero/integrations/templates/model_card.md" in names
+    assert "hf_zero_deepspeed.pth" in names
+
+    python = _venv(tmp_path / "venv")
+    _pip_install(python, wheel)
+    card_dir = tmp_path / "card"
+    card_dir.mkdir()
+    out = _probe(python, "import hf_zero, sys; from hf_zero.integrations.trainer_callback import write_model_card; "
+                         f"print(hf_zero.__file__); print(write_model_card({str(card_dir)!r}, object()))")
+    location, written = out.strip().splitlines()
+    assert Path(location).resolve().is_relative_to(_site_packages(python).resolve())  # the wheel's copy, not ours
+    text = Path(written).read_text()
+    assert text.startswith("<!-- hf_zero:training -->") and "not trained by the ZeRO engine" in text
+    assert "$" not in text.split("```")[0], "every template field must be filled"
 
 
 # ---------------------------------------------------------------- CUDA sources

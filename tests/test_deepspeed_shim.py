@@ -1,7 +1,7 @@
 """The ``deepspeed`` compatibility layer, exercised the way users get it: through the ``.pth`` start-up line.
 
-Every check runs in a fresh interpreter of a throw-away virtual environment (``--system-site-packages``, so torch,
-transformers, accelerate and pip are the system's) whose site-packages holds a path entry for this checkout and a
+Every check runs in a fresh interpreter of a throw-away virtual environment (``_hf_env.make_venv``: torch,
+transformers, accelerate and pip are the running interpreter's) whose site-packages holds a path entry for this checkout and a
 copy of ``hf_zero/integrations/hf_zero_deepspeed.pth`` -- the same file installation copies -- so the finder is
 installed by Python's own start-up code, exactly as in an installed hf_zero.
 """
@@ -24,6 +24,8 @@ import torch
 from hf_zero.comm.accelerator import Accelerator, get_accelerator
 from hf_zero.runtime.checkpoint_utils import clone_tensors_for_torch_save
 
+from _hf_env import make_venv
+
 REPO = Path(__file__).resolve().parents[1]
 PTH = REPO / "hf_zero" / "integrations" / "hf_zero_deepspeed.pth"
 SHIM_TREE = REPO / "hf_zero" / "integrations" / "deepspeed_shim" / "deepspeed"
@@ -33,16 +35,7 @@ DISABLE = "HF_ZERO_DISABLE_DEEPSPEED_SHIM"
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     """A virtual environment whose start-up installs the shim through the real .pth line; returns its python."""
-    root = tmp_path_factory.mktemp("shim_venv")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(root)], check=True)
-    python = root / "bin" / "python"
-    site_packages = Path(subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-                                        check=True, capture_output=True, text=True).stdout.strip())
-    # "_hf_zero_src.pth" sorts before "hf_zero_deepspeed.pth", as an installed hf_zero is importable before its
-    # .pth line runs; it also puts this checkout ahead of any hf_zero installed in the system site-packages.
-    (site_packages / "_hf_zero_src.pth").write_text(f"{REPO}\n")
-    shutil.copy(PTH, site_packages / PTH.name)
-    return python
+    return make_venv(tmp_path_factory.mktemp("shim_venv"))
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -13,9 +13,10 @@ with :meth:`attach` it runs before them, so ``report_to`` integrations see the v
 - ``zero/time_share/<phase>``: the share of wall-clock time since the previous log that the engine spent in each
   phase it times (forward, backward, step, and communication / offload phases where the engine times them).
 
-On every checkpoint save and at the end of training it writes a model card (``model_cards/training.md``) into
-the saved directory, describing the ZeRO configuration, precision and hardware; :func:`write_model_card` does the
-same for any directory (e.g. after ``trainer.save_model(dir)``).
+On every checkpoint save and at the end of training it writes a model card (``templates/model_card.md`` beside
+this file, shipped in the wheel as package data) into the saved directory, describing the ZeRO configuration,
+precision and hardware; :func:`write_model_card` does the same for any directory (e.g. after
+``trainer.save_model(dir)``).
 
 Memory figures are gathered from all ranks in ``on_step_end``, which every rank runs at every optimizer step, never
 in ``on_log`` (which user code may call on one rank only), so the callback cannot cause a collective hang.
@@ -40,7 +41,7 @@ from transformers import TrainerCallback
 
 __all__ = ["HfZeroCallback", "write_model_card", "peak_memory_mb", "CARD_BEGIN", "CARD_END"]
 
-CARD_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "training.md"
+CARD_TEMPLATE = Path(__file__).resolve().parent / "templates" / "model_card.md"
 CARD_BEGIN = "<!-- hf_zero:training -->"
 CARD_END = "<!-- /hf_zero:training -->"
 _STAGE_MEANING = {0: "plain data parallelism", 1: "optimizer states sharded", 2: "optimizer states and gradients "
