@@ -1,1 +1,31 @@
-"""hf_zero.profiling"""
+"""hf_zero.profiling: true parameter counts, FLOPs counted at the dispatcher, MFU, memory and step-time estimates.
+
+This package sits below ``zero`` in the layering (it imports nothing from ``runtime``, ``zero`` or ``offload``):
+it reads ZeRO-3's sharded-parameter records through the ``ds_*`` attributes they publish. Names are imported on
+first use so ``import hf_zero.profiling`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "count_params": "hf_zero.profiling.params",
+    "ParamCounts": "hf_zero.profiling.params",
+    "count_flops": "hf_zero.profiling.flops",
+    "FlopCounter": "hf_zero.profiling.flops",
+    "FlopReport": "hf_zero.profiling.flops",
+    "analytic_flops": "hf_zero.profiling.analytic",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'hf_zero.profiling' has no attribute {name!r}")
+    value = getattr(importlib.import_module(target), name)
+    globals()[name] = value
+    return value

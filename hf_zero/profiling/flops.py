@@ -1,0 +1,219 @@
+"""FLOPs counted at the dispatcher: ``torch.utils.flop_counter.FlopCounterMode`` plus hf_zero's registrations.
+
+Counting aten ops (not patching Python functions) sees every matmul exactly once with the shapes the kernels
+receive: ZeRO-3's gathered weights, operator arithmetic, backward, activation-checkpoint recompute. torch's
+registry has holes; hf_zero fills them with its own formulas (:data:`HF_ZERO_FORMULAS`):
+
+- ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward -- the kernel ``F.scaled_dot_product_
+  attention`` runs on CPU by default, which torch 2.13 counts as zero FLOPs.
+
+Two figures are reported, and the difference is named:
+
+- **hardware FLOPs** (for HFU): everything the dispatcher ran, forward + backward, including recompute;
+- **model FLOPs** (for MFU): hardware minus recompute, i.e. what the math of one training step needs. Recompute
+  is (a) the score matrix ``Q K^T`` that flash-style attention backward kernels rebuild and (b) forward ops re-run
+  inside backward by activation checkpointing (ops dispatched while a module's forward runs during backward).
+
+Convention: attention is counted as the full ``S x S`` square, causal or not (as torch and DeepSpeed do).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+__all__ = ["FlopCounter", "FlopReport", "count_flops", "HF_ZERO_FORMULAS", "ATTENTION_CONVENTION"]
+
+ATTENTION_CONVENTION = "attention counted as the full S x S square (causal masking not subtracted)"
+
+aten = torch.ops.aten
+
+
+def _cpu_sdpa_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    # the CPU flash backward rebuilds the scores from logsumexp: the same five matmuls torch counts on GPU
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+HF_ZERO_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_forward,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward,
+}
+
+# Attention kernels, forward and backward (args start ``query, key, value`` / ``grad_out, query, key, value``).
+_ATTENTION_FORWARD = {aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
+                      aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
+                      aten._flash_attention_forward, aten._efficient_attention_forward}
+_ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                       aten._scaled_dot_product_flash_attention_backward,
+                       aten._scaled_dot_product_efficient_attention_backward,
+                       aten._scaled_dot_product_cudnn_attention_backward,
+                       aten._flash_attention_backward, aten._efficient_attention_backward}
+
+
+def _recomputed_scores(count: int, query: torch.Tensor, value: torch.Tensor) -> int:
+    """The ``Q K^T`` share of an attention backward count: five matmuls, 3 of inner size d_q and 2 of d_v."""
+    d_q, d_v = query.shape[-1], value.shape[-1]
+    return count * d_q // (3 * d_q + 2 * d_v)
+
+
+@dataclass
+class FlopReport:
+    """What one or more counted windows saw. All figures are FLOPs (a multiply-add is 2)."""
+
+    forward: int = 0
+    backward: int = 0
+    recompute: int = 0               # part of forward+backward that re-does work (see the module docstring)
+    attention_forward: int = 0       # FLOPs of fused attention kernels in forward (part of ``forward``)
+    by_module: dict[str, int] = field(default_factory=dict)          # forward FLOPs per module (ancestors included)
+    module_seconds: dict[str, float] = field(default_factory=dict)   # forward wall time per module
+    by_op: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hardware(self) -> int:
+        return self.forward + self.backward
+
+    @property
+    def model(self) -> int:
+        return self.hardware - self.recompute
+
+    @property
+    def macs(self) -> int:
+        return self.hardware // 2
+
+
+class FlopCounter:
+    """Counts FLOPs in windows, each marked forward or backward; totals add up over windows.
+
+        counter = FlopCounter(model)
+        with counter.window("forward"):
+            loss = model(**batch).loss
+        with counter.window("backward"):
+            loss.backward()
+        counter.report.model, counter.report.hardware
+
+    Inside a window, FlopCounterMode is active and two global module hooks (forward pre/post) track which module
+    is running; both are removed when the window closes. Nothing about the computation changes.
+    """
+
+    def __init__(self, root: nn.Module | None = None, time_modules: bool = False):
+        self._names: dict[int, str] = {}
+        if root is not None:
+            self._names = {id(m): (name or type(root).__name__) for name, m in root.named_modules()}
+        self.time_modules = time_modules
+        self.report = FlopReport()
+        self._phase = "forward"
+        self._stack: list[tuple[str, float]] = []
+        self._by_module: dict[str, int] = defaultdict(int)
+        self._seconds: dict[str, float] = defaultdict(float)
+        self._by_op: Counter = Counter()
+
+    def _formulas(self) -> dict[Any, Callable[..., int]]:
+        """torch's registry plus hf_zero's, each wrapped to attribute its count (raw: called with the tensors)."""
+        table = dict(flop_registry)
+        for packet, formula in HF_ZERO_FORMULAS.items():
+            table[packet] = formula  # overrides torch's own entry if a later torch adds one: never counted twice
+        wrapped = {}
+        for packet, formula in table.items():
+            def counted(*args, _packet=packet, _formula=formula, **kwargs):
+                n = int(_formula(*args, **kwargs))
+                self._add(_packet, n, args)
+                return n
+            counted._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode passes tensors, not shapes
+            wrapped[packet] = counted
+        return wrapped
+
+    def _add(self, packet, n: int, args: tuple) -> None:
+        r = self.report
+        self._by_op[str(packet)] += n
+        if self._phase == "forward":
+            r.forward += n
+            if packet in _ATTENTION_FORWARD:
+                r.attention_forward += n
+            for name in {name for name, _ in self._stack}:
+                self._by_module[name] += n
+            return
+        r.backward += n
+        if self._stack:  # a module's forward running inside backward: activation-checkpoint recompute
+            r.recompute += n
+        elif packet in _ATTENTION_BACKWARD:
+            r.recompute += _recomputed_scores(n, args[1], args[3])
+
+    # ---- module tracking (global hooks, only while a window is open) ------------------------------------------
+    def _pre(self, module, args):
+        name = self._names.get(id(module), type(module).__name__)
+        if self.time_modules:
+            _sync()
+        self._stack.append((name, time.perf_counter()))
+
+    def _post(self, module, args, output):
+        if not self._stack:
+            return
+        name, start = self._stack.pop()
+        if self.time_modules and self._phase == "forward":
+            _sync()
+            self._seconds[name] += time.perf_counter() - start
+
+    @contextmanager
+    def window(self, phase: str) -> Iterator["FlopCounter"]:
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"FlopCounter.window: phase must be 'forward' or 'backward', got {phase!r}")
+        self._phase = phase
+        self._stack.clear()
+        hooks = [nn.modules.module.register_module_forward_pre_hook(self._pre),
+                 nn.modules.module.register_module_forward_hook(self._post, always_call=True)]
+        try:
+            with FlopCounterMode(display=False, custom_mapping=self._formulas()):
+                yield self
+        finally:
+            for h in hooks:
+                h.remove()
+            self._stack.clear()
+            self.report.by_module = dict(self._by_module)
+            self.report.module_seconds = dict(self._seconds)
+            self.report.by_op = dict(self._by_op)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor):
+        loss = output if output.numel() == 1 else output.float().sum()
+    if loss is None:
+        raise ValueError("count_flops: the model's output has no .loss and is not a tensor; pass loss_fn= to turn "
+                         "the output into a scalar loss, or backward=False to count the forward pass only")
+    return loss
+
+
+def count_flops(model: nn.Module, *args, backward: bool = True, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                time_modules: bool = False, **kwargs) -> FlopReport:
+    """Count one forward (and, by default, one backward) of ``model(*args, **kwargs)``.
+
+    The backward runs ``loss.backward()`` on ``loss_fn(output)`` (default: ``output.loss``, or the output itself
+    when it is a tensor); gradients accumulate into the model as in any backward.
+    """
+    counter = FlopCounter(model, time_modules=time_modules)
+    with counter.window("forward"):
+        output = model(*args, **kwargs)
+        loss = loss_fn(output) if loss_fn is not None else (_loss_of(output) if backward else None)
+    if backward:
+        with counter.window("backward"):
+            loss.backward()
+    return counter.report
