@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
-from hf_zero.runtime.timers import PhaseTimers
+from hf_zero.profiling.timers import PhaseTimers
 from hf_zero.testing import run_distributed
 
 from _parity import base_config, engine_run, make_model

@@ -1,4 +1,8 @@
-"""Thin layer over torch.distributed: start-up, the DeepSpeed-style functional API, and ZeRO's collectives."""
+"""Thin layer over torch.distributed: start-up, the DeepSpeed-style functional API, and ZeRO's collectives.
+
+Owns process groups and every collective hf_zero issues. Bottom layer: imports torch only, no other hf_zero
+package (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
+"""
 
 from .collectives import all_gather_packed, all_reduce_, reduce_scatter_packed
 from .process_group import (ReduceOp, all_gather, all_reduce, barrier, broadcast, default_backend, get_local_rank,

@@ -9,6 +9,9 @@
 
 One folder per grouped method (``config.py`` schema, ``layer.py`` transform, ``apply.py`` install / clean plan),
 registered by name in :mod:`hf_zero.compression.registry`. Names are imported lazily: ``import hf_zero`` stays cheap.
+
+May import zero (to gather ZeRO-3 partitions it transforms), offload, profiling, comm, ops and config; never runtime
+or integrations (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
 """
 
 from __future__ import annotations

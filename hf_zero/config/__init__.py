@@ -2,6 +2,9 @@
 
     cfg = load_config("ds_config.json", world_size=4, auto_values={"optimizer.params.lr": 5e-5})
     cfg.zero.stage, cfg.train_micro_batch_size_per_gpu, cfg.compute_dtype, cfg.raw  # raw: what engine.config returns
+
+Owns every reading of the DeepSpeed schema. Bottom layer: imports no other hf_zero package (the layer table is
+``LAYERS`` in ``tests/test_layering.py``).
 """
 
 from .auto import AUTO_HINTS

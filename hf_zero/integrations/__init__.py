@@ -6,10 +6,13 @@
   in every Python process. ``HF_ZERO_DISABLE_DEEPSPEED_SHIM=1`` switches it off.
 - ``ds_comm.py``: ``deepspeed.comm`` -- ``hf_zero.comm`` plus the fix that lets accelerate see every rank on CPU.
 - ``trainer_callback.py``: ``HfZeroCallback`` (engine statistics in the Trainer's logs, model cards) and
-  ``write_model_card``; ``phase_totals.py``: the running phase-time totals the callback's time shares come from.
+  ``write_model_card``.
 - ``compat.py``: module-level DeepSpeed names hf_zero keeps (``logger``, ``DEEPSPEED_ENVIRONMENT_NAME``).
 
 Names are imported on first use: ``import hf_zero.integrations`` must not import transformers.
+
+Top package layer: may import every other hf_zero package; none imports it (the layer table is ``LAYERS`` in
+``tests/test_layering.py``).
 """
 
 from __future__ import annotations

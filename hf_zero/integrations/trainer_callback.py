@@ -195,7 +195,7 @@ def write_model_card(directory, source: Any, state=None) -> Path:
     """
     import transformers
 
-    import hf_zero
+    from hf_zero import __version__
 
     engine = _engine_of(source)
     if state is None:
@@ -226,7 +226,7 @@ def write_model_card(directory, source: Any, state=None) -> Path:
         "global_step": getattr(state, "global_step", "?"),
         "last_loss": f"{losses[-1]:.4f}" if losses else "n/a",
         "hardware": _hardware(),
-        "hf_zero_version": hf_zero.__version__,
+        "hf_zero_version": __version__,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "config_json": json.dumps(config, indent=2, sort_keys=True, default=str),

@@ -6,6 +6,12 @@
   compiled ``aio`` op (:mod:`hf_zero.ops.aio`).
 * :func:`check_offload_config` -- refuses, at start-up, offload sections the engine cannot honour
   (``offload_param``'s status: :mod:`hf_zero.offload.params`).
+* :class:`~hf_zero.offload.param_swap.ParamSwapper` -- ZeRO-3 partitions in per-rank swap files
+  (``offload_param: {device: nvme}``).
+
+Owns where off-device bytes live and how they move (swap files, aio threads, host buffers). It sits *below* zero:
+it may import profiling, comm, ops and config, never zero, runtime or anything above; zero uses it through the
+interfaces zero declares (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
 """
 
 from hf_zero.offload.optimizer_states import STATE_NAMES, OptimizerOffload, build_optimizer_offload

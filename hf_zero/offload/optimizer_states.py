@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from hf_zero.offload.params import check_optimizer_offload
-from hf_zero.offload.swapper import AioParams, SwapDir
+from hf_zero.offload.swapper import AioParams, SwapDir, wait_all
 from hf_zero.ops.adam import adam_step_
-from hf_zero.runtime.timers import NO_TIMERS
+from hf_zero.profiling.timers import NO_TIMERS
 
 __all__ = ["OptimizerOffload", "STATE_NAMES", "build_optimizer_offload"]
 
@@ -156,7 +156,7 @@ class OptimizerOffload:
             k = self.keep[gi]
             if k:
                 r = self._resident[gi]
-                _wait(self._adam(g, hyper[gi], divisor, 0, k, r["master"], r["exp_avg"], r["exp_avg_sq"]))
+                wait_all(self._adam(g, hyper[gi], divisor, 0, k, r["master"], r["exp_avg"], r["exp_avg_sq"]))
         if self.device == "cpu":
             writes = []  # 16-bit weights on their way to swapped ZeRO-3 partitions (offload_param nvme)
             for t in self.tiles:
@@ -165,7 +165,7 @@ class OptimizerOffload:
                 writes += self._adam(g, hyper[t.group], divisor, t.lo, t.hi, h["master"][sl], h["exp_avg"][sl],
                                      h["exp_avg_sq"][sl])
             with self.timers.phase("offload_io"):
-                _wait(writes)
+                wait_all(writes)
             return
         self._nvme_step(hyper, divisor)
 
@@ -178,17 +178,17 @@ class OptimizerOffload:
         for i, t in enumerate(tiles):
             cur = self._tile_bufs[i % 2]
             with self.timers.phase("offload_io"):
-                _wait(reads)
+                wait_all(reads)
             if i + 1 < len(tiles):
                 with self.timers.phase("offload_io"):
-                    _wait(writes[(i + 1) % 2])  # the other buffer set is free once tile i-1 is on disk
+                    wait_all(writes[(i + 1) % 2])  # the other buffer set is free once tile i-1 is on disk
                 reads = self._read_tile(tiles[i + 1], self._tile_bufs[(i + 1) % 2])
             numel = t.hi - t.lo
             params16 = self._adam(self.groups[t.group], hyper[t.group], divisor, t.lo, t.hi,
                                   cur["master"][:numel], cur["exp_avg"][:numel], cur["exp_avg_sq"][:numel])
             writes[i % 2] = self._write_tile(t, cur) + params16
         with self.timers.phase("offload_io"):
-            _wait(writes[0] + writes[1])
+            wait_all(writes[0] + writes[1])
 
     def _read_tile(self, t: _Tile, bufs: dict[str, torch.Tensor]) -> list[Future]:
         off, numel = t.lo - self.keep[t.group], t.hi - t.lo
@@ -243,7 +243,7 @@ class OptimizerOffload:
             elif g.shard_numel > k:
                 self.swap.write_async(f"group{gi}.{s}", full[k:], 0).result()
             if s == "master":
-                _wait(g.write_param16(0, g.shard_numel, full))
+                wait_all(g.write_param16(0, g.shard_numel, full))
 
     # ---- accounting -------------------------------------------------------------------------------------------------
     def offloaded_numel(self) -> int:
@@ -258,12 +258,6 @@ class OptimizerOffload:
     def close(self) -> None:
         if self.swap is not None:
             self.swap.close()
-
-
-def _wait(futures: list[Future]) -> None:
-    wait(futures)
-    for f in futures:
-        f.result()  # re-raise an I/O error with its file name
 
 
 def build_optimizer_offload(groups: Sequence, zero_config, aio_config, *, rank: int,

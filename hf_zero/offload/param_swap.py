@@ -28,22 +28,15 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from hf_zero.offload.swapper import AioParams, SwapDir
-from hf_zero.runtime.timers import NO_TIMERS
+from hf_zero.offload.swapper import AioParams, SwapDir, wait_all
+from hf_zero.profiling.timers import NO_TIMERS
 
 if TYPE_CHECKING:
     from hf_zero.zero.stage3.param import ShardedParam
 
-__all__ = ["ParamSwapper", "param_swapper_for", "wait_all"]
+__all__ = ["ParamSwapper", "param_swapper_for"]
 
 CONFIG_KEY = "zero_optimization.offload_param"
-
-
-def wait_all(futures: Iterable[Future]) -> None:
-    futures = list(futures)
-    wait(futures)
-    for f in futures:
-        f.result()  # re-raises an I/O error with the file name
 
 
 class _Done(Future):

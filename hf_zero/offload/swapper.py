@@ -15,15 +15,24 @@ from __future__ import annotations
 import os
 import shutil
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
 from hf_zero.ops.aio import aio_read_, aio_write
 
-__all__ = ["AioParams", "SwapDir"]
+__all__ = ["AioParams", "SwapDir", "wait_all"]
+
+
+def wait_all(futures: Iterable[Future]) -> None:
+    """Wait for every read/write in ``futures``; the first failed one re-raises its I/O error (with the file)."""
+    futures = list(futures)
+    wait(futures)
+    for f in futures:
+        f.result()
 
 
 @dataclass(frozen=True)

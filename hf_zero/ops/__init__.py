@@ -9,6 +9,8 @@ for a device is unavailable, the wrappers below run the reference and warn once 
     reduce     sum_of_squares (fp32-accumulated, for the global gradient norm)
     transformer bias_gelu, scaled_masked_softmax, apply_rotary, apply_rotary_pos_emb
     inject     inject(model): swap a transformers model's norms / GeLUs onto the fused ops
+
+Bottom layer: imports no other hf_zero package (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
 """
 
 from hf_zero.ops._native import extension_status, native_available

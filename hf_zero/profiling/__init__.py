@@ -1,8 +1,9 @@
-"""hf_zero.profiling: true parameter counts, FLOPs counted at the dispatcher, MFU, memory and step-time estimates.
+"""hf_zero.profiling: true parameter counts, FLOPs counted at the dispatcher, MFU, memory and step-time estimates,
+and the per-phase wall-clock timers (``timers``) zero, offload and the engine time themselves with.
 
-This package sits below ``zero`` in the layering (it imports nothing from ``runtime``, ``zero`` or ``offload``):
-it reads ZeRO-3's sharded-parameter records through the ``ds_*`` attributes they publish. Names are imported on
-first use so ``import hf_zero.profiling`` stays cheap.
+This package sits below ``zero`` and ``offload`` in the layering: it imports nothing above comm (the layer table is
+``LAYERS`` in ``tests/test_layering.py``); it reads ZeRO-3's sharded-parameter records through the ``ds_*``
+attributes they publish. Names are imported on first use so ``import hf_zero.profiling`` stays cheap.
 """
 
 from __future__ import annotations

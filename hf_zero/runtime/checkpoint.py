@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hf_zero import comm
-from hf_zero.offload.param_swap import wait_all
+from hf_zero.offload.swapper import wait_all
 from hf_zero.zero.layout import ShardLayout
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "read_latest_tag"]

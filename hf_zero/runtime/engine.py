@@ -21,10 +21,10 @@ from torch import nn
 
 from hf_zero import comm
 from hf_zero.config import HfZeroConfig
-from hf_zero.runtime.loss_scaler import LossScaler
+from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.optimizers import OptimizerPlan
-from hf_zero.runtime.timers import PhaseTimers
 from hf_zero.zero.grad_reducer import GradReducer, ReduceMode
+from hf_zero.zero.loss_scaler import LossScaler
 from hf_zero.zero.optimizer import ZeroOptimizer
 from hf_zero.zero.sharded_group import ShardedGroup
 
@@ -343,8 +343,6 @@ class HfZeroEngine(nn.Module):
     def phase_seconds_total(self) -> dict[str, float]:
         """Seconds spent in each timed phase (forward, backward, step, ...) since phase timing started, which is at
         the first call of this method (the HF ``HfZeroCallback`` turns it from that into time shares)."""
-        from hf_zero.integrations.phase_totals import TotalingTimers
-
         if not isinstance(self.timers, TotalingTimers):
             self.timers = TotalingTimers.replacing(self.timers)
         return self.timers.totals()

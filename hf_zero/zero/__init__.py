@@ -1,5 +1,11 @@
 """hf_zero.zero: ZeRO partitioning. ``Init``, ``GatheredParameters`` and ``register_external_parameter`` are the
-DeepSpeed-compatible entry points; they are imported on first use so ``import hf_zero.zero`` stays cheap."""
+DeepSpeed-compatible entry points; they are imported on first use so ``import hf_zero.zero`` stays cheap.
+
+Owns what a rank's shard of each parameter is (layouts, ``ShardedParam`` and its states), the stage 0-2 groups,
+gradient reduction, the sharded optimizer step, fp16 loss scaling and the ZeRO-3 gather/release runtime. May import
+offload (the swapped storage it declares the interface of), profiling, comm, ops and config; never runtime,
+integrations, compression or pipeline (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
+"""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import all_reduce_, reduce_scatter_packed
-from hf_zero.runtime.timers import NO_TIMERS
+from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.sharded_group import ShardedGroup, bucket_ranges
 
 __all__ = ["GradReducer", "ReduceMode"]

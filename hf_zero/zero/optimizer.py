@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 import torch
 
 from hf_zero.comm import all_reduce_
-from hf_zero.offload.param_swap import wait_all
-from hf_zero.runtime.loss_scaler import LossScaler
+from hf_zero.offload.swapper import wait_all
+from hf_zero.zero.loss_scaler import LossScaler
 from hf_zero.zero.sharded_group import ShardedGroup
 
 __all__ = ["ZeroOptimizer", "UpdateRule"]

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.comm import all_gather_packed
-from hf_zero.offload.param_swap import wait_all
-from hf_zero.runtime.timers import NO_TIMERS
+from hf_zero.offload.swapper import wait_all
+from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import ShardLayout
 
 from .divergence import (TRAILER_NUMEL, SideChannel, check_header, check_trailers, params_key, wait_or_diagnose,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hf_zero.comm import reduce_scatter_packed
-from hf_zero.runtime.timers import NO_TIMERS
+from hf_zero.profiling.timers import NO_TIMERS
 
 from .divergence import wait_or_diagnose
 from .param import ShardedParam
