@@ -39,11 +39,16 @@ class HfZeroEngine(nn.Module):
     """A ``torch.nn.Module`` wrapping the user's model; see the module docstring for the loop."""
 
     def __init__(self, module: nn.Module, config: HfZeroConfig, plan: OptimizerPlan,
-                 lr_scheduler: Any = None, process_group=None):
+                 lr_scheduler: Any = None, process_group=None, model_parallel_group=None):
+        """``process_group``: the data-parallel group ZeRO shards over (None: the whole world); it need not contain
+        global rank 0. ``model_parallel_group``: the ranks holding *other parts* of the same model replica
+        (pipeline stages, tensor-parallel shards); the gradient norm used for clipping and the fp16 overflow
+        decision are summed over it too, so every part clips by the unsplit model's norm."""
         super().__init__()
         self.module = module
         self._config = config
         self.process_group = process_group
+        self.model_parallel_group = model_parallel_group
         self.world_size = comm.get_world_size(process_group)
         self.global_rank = comm.get_rank(process_group)
         self.stage = int(config.zero.stage)
@@ -81,7 +86,8 @@ class HfZeroEngine(nn.Module):
             self.groups, [h for _, h in plan.groups], inner_cls=plan.inner_cls, inner_defaults=plan.defaults,
             fused_adam=plan.fused_adam, loss_scaler=self.loss_scaler, clip_norm=float(config.gradient_clipping),
             publish_bucket_numel=int(zero.allgather_bucket_size), check_overflow=self.loss_scaler is not None,
-            process_group=process_group, publisher=publisher, offload=offload)
+            process_group=process_group, model_parallel_group=model_parallel_group, publisher=publisher,
+            offload=offload)
         if self.stage < 3:
             self.reducer = GradReducer(
                 self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,
@@ -137,12 +143,15 @@ class HfZeroEngine(nn.Module):
         return groups
 
     def _broadcast_module_from_rank0(self) -> None:
-        """Every rank starts from rank 0's weights (models built with different seeds still train as one)."""
+        """Every rank starts from the group's rank 0's weights (models built with different seeds still train as
+        one). ``broadcast`` names its source by global rank: the group's first member, which is global rank 0 only
+        when the group is the whole world."""
         if self.world_size == 1:
             return
+        src = torch.distributed.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                comm.broadcast(t.data, src=0, group=self.process_group)
+                comm.broadcast(t.data, src=src, group=self.process_group)
 
     def _build_scheduler(self, client: Any):
         if client is not None:

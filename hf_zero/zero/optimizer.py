@@ -40,8 +40,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, groups: Sequence[ShardedGroup], hyperparams: Sequence[dict], *,
                  inner_cls: type[torch.optim.Optimizer], inner_defaults: dict, fused_adam: bool,
                  loss_scaler: LossScaler | None, clip_norm: float, publish_bucket_numel: int,
-                 check_overflow: bool, process_group=None, publisher: Callable[[], None] | None = None,
-                 offload=None):
+                 check_overflow: bool, process_group=None, model_parallel_group=None,
+                 publisher: Callable[[], None] | None = None, offload=None):
         self.groups = list(groups)
         # Optimizer offload (hf_zero.offload.OptimizerOffload), or None: when set it has already moved each group's
         # master and moments out (g.master is an empty placeholder, still the key of self.state) and runs the step.
@@ -58,6 +58,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.publish_bucket_numel = publish_bucket_numel
         self.check_overflow = check_overflow
         self.process_group = process_group
+        # other parts of the same replica (pipeline stages, tensor-parallel shards): their squared norms are added,
+        # so clipping and the overflow decision are those of the unsplit model
+        self.model_parallel_group = model_parallel_group
+        # indices into ``groups`` whose gradients duplicate a group counted on another rank of the model-parallel
+        # group (a tied embedding's second copy): left out of the norm so each element is counted once
+        self.norm_excluded_groups: set[int] = set()
         self._publisher = publisher
         self.overflow = False  # read by accelerate (step_was_skipped)
         self.global_grad_norm: float | None = None
@@ -121,11 +127,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         from hf_zero.ops.reduce import sum_of_squares
 
         sq = torch.zeros((), dtype=torch.float32)
-        for g in self.groups:
-            if g.grad.numel():
+        for i, g in enumerate(self.groups):
+            if g.grad.numel() and i not in self.norm_excluded_groups:
                 sq += sum_of_squares(g.grad)
         if any(g.world_size > 1 for g in self.groups):
             all_reduce_(sq, group=self.process_group)
+        if self.model_parallel_group is not None:
+            all_reduce_(sq, group=self.model_parallel_group)
         total = sq.item()
         return math.sqrt(total) if math.isfinite(total) else float("inf")
 
