@@ -1,0 +1,18 @@
+"""Tensor parallelism for Hugging Face models on DTensor (``torch.distributed.tensor.parallel``).
+
+    from hf_zero.tensor_parallel import build_mesh, apply_tp
+    mesh = build_mesh(tp_size=2)                 # (dp, tp) mesh over the world; tp innermost
+    apply_tp(model, mesh.tp_mesh)                # q/k/v, up/gate column parallel; o/down row parallel;
+                                                 # embedding and LM head vocabulary parallel
+    loss = model(input_ids, labels=labels).loss  # vocabulary-parallel cross-entropy; no rank holds full logits
+
+Layering: this package depends on torch and hf_zero's lower layers only; the engine (runtime) wires it in.
+"""
+
+from hf_zero.tensor_parallel.apply import TPInfo, apply_tp, tp_info
+from hf_zero.tensor_parallel.loss import VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
+from hf_zero.tensor_parallel.mesh import TPMesh, build_mesh
+from hf_zero.tensor_parallel.plans import OWN_PLANS, resolve_plan
+
+__all__ = ["apply_tp", "tp_info", "TPInfo", "build_mesh", "TPMesh", "vocab_parallel_cross_entropy",
+           "VocabParallelCausalLMLoss", "OWN_PLANS", "resolve_plan"]

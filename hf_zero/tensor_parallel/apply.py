@@ -1,0 +1,147 @@
+"""Shard a Hugging Face model in place over a TP mesh: ``apply_tp(model, tp_mesh)``.
+
+Order of work (the model's code is never edited; only its parameters, hooks and a few size attributes change):
+  1. resolve the plan (plans.py) and check the sizes it splits (attention heads, key/value heads, vocabulary);
+  2. ``parallelize_module`` every planned module with its style: parameters become DTensors sharded over the TP
+     mesh, inputs / outputs are converted at the module boundary by the style's hooks;
+  3. re-tie an LM head that shared its weight with the input embedding (both are sharded on the vocabulary);
+  4. set the per-rank sizes modules read from attributes (GPT-2's ``split_size``), and install the
+     vocabulary-parallel loss as ``model.loss_function`` when the head is vocabulary parallel.
+The outcome is recorded in ``model.hf_zero_tp`` (a :class:`TPInfo`), which the engine, checkpoints and
+``full_state_dict`` read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from hf_zero.tensor_parallel.loss import VocabParallelCausalLMLoss
+from hf_zero.tensor_parallel.plans import match_modules, resolve_plan
+from hf_zero.tensor_parallel.styles import Conv1DColwise, Conv1DRowwise, ReplicatedGradAllReduce
+
+__all__ = ["apply_tp", "TPInfo", "tp_info"]
+
+
+@dataclass
+class TPInfo:
+    """How a model was sharded: read by checkpoints, ``full_state_dict`` and the engine."""
+
+    mesh: DeviceMesh                       # 1-D, the TP dimension
+    plan: dict[str, str]                   # module name -> style, as applied
+    plan_source: str
+    fused: dict[str, tuple[int, int]] = field(default_factory=dict)  # param name -> (parts, dim) permuted
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def group(self):
+        return self.mesh.get_group()
+
+
+def tp_info(model: nn.Module) -> TPInfo | None:
+    """The :class:`TPInfo` of a model sharded by :func:`apply_tp` (looks through wrappers such as PEFT's)."""
+    for m in model.modules():
+        info = getattr(m, "hf_zero_tp", None)
+        if isinstance(info, TPInfo):
+            return info
+    return None
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _style(name: str, style: str, module: nn.Module):
+    conv = _is_conv1d(module)
+    if style == "colwise":
+        return Conv1DColwise() if conv else ColwiseParallel()
+    if style == "rowwise":
+        return Conv1DRowwise() if conv else RowwiseParallel()
+    if style == "colwise_gather_output":
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == "fused_qkv_colwise":
+        return Conv1DColwise(fused_parts=3)
+    if style == "replicated_with_grad_allreduce":
+        return ReplicatedGradAllReduce()
+    if style == "vocab_embedding":
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"hf_zero: vocab_embedding applies to nn.Embedding; module {name!r} is "
+                             f"{type(module).__name__}")
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if style == "vocab_lm_head":
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"hf_zero: vocab_lm_head applies to nn.Linear; module {name!r} is {type(module).__name__}")
+        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    raise ValueError(f"hf_zero: unknown tensor-parallel style {style!r} for module {name!r}")
+
+
+def _check_sizes(model: nn.Module, matched: dict[str, str], tp: int) -> None:
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    splits_heads = any(s in ("colwise", "fused_qkv_colwise") and ("attn" in n or "attention" in n)
+                       for n, s in matched.items())
+    if splits_heads and heads is not None:
+        if heads % tp:
+            raise ValueError(f"hf_zero: tensor parallel size {tp} must divide num_attention_heads={heads} "
+                             "(each rank computes whole heads)")
+        if kv_heads % tp:
+            raise ValueError(f"hf_zero: tensor parallel size {tp} must divide num_key_value_heads={kv_heads} "
+                             "(grouped-query attention: each rank keeps whole key/value heads with their query "
+                             "groups); pick a tensor parallel size dividing it")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: dict[str, str] | None = None) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh``; returns it. See the module docstring for what changes."""
+    if tp_info(model) is not None:
+        raise ValueError("hf_zero: this model is already tensor parallel (apply_tp was called on it before)")
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"hf_zero: apply_tp needs the 1-D tensor-parallel mesh (mesh['tp']), got {tp_mesh.ndim}-D")
+    resolved, source = resolve_plan(model, plan)
+    matched = match_modules(model, resolved)
+    if not matched:
+        raise ValueError(f"hf_zero: the tensor-parallel plan from {source} names no module of "
+                         f"{type(model).__name__}: {sorted(resolved)}")
+    tp = tp_mesh.size()
+    _check_sizes(model, matched, tp)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = emb is not None and head is not None and getattr(head, "weight", None) is emb.weight
+    modules = dict(model.named_modules())
+    fused = {}
+    for name, style in matched.items():
+        module = modules[name]
+        parallelize_module(module, tp_mesh, _style(name, style, module))
+        if style == "fused_qkv_colwise":
+            fused[f"{name}.weight"] = (3, 1)
+            fused[f"{name}.bias"] = (3, 0)
+            _set_split_size(model, name, tp)
+    if tied:
+        head.weight = emb.weight  # both vocabulary-sharded (Shard(0)): one DTensor, as before
+    if matched.get(_name_of(model, head)) == "vocab_lm_head" and hasattr(type(model), "loss_function"):
+        model.loss_function = VocabParallelCausalLMLoss()
+    model.hf_zero_tp = TPInfo(mesh=tp_mesh, plan=matched, plan_source=source, fused=fused)
+    return model
+
+
+def _name_of(model: nn.Module, module: nn.Module | None) -> str | None:
+    for name, m in model.named_modules():
+        if m is module:
+            return name
+    return None
+
+
+def _set_split_size(model: nn.Module, proj_name: str, tp: int) -> None:
+    """GPT-2's attention splits the fused projection by ``split_size`` (the full width): make it this rank's."""
+    parent = model.get_submodule(proj_name.rsplit(".", 1)[0]) if "." in proj_name else model
+    if hasattr(parent, "split_size"):
+        parent.split_size //= tp
+    if hasattr(parent, "num_heads"):
+        parent.num_heads //= tp

@@ -1,0 +1,77 @@
+"""The device mesh tensor parallelism runs on, and the process groups taken from it.
+
+Ranks are laid out ``(dp, tp)`` row-major, tensor parallel innermost: the ranks of one TP group are consecutive
+(``tp`` ranks of one node share the heaviest traffic, as in DeepSpeed and Megatron), and each data-parallel group
+holds one rank of every TP group::
+
+    world 4, tp 2:   mesh [[0, 1],      tp groups {0,1} {2,3}     dp groups {0,2} {1,3}
+                           [2, 3]]
+
+Nothing here assumes global rank 0 is in a group: every group comes from the mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["TPMesh", "build_mesh"]
+
+
+@dataclass(frozen=True)
+class TPMesh:
+    """A ``(dp, tp)`` device mesh and what callers need from it."""
+
+    mesh: DeviceMesh  # 2-D, dims named ("dp", "tp")
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.mesh["dp"]
+
+    @property
+    def tp_size(self) -> int:
+        return self.mesh.size(1)
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size(0)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.get_local_rank("tp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp")
+
+    @property
+    def tp_group(self):
+        return self.mesh.get_group("tp")
+
+    @property
+    def dp_group(self):
+        return self.mesh.get_group("dp")
+
+
+def build_mesh(tp_size: int, *, device_type: str | None = None, key: str = "tensor_parallel.autotp_size") -> TPMesh:
+    """A ``(world_size // tp_size, tp_size)`` mesh over the default process group (which must be initialized).
+
+    ``key`` names the setting ``tp_size`` came from, for the error when it does not divide the world.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(f"hf_zero: {key}={tp_size} needs torch.distributed initialized first "
+                           "(launch with torchrun / deepspeed and call deepspeed.init_distributed())")
+    world = dist.get_world_size()
+    if tp_size < 1 or world % tp_size:
+        raise ValueError(f"hf_zero: {key}={tp_size} must be >= 1 and divide the world size {world} "
+                         f"(the data-parallel size is world_size / {key})")
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    return TPMesh(mesh)
