@@ -2,8 +2,9 @@
 
 Top-level JSON keys are the fields below (``zero_optimization`` is read into ``zero``; ``bfloat16`` is the legacy
 name of ``bf16``). Sections DeepSpeed has but hf_zero does not run yet are accepted and kept as plain mappings or
-typed sections, and :func:`not_implemented` names the ones a config actually switches on, so the startup table
-can say so instead of silently ignoring them. The last four fields are filled by :func:`load_config`, never read
+typed sections. What hf_zero does with each key -- honoured, no effect by design, not implemented, refused -- is
+one table in :mod:`hf_zero.config.status`; :func:`not_implemented` names the keys a config actually sets that
+hf_zero does not run, so the startup table can say so instead of silently ignoring them. The last four fields are filled by :func:`load_config`, never read
 from JSON.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .errors import ConfigError
-from .optim import ONE_BIT_OPTIMIZERS, OPTIMIZER_TYPES, OptimizerConfig, SchedulerConfig
+from .optim import OptimizerConfig, SchedulerConfig
 from .schema import Auto, spec
 from .sections import (
     ActivationCheckpointingConfig,
@@ -149,58 +150,8 @@ class HfZeroConfig:
         return torch.float32
 
 
-def _any_enabled(section: Any) -> bool:
-    """Whether a raw section, at any depth, has ``"enabled": true``."""
-    if isinstance(section, Mapping):
-        return section.get("enabled") is True or any(_any_enabled(v) for v in section.values())
-    if isinstance(section, (list, tuple)):
-        return any(_any_enabled(v) for v in section)
-    return False
-
-
 def not_implemented(cfg: HfZeroConfig) -> tuple[str, ...]:
-    """The keys ``cfg`` switches on that hf_zero accepts but does not run yet, in config order.
+    """The keys ``cfg`` sets that hf_zero accepts but does not run yet, in schema order (see :mod:`.status`)."""
+    from .status import Status, not_honoured
 
-    This is the one list to shrink as features land.
-    """
-    found: list[str] = []
-    if cfg.amp is not None and cfg.amp.get("enabled") is True:
-        found.append("amp")
-    if cfg.optimizer is not None and cfg.optimizer.name in ONE_BIT_OPTIMIZERS:
-        found.append(f"optimizer.type {OPTIMIZER_TYPES[cfg.optimizer.name][0]}")
-    if cfg.sparse_gradients:
-        found.append("sparse_gradients")
-    zero = cfg.zero
-    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
-        if getattr(zero, key):
-            found.append(f"zero_optimization.{key}")
-    if zero.zero_hpz_partition_size > 1:
-        found.append("zero_optimization.zero_hpz_partition_size")
-    if zero.mics_shard_size > 0:
-        found.append("zero_optimization.mics_shard_size")
-    if cfg.aio.use_gds:
-        found.append("aio.use_gds")
-    if cfg.activation_checkpointing.enabled:
-        found.append("activation_checkpointing")
-    for key in ("flops_profiler", "tensorboard", "csv_monitor", "wandb", "comms_logger"):
-        if getattr(cfg, key).enabled:
-            found.append(key)
-    if cfg.comet is not None and cfg.comet.get("enabled") is True:
-        found.append("comet")
-    if cfg.pipeline:
-        found.append("pipeline")
-    if _any_enabled(cfg.compression_training):
-        found.append("compression_training")
-    if cfg.tensor_parallel is not None and _as_int(cfg.tensor_parallel.get("autotp_size", 1)) > 1:
-        found.append("tensor_parallel")
-    for key in ("elasticity", "autotuning", "data_efficiency", "curriculum_learning"):
-        if _any_enabled(getattr(cfg, key)):
-            found.append(key)
-    return tuple(found)
-
-
-def _as_int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
+    return tuple(label for label, entry in not_honoured(cfg) if entry.status is Status.NOT_IMPLEMENTED)

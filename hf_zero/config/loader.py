@@ -7,7 +7,8 @@ Order matters for the error a user sees first:
 4. any ``"auto"`` still unfilled is an error naming where its value could come from;
 5. batch arithmetic for ``world_size``;
 6. build ``cfg.raw``: the user's dict with typed values, autos filled, batch keys and
-   ``zero_optimization.stage`` present (transformers and accelerate read ``engine.config`` from it).
+   ``zero_optimization.stage`` present (transformers and accelerate read ``engine.config`` from it);
+7. keys hf_zero does not honour (:mod:`.status`): an error for a refused one, a warning for the others.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from typing import Any, Literal
 from .auto import auto_paths, fill_autos, unresolved_auto_error
 from .batch import BATCH_KEYS, resolve_batch
 from .errors import ConfigError
-from .hf_zero_config import HfZeroConfig, not_implemented
+from .hf_zero_config import HfZeroConfig
 from .schema import Auto, json_fields, json_key, parse, to_dict
+from .status import enforce
 from .table import format_config_table
 
 __all__ = ["load_config", "read_config"]
@@ -97,7 +99,9 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
     raw.update(values)
     zero_raw = raw.setdefault("zero_optimization", {})
     zero_raw["stage"] = cfg.zero.stage
-    cfg = dataclasses.replace(cfg, raw=raw, not_implemented=not_implemented(cfg))
+    # Refused keys raise here; keys set but not honoured warn once (rank 0) and are listed in the table.
+    cfg = dataclasses.replace(cfg, raw=raw)
+    cfg = dataclasses.replace(cfg, not_implemented=enforce(cfg, warn=rank == 0))
     if log and rank == 0:
         logger.info("%s", format_config_table(cfg))
     return cfg

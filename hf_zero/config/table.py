@@ -1,5 +1,5 @@
-"""The startup table: the resolved values that differ from the defaults, where each "auto" came from, and the
-sections that were accepted but are not implemented yet."""
+"""The startup table: the resolved values that differ from the defaults, where each "auto" came from, which of
+them hf_zero does not honour (:mod:`.status`), and the keys that were accepted but are not implemented yet."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from .batch import BATCH_KEYS
 from .hf_zero_config import HfZeroConfig
 from .schema import to_dict
+from .status import Status, not_honoured
 
 __all__ = ["format_config_table"]
 
@@ -21,7 +22,8 @@ def format_config_table(cfg: HfZeroConfig) -> str:
     """One line per value that differs from the default (batch keys and ZeRO stage always), marked with its source."""
     current = _flatten(to_dict(cfg))
     defaults = _flatten(to_dict(HfZeroConfig()))
-    rows = [(key, _show(value), f"({cfg.sources[key]})" if key in cfg.sources else "")
+    ignored = {label: entry.status for label, entry in not_honoured(cfg)}
+    rows = [(key, _show(value), _mark(key, cfg.sources.get(key), ignored))
             for key, value in current.items()
             if key in _ALWAYS_SHOWN or key in cfg.sources or defaults.get(key, _MISSING) != value]
     # The value column is capped so one long value (a list, a path) does not push every source mark right.
@@ -34,6 +36,16 @@ def format_config_table(cfg: HfZeroConfig) -> str:
     if cfg.not_implemented:
         lines.append(f"  accepted, not yet implemented: {', '.join(cfg.not_implemented)}")
     return "\n".join(lines)
+
+
+def _mark(key: str, source: str | None, ignored: dict[str, Status]) -> str:
+    """``(auto)``, ``(no effect)``, ``(not implemented)`` or a combination; a section's status marks its keys."""
+    marks = [source] if source else []
+    for label, status in ignored.items():
+        if key == label or key.startswith(label + "."):
+            marks.append(status.value)
+            break
+    return f"({', '.join(marks)})" if marks else ""
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

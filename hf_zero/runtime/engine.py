@@ -85,7 +85,7 @@ class HfZeroEngine(nn.Module):
         self.optimizer = ZeroOptimizer(
             self.groups, [h for _, h in plan.groups], inner_cls=plan.inner_cls, inner_defaults=plan.defaults,
             fused_adam=plan.fused_adam, loss_scaler=self.loss_scaler, clip_norm=float(config.gradient_clipping),
-            publish_bucket_numel=int(zero.allgather_bucket_size), check_overflow=self.loss_scaler is not None,
+            publish_bucket_numel=int(zero.allgather_bucket_size), check_overflow=self._checks_overflow(config),
             process_group=process_group, model_parallel_group=model_parallel_group, publisher=publisher,
             offload=offload)
         if self.stage < 3:
@@ -97,6 +97,10 @@ class HfZeroEngine(nn.Module):
             self.reducer = None
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.timers = self._timers  # hand the timers to the reducer / stage-3 runtime / offload (see the setter)
+
+    def _checks_overflow(self, config: HfZeroConfig) -> bool:
+        """fp16 always skips a step whose gradients overflowed; bf16 only with ``bf16.check_grad_overflow``."""
+        return self.loss_scaler is not None or (config.bf16.enabled is True and config.bf16.check_grad_overflow)
 
     # ---- timers ---------------------------------------------------------------------------------------------------
     @property

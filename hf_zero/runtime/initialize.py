@@ -32,16 +32,19 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, config=None, config_params=None, dist_init_required=None,
-               collate_fn=None, mpu=None, distributed_port: int = 29500, **unused: Any):
+               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required=None, collate_fn=None, config=None, mesh_param=None, config_params=None):
     """Wrap ``model`` in an :class:`HfZeroEngine`; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
-    ``optimizer`` may be a torch optimizer built over the model's parameters (it is re-applied to the shards), a
-    callable receiving the parameter groups, or None to build the config's ``optimizer`` section.
-    ``lr_scheduler`` may be a scheduler or a callable receiving the engine's optimizer.
+    DeepSpeed's signature. ``optimizer`` may be a torch optimizer built over the model's parameters (it is
+    re-applied to the shards), a callable receiving the parameter groups, or None to build the config's
+    ``optimizer`` section. ``lr_scheduler`` may be a scheduler or a callable receiving the engine's optimizer.
     """
     if model is None:
         raise ValueError("hf_zero.initialize: model is required")
+    if mesh_param is not None:
+        raise ValueError("hf_zero.initialize: mesh_param (a device mesh for sequence / data parallelism) is not "
+                         "supported; hf_zero shards over the data-parallel world only, so leave mesh_param unset")
     if mpu is not None:
         raise ValueError("hf_zero.initialize: model parallelism (mpu=...) is not supported; hf_zero shards over the "
                          "data-parallel world only")

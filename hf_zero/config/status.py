@@ -1,0 +1,319 @@
+"""What hf_zero does with every DeepSpeed key it accepts: one table, one line per key.
+
+Each accepted JSON key (dotted path; a section's path covers every key inside it) has one status:
+
+* ``honoured`` -- it changes behaviour as DeepSpeed documents.
+* ``no_op``    -- accepted on purpose and without effect, with the reason (hf_zero already behaves that way, or the
+  option tunes a mechanism hf_zero does not have). Setting it away from its default warns once, naming the key.
+* ``not_implemented`` -- DeepSpeed would do something hf_zero does not do (yet). Setting it warns once, naming the
+  key and what hf_zero does instead; the start-up table lists it.
+* ``refused`` -- ignoring it would silently change results, so a value hf_zero cannot honour is a ConfigError.
+
+"Set" means: the value differs from the default, unless the entry names its own condition (``active``): a section
+with an ``enabled`` flag is set when enabled. Landing a feature is a one-line edit here: its status becomes
+``HONOURED``. ``tests/test_config_status.py`` fails when an accepted key has no entry.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .hf_zero_config import HfZeroConfig
+
+__all__ = ["Status", "KeyStatus", "STATUS", "ConfigKeyIgnored", "not_honoured", "enforce"]
+
+
+class Status(enum.Enum):
+    HONOURED = "honoured"
+    NO_OP = "no effect"
+    NOT_IMPLEMENTED = "not implemented"
+    REFUSED = "refused"
+
+
+class ConfigKeyIgnored(UserWarning):
+    """A config key hf_zero accepts is set, but hf_zero does not do what it asks; the message says what instead."""
+
+
+@dataclass(frozen=True)
+class KeyStatus:
+    status: Status
+    note: str = ""  # no_op: why; not_implemented / refused: what hf_zero does instead
+    active: Callable[["HfZeroConfig"], bool] | None = None  # when the key counts as set; default: != its default
+    label: Callable[["HfZeroConfig"], str] | None = None    # how the start-up table names it; default: the path
+
+
+HONOURED = KeyStatus(Status.HONOURED)
+
+
+def _no_op(note: str, active=None) -> KeyStatus:
+    return KeyStatus(Status.NO_OP, note, active)
+
+
+def _todo(note: str, active=None, label=None) -> KeyStatus:
+    return KeyStatus(Status.NOT_IMPLEMENTED, note, active, label)
+
+
+def _refused(note: str, active=None) -> KeyStatus:
+    return KeyStatus(Status.REFUSED, note, active)
+
+
+def _enabled(path: str) -> Callable[["HfZeroConfig"], bool]:
+    """A typed section with an ``enabled`` flag counts as set when it is enabled."""
+    return lambda cfg: _get(cfg, path).enabled is True
+
+
+def _switched_on(path: str) -> Callable[["HfZeroConfig"], bool]:
+    """A section kept as a raw mapping counts as set when it has ``"enabled": true`` at any depth."""
+    return lambda cfg: _any_enabled(_get(cfg, path))
+
+
+def _any_enabled(section: Any) -> bool:
+    if isinstance(section, Mapping):
+        return section.get("enabled") is True or any(_any_enabled(v) for v in section.values())
+    if isinstance(section, (list, tuple)):
+        return any(_any_enabled(v) for v in section)
+    return False
+
+
+def _given_true(path: str) -> Callable[["HfZeroConfig"], bool]:
+    """Set when the user wrote ``true`` (the default is true, and hf_zero behaves as ``false``)."""
+    def active(cfg: "HfZeroConfig") -> bool:
+        node: Any = cfg.raw
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        return node is True
+    return active
+
+
+def _one_bit(cfg: "HfZeroConfig") -> bool:
+    from .optim import ONE_BIT_OPTIMIZERS
+
+    return cfg.optimizer is not None and cfg.optimizer.name in ONE_BIT_OPTIMIZERS
+
+
+def _optimizer_label(cfg: "HfZeroConfig") -> str:
+    from .optim import OPTIMIZER_TYPES
+
+    return f"optimizer.type {OPTIMIZER_TYPES[cfg.optimizer.name][0]}"
+
+
+def _reduce_dtype(cfg: "HfZeroConfig") -> str:
+    """The dtype gradients are reduced in: the one they are accumulated in."""
+    if cfg.data_types.grad_accum_dtype is not None:
+        return cfg.data_types.grad_accum_dtype
+    return "bf16" if cfg.bf16.enabled is True else "fp16" if cfg.fp16.enabled is True else "fp32"
+
+
+def _autotp(cfg: "HfZeroConfig") -> bool:
+    tp = cfg.tensor_parallel
+    try:
+        return tp is not None and int(tp.get("autotp_size", 1)) > 1
+    except (TypeError, ValueError):
+        return False
+
+
+_OFFLOAD_POOL = ("hf_zero's swap needs no buffer pool: optimizer tiles use two sets of sub_group_size buffers, and "
+                 "parameter reads go straight into the all-gather buffer")
+_PIPELINED = "NVMe reads and writes always overlap the optimizer step (double-buffered tiles)"
+
+# Dotted JSON key -> status. Aliases (bfloat16, thread_count, stage3_gather_fp16_weights_on_model_save) share the
+# entry of the key they stand for.
+STATUS: dict[str, KeyStatus] = {
+    "train_batch_size": HONOURED,
+    "train_micro_batch_size_per_gpu": HONOURED,
+    "gradient_accumulation_steps": HONOURED,
+    "gradient_clipping": HONOURED,
+    "steps_per_print": HONOURED,
+    "wall_clock_breakdown": HONOURED,
+    "memory_breakdown": _todo("memory is not logged per stage of a step; engine statistics and the HF callback "
+                              "report peak memory"),
+    "dump_state": _todo("the engine state is not printed after initialisation"),
+    "prescale_gradients": _no_op("hf_zero always divides gradients by the world size before reducing them, as "
+                                 "DeepSpeed's ZeRO reduce-scatter path does"),
+    "gradient_predivide_factor": _refused("hf_zero divides gradients by the world size before the reduction and "
+                                          "applies no other factor; remove gradient_predivide_factor"),
+    "sparse_gradients": _todo("embedding gradients are reduced as dense tensors (same values)"),
+    "zero_allow_untested_optimizer": HONOURED,
+    "zero_force_ds_cpu_optimizer": _no_op("with optimizer offload hf_zero always runs its own CPU Adam (a client "
+                                          "Adam/AdamW is re-applied as it; other optimizers are refused)"),
+    "communication_data_type": _refused(
+        "gradients are reduced in the dtype they are accumulated in; set data_types.grad_accum_dtype to choose it",
+        active=lambda cfg: cfg.communication_data_type not in (None, _reduce_dtype(cfg))),
+    "fp16.enabled": HONOURED,
+    "fp16.auto_cast": _todo("the model's inputs are passed as given; cast floating-point inputs to float16 yourself"),
+    "fp16.loss_scale": HONOURED,
+    "fp16.initial_scale_power": HONOURED,
+    "fp16.loss_scale_window": HONOURED,
+    "fp16.hysteresis": HONOURED,
+    "fp16.consecutive_hysteresis": HONOURED,
+    "fp16.min_loss_scale": HONOURED,
+    "fp16.fp16_master_weights_and_grads": _refused("hf_zero keeps fp32 master weights and gradients; remove it"),
+    "bf16.enabled": HONOURED,
+    "bf16.immediate_grad_update": _todo("gradients accumulate in data_types.grad_accum_dtype (default: the training "
+                                        "dtype) and are added to the fp32 master weights at the step"),
+    "bf16.check_grad_overflow": HONOURED,
+    # dsengine (#13) is implementing these two.
+    "bf16.bf16_master_weights_and_grads": _todo("master weights and gradients stay in fp32"),
+    "bf16.bf16_optimizer_states": _todo("optimizer states stay in fp32"),
+    "amp": _todo("NVIDIA apex AMP is not run; use fp16 or bf16", active=_switched_on("amp")),
+    "optimizer.type": _todo("1-bit communication compression is not run: it trains as the uncompressed optimizer",
+                            active=_one_bit, label=_optimizer_label),
+    "optimizer.params": HONOURED,
+    "scheduler.type": HONOURED,
+    "scheduler.params": HONOURED,
+    "zero_optimization.stage": HONOURED,
+    "zero_optimization.contiguous_gradients": _no_op("gradients are always reduced from contiguous bucket buffers"),
+    "zero_optimization.reduce_scatter": _no_op("stages 1-3 always reduce-scatter gradients, stage 0 all-reduces them "
+                                               "(same averaged values)"),
+    "zero_optimization.reduce_bucket_size": HONOURED,
+    "zero_optimization.use_multi_rank_bucket_allreduce": _no_op("buckets are reduced one collective each (same "
+                                                                "values)"),
+    "zero_optimization.allgather_partitions": _no_op("updated partitions are always all-gathered (same values as "
+                                                     "the broadcasts false selects)"),
+    "zero_optimization.allgather_bucket_size": HONOURED,
+    "zero_optimization.overlap_comm": HONOURED,
+    "zero_optimization.load_from_fp32_weights": _refused(
+        "hf_zero always restores the fp32 master weights saved in the checkpoint; remove load_from_fp32_weights"),
+    "zero_optimization.elastic_checkpoint": _no_op("hf_zero checkpoints always load at any world size"),
+    "zero_optimization.offload_optimizer.device": HONOURED,
+    "zero_optimization.offload_optimizer.nvme_path": HONOURED,
+    "zero_optimization.offload_optimizer.pin_memory": HONOURED,
+    "zero_optimization.offload_optimizer.buffer_count": _no_op(_OFFLOAD_POOL),
+    "zero_optimization.offload_optimizer.buffer_size": _no_op(_OFFLOAD_POOL),
+    "zero_optimization.offload_optimizer.max_in_cpu": _no_op("applies to parameter offload only"),
+    "zero_optimization.offload_optimizer.fast_init": _no_op("swap files are preallocated at start-up either way"),
+    "zero_optimization.offload_optimizer.pipeline_read": _no_op(_PIPELINED),
+    "zero_optimization.offload_optimizer.pipeline_write": _no_op(_PIPELINED),
+    "zero_optimization.offload_optimizer.ratio": HONOURED,
+    "zero_optimization.offload_param.device": HONOURED,
+    "zero_optimization.offload_param.nvme_path": HONOURED,
+    "zero_optimization.offload_param.pin_memory": _no_op("parameter partitions of CPU training are host memory "
+                                                         "already; offload_param with accelerator parameters is "
+                                                         "refused"),
+    "zero_optimization.offload_param.buffer_count": _no_op(_OFFLOAD_POOL),
+    "zero_optimization.offload_param.buffer_size": _no_op(_OFFLOAD_POOL),
+    "zero_optimization.offload_param.max_in_cpu": _todo("with offload_param nvme every partition that is not "
+                                                        "persistent lives on the drive; none is kept in CPU memory"),
+    "zero_optimization.offload_param.fast_init": _no_op("swap files are preallocated at start-up either way"),
+    "zero_optimization.offload_param.pipeline_read": _no_op("partitions are read ahead along the recorded module "
+                                                            "order always"),
+    "zero_optimization.offload_param.pipeline_write": _no_op("partition writes always overlap the optimizer step"),
+    "zero_optimization.offload_param.ratio": HONOURED,  # must be 1 (checked by the schema)
+    "zero_optimization.sub_group_size": HONOURED,
+    "zero_optimization.cpu_offload": HONOURED,
+    "zero_optimization.cpu_offload_param": HONOURED,
+    "zero_optimization.cpu_offload_use_pin_memory": HONOURED,
+    "zero_optimization.stage3_prefetch_bucket_size": HONOURED,
+    "zero_optimization.stage3_param_persistence_threshold": HONOURED,
+    "zero_optimization.stage3_model_persistence_threshold": _todo(
+        "every parameter under stage3_param_persistence_threshold stays whole, with no cap on their total"),
+    "zero_optimization.stage3_max_live_parameters": HONOURED,
+    "zero_optimization.stage3_max_reuse_distance": HONOURED,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": HONOURED,
+    "zero_optimization.stage3_divergence_timeout_s": HONOURED,
+    "zero_optimization.stage3_module_granularity_threshold": _todo("parameters are fetched module by module"),
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": _todo("parameters are fetched with all-gather "
+                                                                      "(same values)"),
+    "zero_optimization.stage3_allgather_sequential": _todo("parameters are all-gathered in buckets (same values)"),
+    "zero_optimization.ignore_unused_parameters": _todo("parameters that get no gradient are always tolerated "
+                                                        "(their gradient counts as zero)"),
+    "zero_optimization.legacy_stage1": _no_op("hf_zero has one stage-1 implementation"),
+    "zero_optimization.round_robin_gradients": _no_op("gradient copies to the CPU are not spread over ranks (same "
+                                                      "values)"),
+    "zero_optimization.zero_hpz_partition_size": _todo("parameters are partitioned over the whole data-parallel "
+                                                       "group", active=lambda cfg: cfg.zero.zero_hpz_partition_size > 1),
+    "zero_optimization.zero_quantized_weights": _todo("weights are all-gathered unquantized"),
+    "zero_optimization.zero_quantized_nontrainable_weights": _todo("frozen weights are stored unquantized"),
+    "zero_optimization.zero_quantized_gradients": _todo("gradients are reduced unquantized"),
+    "zero_optimization.mics_shard_size": _todo("parameters are partitioned over the whole data-parallel group",
+                                               active=lambda cfg: cfg.zero.mics_shard_size > 0),
+    "zero_optimization.mics_hierarchical_params_gather": _todo("parameters are all-gathered in one level"),
+    "zero_optimization.memory_efficient_linear": _no_op("hf_zero's linear layers are torch's"),
+    "zero_optimization.override_module_apply": _todo(
+        "nn.Module.apply sees the partitioned parameters; gather them with zero.GatheredParameters",
+        active=_given_true("zero_optimization.override_module_apply")),
+    "zero_optimization.log_trace_cache_warnings": _todo("trace-cache invalidations are not logged"),
+    "zero_optimization.enable_sanity_checks": _todo("no extra consistency checks are run"),
+    "aio.block_size": HONOURED,
+    "aio.queue_depth": HONOURED,
+    "aio.intra_op_parallelism": HONOURED,
+    "aio.single_submit": HONOURED,
+    "aio.overlap_events": _no_op("submission and completion always overlap (background I/O threads)"),
+    "aio.use_gds": _todo("NVMe transfers go through host memory"),
+    "activation_checkpointing": _todo("use the model's gradient_checkpointing_enable() (torch.utils.checkpoint); "
+                                      "these options are not applied",
+                                      active=lambda cfg: cfg.activation_checkpointing.enabled),
+    # profiling (#16) will honour flops_profiler.
+    "flops_profiler": _todo("FLOPs are not profiled during training", active=_enabled("flops_profiler")),
+    "tensorboard": _todo("metrics are not written; the HF Trainer's report_to does", active=_enabled("tensorboard")),
+    "csv_monitor": _todo("metrics are not written; the HF Trainer's report_to does", active=_enabled("csv_monitor")),
+    "wandb": _todo("metrics are not sent; the HF Trainer's report_to does", active=_enabled("wandb")),
+    "comet": _todo("metrics are not sent; the HF Trainer's report_to does", active=_switched_on("comet")),
+    "comms_logger": _todo("collectives are not logged", active=_enabled("comms_logger")),
+    # reliability (#14) owns checkpoint behaviour.
+    "checkpoint.tag_validation": _todo("tags are not compared across ranks"),
+    "checkpoint.load_universal": _todo("DeepSpeed universal checkpoints are not read; hf_zero checkpoints load at any "
+                                       "world size"),
+    "checkpoint.use_node_local_storage": _todo("checkpoints are written once, to the shared directory"),
+    "checkpoint.parallel_write": _no_op("every rank always writes its own files in parallel"),
+    "data_types.grad_accum_dtype": HONOURED,
+    # pipeline (#17) owns this section.
+    "pipeline": _todo("the model is not split into pipeline stages", active=lambda cfg: bool(cfg.pipeline)),
+    "compression_training": _todo("the engine does not apply it; hf_zero.compression.init_compression(model, config) "
+                                  "or the HF CompressionCallback does", active=_switched_on("compression_training")),
+    # tensor_parallel (#18) owns this section.
+    "tensor_parallel": _todo("the model is not split across ranks", active=_autotp),
+    "elasticity": _todo("batch sizes are not adapted to the world size", active=_switched_on("elasticity")),
+    "autotuning": _todo("nothing is tuned", active=_switched_on("autotuning")),
+    "data_efficiency": _todo("data is not sampled or routed", active=_switched_on("data_efficiency")),
+    "curriculum_learning": _todo("no curriculum is applied", active=_switched_on("curriculum_learning")),
+}
+
+
+def _get(cfg: Any, path: str) -> Any:
+    from .schema import json_fields, json_key
+
+    node = cfg
+    for part in path.split("."):
+        by_key = {json_key(f): f.name for f in json_fields(type(node))}
+        node = getattr(node, by_key[part])
+    return node
+
+
+def _is_set(cfg: "HfZeroConfig", path: str, entry: KeyStatus, default: "HfZeroConfig") -> bool:
+    if entry.active is not None:
+        return entry.active(cfg)
+    return _get(cfg, path) != _get(default, path)
+
+
+def not_honoured(cfg: "HfZeroConfig") -> list[tuple[str, KeyStatus]]:
+    """(label, status) of every key ``cfg`` sets that hf_zero does not honour, in table order."""
+    from .hf_zero_config import HfZeroConfig
+
+    default = HfZeroConfig()
+    out = []
+    for path, entry in STATUS.items():
+        if entry.status is not Status.HONOURED and _is_set(cfg, path, entry, default):
+            out.append((entry.label(cfg) if entry.label else path, entry))
+    return out
+
+
+def enforce(cfg: "HfZeroConfig", *, warn: bool) -> tuple[str, ...]:
+    """Raise for a refused key that is set; warn (when ``warn``) once per key that is set and not honoured.
+    Returns the labels of the set keys that are not implemented, for the start-up table."""
+    found = not_honoured(cfg)
+    for label, entry in found:
+        if entry.status is Status.REFUSED:
+            raise ConfigError(label, f"{_get(cfg, label)!r} is not supported: {entry.note}")
+    if warn:
+        for label, entry in found:
+            what = "has no effect in hf_zero" if entry.status is Status.NO_OP else "is not implemented in hf_zero"
+            warnings.warn(f"hf_zero: config key {label} {what}: {entry.note}", ConfigKeyIgnored, stacklevel=3)
+    return tuple(label for label, entry in found if entry.status is Status.NOT_IMPLEMENTED)

@@ -1,0 +1,150 @@
+"""Config honesty: every accepted key has a status, and a key set but not honoured warns, errs or is listed."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_zero
+from hf_zero.config import ConfigError, HfZeroConfig, load_config
+from hf_zero.config.schema import json_fields, json_key
+from hf_zero.config.status import STATUS, ConfigKeyIgnored, Status
+from hf_zero.config.table import format_config_table
+from hf_zero.testing import run_distributed
+
+from _parity import base_config, engine_run, make_model
+
+
+def _accepted_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key a section reads, aliases left out (they share their key's entry); a section whose own path
+    has a status is one key."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in json_fields(cls):
+        path = prefix + json_key(f)
+        section = [a for a in (typing.get_args(hints[f.name]) or (hints[f.name],)) if dataclasses.is_dataclass(a)]
+        if section and path not in STATUS:
+            out += _accepted_keys(section[0], path + ".")
+        else:
+            out.append(path)
+    return out
+
+
+def load(config: dict, **kwargs) -> HfZeroConfig:
+    return load_config(config, world_size=1, log=False, **kwargs)
+
+
+def ignored_warnings(config: dict) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load(config)
+    return [str(w.message) for w in caught if issubclass(w.category, ConfigKeyIgnored)]
+
+
+def test_every_accepted_key_has_exactly_one_status():
+    keys = _accepted_keys(HfZeroConfig)
+    assert len(keys) > 100
+    missing = [k for k in keys if k not in STATUS]
+    assert not missing, f"accepted keys with no status in hf_zero/config/status.py: {missing}"
+    stale = [k for k in STATUS if k not in keys]
+    assert not stale, f"status entries for keys the schema does not accept: {stale}"
+    for key, entry in STATUS.items():
+        if entry.status is not Status.HONOURED:
+            assert entry.note, f"{key}: a key that is not honoured must say why or what hf_zero does instead"
+
+
+def test_defaults_warn_about_nothing():
+    assert ignored_warnings({}) == []
+    assert load({}).not_implemented == ()
+
+
+def test_not_implemented_key_warns_once_with_what_hf_zero_does_and_is_marked_in_the_table():
+    config = {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 5000}}
+    assert ignored_warnings(config) == [
+        "hf_zero: config key zero_optimization.stage3_module_granularity_threshold is not implemented in hf_zero: "
+        "parameters are fetched module by module"]
+    cfg = load(config)
+    assert cfg.not_implemented == ("zero_optimization.stage3_module_granularity_threshold",)
+    table = format_config_table(cfg).splitlines()
+    assert [line.split() for line in table[1:-1] if "granularity" in line] == [
+        ["zero_optimization.stage3_module_granularity_threshold", "5000", "(not", "implemented)"]]
+    assert table[-1] == "  accepted, not yet implemented: zero_optimization.stage3_module_granularity_threshold"
+
+
+def test_no_op_key_warns_with_its_reason_and_is_marked_but_not_listed():
+    config = {"zero_optimization": {"stage": 2, "contiguous_gradients": False, "elastic_checkpoint": True}}
+    assert ignored_warnings(config) == [
+        "hf_zero: config key zero_optimization.contiguous_gradients has no effect in hf_zero: gradients are always "
+        "reduced from contiguous bucket buffers",
+        "hf_zero: config key zero_optimization.elastic_checkpoint has no effect in hf_zero: hf_zero checkpoints "
+        "always load at any world size"]
+    cfg = load(config)
+    assert cfg.not_implemented == ()
+    rows = {line.split()[0]: line.split()[-1] for line in format_config_table(cfg).splitlines()[1:]}
+    assert rows["zero_optimization.contiguous_gradients"] == "effect)"
+    assert "(no effect)" in format_config_table(cfg)
+
+
+def test_warnings_only_on_rank_zero():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config({"dump_state": True}, world_size=1, rank=1, log=False)
+    assert [w for w in caught if issubclass(w.category, ConfigKeyIgnored)] == []
+
+
+@pytest.mark.parametrize("config, key", [
+    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+    ({"communication_data_type": "fp16"}, "communication_data_type"),
+    ({"bf16": {"enabled": True}, "communication_data_type": "fp32"}, "communication_data_type"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
+    ({"zero_optimization": {"load_from_fp32_weights": False}}, "zero_optimization.load_from_fp32_weights"),
+])
+def test_keys_that_would_change_results_silently_are_refused(config, key):
+    with pytest.raises(ConfigError) as info:
+        load(config)
+    assert str(info.value).startswith(f"{key}: ")
+    assert "not supported" in str(info.value)
+
+
+def test_communication_dtype_equal_to_the_reduction_dtype_is_honoured():
+    assert ignored_warnings({"bf16": {"enabled": True}, "communication_data_type": "bf16"}) == []
+    assert ignored_warnings({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+                             "communication_data_type": "fp32"}) == []
+
+
+def test_sections_count_as_set_when_enabled():
+    assert load({"wandb": {"enabled": False, "project": "x"}}).not_implemented == ()
+    assert load({"wandb": {"enabled": True}}).not_implemented == ("wandb",)
+    assert load({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}).not_implemented == (
+        "optimizer.type OneBitAdam",)
+    assert load({"tensor_parallel": {"autotp_size": 1}}).not_implemented == ()
+
+
+def test_initialize_has_deepspeeds_signature_and_rejects_unknown_keywords():
+    assert list(inspect.signature(hf_zero.initialize).parameters) == [
+        "args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "distributed_port", "mpu",
+        "dist_init_required", "collate_fn", "config", "mesh_param", "config_params"]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'confg'"):
+        hf_zero.initialize(model=torch.nn.Linear(2, 2), confg={})
+
+
+def _bf16_poisoned(check: bool):
+    extra = {"bf16": {"enabled": True, "check_grad_overflow": check}}
+    engine, *_ = hf_zero.initialize(model=make_model(), config=base_config(1, **extra))
+    engine_run(engine, dist.get_world_size(), dist.get_rank(), steps=4, dtype=torch.bfloat16, poison=(2, 0))
+    finite = all(torch.isfinite(g.master).all().item() for g in engine.groups)
+    out = (engine.skipped_steps, engine.global_steps, finite)
+    engine.destroy()
+    return out
+
+
+def test_bf16_check_grad_overflow_skips_the_step():
+    # The infinite gradient of step 2 is skipped with the flag (weights stay finite) and applied without it.
+    assert run_distributed(_bf16_poisoned, 1, args=(True,)) == [(1, 4, True)]
+    assert run_distributed(_bf16_poisoned, 1, args=(False,)) == [(0, 4, False)]
