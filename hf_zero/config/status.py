@@ -250,8 +250,7 @@ STATUS: dict[str, KeyStatus] = {
     "activation_checkpointing": _todo("use the model's gradient_checkpointing_enable() (torch.utils.checkpoint); "
                                       "these options are not applied",
                                       active=lambda cfg: cfg.activation_checkpointing.enabled),
-    # profiling (#16) will honour flops_profiler.
-    "flops_profiler": _todo("FLOPs are not profiled during training", active=_enabled("flops_profiler")),
+    "flops_profiler": HONOURED,  # hf_zero/profiling/step_profile.py
     "tensorboard": _todo("metrics are not written; the HF Trainer's report_to does", active=_enabled("tensorboard")),
     "csv_monitor": _todo("metrics are not written; the HF Trainer's report_to does", active=_enabled("csv_monitor")),
     "wandb": _todo("metrics are not sent; the HF Trainer's report_to does", active=_enabled("wandb")),

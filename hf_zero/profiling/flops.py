@@ -1,8 +1,15 @@
-"""FLOPs counted at the dispatcher: ``torch.utils.flop_counter.FlopCounterMode`` plus hf_zero's registrations.
+"""FLOPs counted at the dispatcher: torch's FLOP formulas (``torch.utils.flop_counter``) plus hf_zero's own.
 
 Counting aten ops (not patching Python functions) sees every matmul exactly once with the shapes the kernels
-receive: ZeRO-3's gathered weights, operator arithmetic, backward, activation-checkpoint recompute. torch's
-registry has holes; hf_zero fills them with its own formulas (:data:`HF_ZERO_FORMULAS`):
+receive: ZeRO-3's gathered weights, operator arithmetic, backward, activation-checkpoint recompute.
+
+The dispatch mode is hf_zero's (:class:`_CountingMode`), the formulas are ``FlopCounterMode``'s registry. The
+difference from ``FlopCounterMode`` itself: it runs every op exactly as it would run unprofiled. ``FlopCounterMode``
+decomposes ops it has no formula for into their composite implementation, which changes kernels and summation
+order (``embedding_dense_backward`` becomes an ``index_put``), so gradients under it are not bit-identical to a run
+without it; a profiler must not change the training it measures.
+
+torch's registry has holes; hf_zero fills them with its own formulas (:data:`HF_ZERO_FORMULAS`):
 
 - ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward -- the kernel ``F.scaled_dot_product_
   attention`` runs on CPU by default, which torch 2.13 counts as zero FLOPs.
@@ -22,13 +29,16 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch._ops import HigherOrderOperator
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.module_tracker import ModuleTracker
 
 __all__ = ["FlopCounter", "FlopReport", "count_flops", "HF_ZERO_FORMULAS", "ATTENTION_CONVENTION"]
 
@@ -93,6 +103,26 @@ class FlopReport:
         return self.hardware // 2
 
 
+class _CountingMode(TorchDispatchMode):
+    """Runs each op unchanged, then hands the ones with a formula to ``count(packet, args, kwargs, out)``."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, formulas: dict[Any, Callable[..., int]], count: Callable[..., None]):
+        super().__init__()
+        self.formulas = formulas
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func if isinstance(func, HigherOrderOperator) else func._overloadpacket
+        formula = self.formulas.get(packet)
+        if formula is not None:
+            self.count(packet, int(formula(*args, **kwargs, out_val=out)), args)
+        return out
+
+
 class FlopCounter:
     """Counts FLOPs in windows, each marked forward or backward; totals add up over windows.
 
@@ -103,8 +133,8 @@ class FlopCounter:
             loss.backward()
         counter.report.model, counter.report.hardware
 
-    Inside a window, FlopCounterMode is active and two global module hooks (forward pre/post) track which module
-    is running; both are removed when the window closes. Nothing about the computation changes.
+    Inside a window the counting dispatch mode is active and two global module hooks (forward pre/post) track
+    which module is running; both are removed when the window closes. Nothing about the computation changes.
     """
 
     def __init__(self, root: nn.Module | None = None, time_modules: bool = False):
@@ -112,37 +142,31 @@ class FlopCounter:
         if root is not None:
             self._names = {id(m): (name or type(root).__name__) for name, m in root.named_modules()}
         self.time_modules = time_modules
-        self.report = FlopReport()
+        self.report = FlopReport(by_module=defaultdict(int), module_seconds=defaultdict(float), by_op=Counter())
         self._phase = "forward"
+        self._tracker: ModuleTracker | None = None
         self._stack: list[tuple[str, float]] = []
-        self._by_module: dict[str, int] = defaultdict(int)
-        self._seconds: dict[str, float] = defaultdict(float)
-        self._by_op: Counter = Counter()
 
-    def _formulas(self) -> dict[Any, Callable[..., int]]:
-        """torch's registry plus hf_zero's, each wrapped to attribute its count (raw: called with the tensors)."""
+    @staticmethod
+    def _formulas() -> dict[Any, Callable[..., int]]:
+        """torch's registry plus hf_zero's; each is called ``f(*args, out_val=out, **kwargs)`` with the tensors."""
         table = dict(flop_registry)
-        for packet, formula in HF_ZERO_FORMULAS.items():
-            table[packet] = formula  # overrides torch's own entry if a later torch adds one: never counted twice
-        wrapped = {}
-        for packet, formula in table.items():
-            def counted(*args, _packet=packet, _formula=formula, **kwargs):
-                n = int(_formula(*args, **kwargs))
-                self._add(_packet, n, args)
-                return n
-            counted._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode passes tensors, not shapes
-            wrapped[packet] = counted
-        return wrapped
+        # overrides torch's own entry if a later torch adds one: never counted twice
+        table.update(HF_ZERO_FORMULAS)
+        return table
 
     def _add(self, packet, n: int, args: tuple) -> None:
         r = self.report
-        self._by_op[str(packet)] += n
-        if self._phase == "forward":
+        r.by_op[str(packet)] += n
+        phase = self._phase
+        if phase == "auto":
+            phase = "backward" if self._tracker is not None and self._tracker.is_bw else "forward"
+        if phase == "forward":
             r.forward += n
             if packet in _ATTENTION_FORWARD:
                 r.attention_forward += n
             for name in {name for name, _ in self._stack}:
-                self._by_module[name] += n
+                r.by_module[name] += n
             return
         r.backward += n
         if self._stack:  # a module's forward running inside backward: activation-checkpoint recompute
@@ -161,28 +185,31 @@ class FlopCounter:
         if not self._stack:
             return
         name, start = self._stack.pop()
-        if self.time_modules and self._phase == "forward":
+        if self.time_modules and self._phase != "backward":
             _sync()
-            self._seconds[name] += time.perf_counter() - start
+            self.report.module_seconds[name] += time.perf_counter() - start
 
     @contextmanager
     def window(self, phase: str) -> Iterator["FlopCounter"]:
-        if phase not in ("forward", "backward"):
-            raise ValueError(f"FlopCounter.window: phase must be 'forward' or 'backward', got {phase!r}")
+        """Count inside the block as ``phase``: "forward", "backward", or "auto" (backward from the moment
+        autograd reaches a module's outputs, as torch's ModuleTracker sees it)."""
+        if phase not in ("forward", "backward", "auto"):
+            raise ValueError(f"FlopCounter.window: phase must be 'forward', 'backward' or 'auto', got {phase!r}")
         self._phase = phase
         self._stack.clear()
         hooks = [nn.modules.module.register_module_forward_pre_hook(self._pre),
                  nn.modules.module.register_module_forward_hook(self._post, always_call=True)]
         try:
-            with FlopCounterMode(display=False, custom_mapping=self._formulas()):
+            with ExitStack() as stack:
+                if phase == "auto":
+                    self._tracker = stack.enter_context(ModuleTracker())
+                stack.enter_context(_CountingMode(self._formulas(), self._add))
                 yield self
         finally:
+            self._tracker = None
             for h in hooks:
                 h.remove()
             self._stack.clear()
-            self.report.by_module = dict(self._by_module)
-            self.report.module_seconds = dict(self._seconds)
-            self.report.by_op = dict(self._by_op)
 
 
 def _sync() -> None:

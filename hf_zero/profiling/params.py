@@ -20,13 +20,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ParamCounts", "count_params", "true_numel", "resident_nbytes"]
+__all__ = ["ParamCounts", "count_params", "true_numel", "resident_numel", "resident_nbytes"]
 
 
 def true_numel(param: torch.Tensor) -> int:
     """Elements of the whole parameter, wherever its values are (ZeRO-3 record, else the tensor itself)."""
     numel = getattr(param, "ds_numel", None)
     return int(numel) if numel is not None else param.numel()
+
+
+def resident_numel(param: torch.Tensor) -> int:
+    """Elements of this parameter held on this rank at rest (see :func:`resident_nbytes`)."""
+    shard = getattr(param, "ds_tensor", None)
+    if shard is None:
+        return param.numel()
+    return shard.numel() + (param.numel() if getattr(param, "ds_persist", False) else 0)
 
 
 def resident_nbytes(param: torch.Tensor) -> int:
@@ -50,7 +58,8 @@ class ParamCounts:
     total: int
     trainable: int
     embedding: int          # weights of nn.Embedding modules (what transformers' exclude_embeddings drops)
-    resident_bytes: int     # bytes of parameters this rank holds at rest
+    resident_numel: int     # elements of parameters this rank holds at rest (shards + persistent copies)
+    resident_bytes: int     # their bytes
     sharded: bool           # some parameter is partitioned (ZeRO-3)
 
     @property
@@ -66,7 +75,7 @@ def count_params(model: nn.Module) -> ParamCounts:
     """Count ``model``'s parameters from their true sizes (see the module docstring)."""
     embedding_ids = {id(m.weight) for m in model.modules()
                      if isinstance(m, nn.Embedding) and isinstance(getattr(m, "weight", None), torch.Tensor)}
-    total = trainable = embedding = resident = 0
+    total = trainable = embedding = resident = resident_elems = 0
     sharded = False
     for p in model.parameters():  # deduplicated by nn.Module
         numel = true_numel(p)
@@ -76,6 +85,7 @@ def count_params(model: nn.Module) -> ParamCounts:
         if id(p) in embedding_ids:
             embedding += numel
         resident += resident_nbytes(p)
+        resident_elems += resident_numel(p)
         sharded = sharded or hasattr(p, "ds_tensor")
-    return ParamCounts(total=total, trainable=trainable, embedding=embedding, resident_bytes=resident,
+    return ParamCounts(total=total, trainable=trainable, embedding=embedding, resident_numel=resident_elems, resident_bytes=resident,
                        sharded=sharded)

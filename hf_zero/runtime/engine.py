@@ -21,6 +21,7 @@ from torch import nn
 
 from hf_zero import comm
 from hf_zero.config import HfZeroConfig
+from hf_zero.profiling.step_profile import StepProfiler
 from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.optimizers import OptimizerPlan
 from hf_zero.zero.grad_reducer import GradReducer, ReduceMode
@@ -96,6 +97,10 @@ class HfZeroEngine(nn.Module):
         else:
             self.reducer = None
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        # flops_profiler: counts and reports the step whose global_steps == profile_step (hf_zero/profiling)
+        self.step_profiler = StepProfiler(module, config.flops_profiler, rank=self.global_rank,
+                                          world_size=self.world_size, micro_batch=self.train_micro_batch_size_per_gpu(),
+                                          compute_dtype=self.compute_dtype, device=self.device)
         self.timers = self._timers  # hand the timers to the reducer / stage-3 runtime / offload (see the setter)
 
     def _checks_overflow(self, config: HfZeroConfig) -> bool:
@@ -177,7 +182,7 @@ class HfZeroEngine(nn.Module):
         return dict(self._config.raw)
 
     def forward(self, *args, **kwargs):
-        with self.timers.phase("forward"):
+        with self.timers.phase("forward"), self.step_profiler.forward(self.global_steps, args, kwargs):
             return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -201,7 +206,7 @@ class HfZeroEngine(nn.Module):
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
         reducing = self.stage == 2 or self.is_gradient_accumulation_boundary()
-        with self.timers.phase("backward"):
+        with self.timers.phase("backward"), self.step_profiler.backward(self.global_steps):
             if self.reducer is not None:
                 self.reducer.begin(reducing)
             scaled.backward(retain_graph=retain_graph)
@@ -215,10 +220,11 @@ class HfZeroEngine(nn.Module):
         """At the accumulation boundary: optimizer step, scheduler step, counters, logging."""
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            with self.timers.phase("step"):
+            with self.timers.phase("step"), self.step_profiler.step(self.global_steps):
                 self.optimizer.step()
             if self.lr_scheduler is not None and not self.optimizer.overflow:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.step_profiler.finish_step(self.global_steps)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._log_step()
