@@ -264,7 +264,8 @@ STATUS: dict[str, KeyStatus] = {
     "checkpoint.parallel_write": _no_op("every rank always writes its own files in parallel"),
     "data_types.grad_accum_dtype": HONOURED,
     # pipeline (#17) owns this section.
-    "pipeline": _todo("the model is not split into pipeline stages", active=lambda cfg: bool(cfg.pipeline)),
+    # its keys are checked by hf_zero.pipeline.config; initialize() refuses the section for a non-pipeline model
+    "pipeline": HONOURED,
     "compression_training": _todo("the engine does not apply it; hf_zero.compression.init_compression(model, config) "
                                   "or the HF CompressionCallback does", active=_switched_on("compression_training")),
     # tensor_parallel (#18) owns this section.

@@ -1,1 +1,34 @@
-"""hf_zero.pipeline"""
+"""hf_zero.pipeline: pipeline parallelism on ``torch.distributed.pipelining``.
+
+- DeepSpeed's API (also ``hf_zero.pipe`` / ``deepspeed.pipe``): :class:`PipelineModule`, :class:`LayerSpec`,
+  :class:`TiedLayerSpec`, the topologies; ``hf_zero.initialize(model=PipelineModule(...))`` returns a pipeline
+  engine with ``train_batch``/``eval_batch``.
+- Hugging Face decoders as they are: :func:`wrap` (Llama family, GPT-2).
+
+Names are imported on first use (``import hf_zero`` stays cheap).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "PipelineModule": "hf_zero.pipeline.module", "LayerSpec": "hf_zero.pipeline.module",
+    "TiedLayerSpec": "hf_zero.pipeline.module", "PipelineError": "hf_zero.pipeline.module",
+    "ProcessTopology": "hf_zero.pipeline.topology", "PipeDataParallelTopology": "hf_zero.pipeline.topology",
+    "PipeModelDataParallelTopology": "hf_zero.pipeline.topology",
+    "PipelineParallelGrid": "hf_zero.pipeline.topology",
+    "PipelineStageFailure": "hf_zero.pipeline.failure", "RepeatingLoader": "hf_zero.pipeline.data",
+    "wrap": "hf_zero.pipeline.hf", "HFPipelineModule": "hf_zero.pipeline.hf",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hf_zero.pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

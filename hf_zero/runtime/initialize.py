@@ -51,7 +51,16 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     comm.init_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
     world_size = comm.get_world_size()
     _default_logging(comm.get_rank())
-    cfg = load_config(_config_source(args, config, config_params), world_size=world_size, rank=comm.get_rank())
+    pipeline_grid = getattr(model, "grid", None) if hasattr(model, "chunk_modules") else None
+    data_rank = comm.get_rank()
+    if pipeline_grid is not None:  # batch sizes count data-parallel replicas, not every rank
+        world_size, data_rank = pipeline_grid.data_parallel_size, pipeline_grid.data_parallel_id
+    cfg = load_config(_config_source(args, config, config_params), world_size=world_size, rank=data_rank)
+    if cfg.pipeline and pipeline_grid is None:
+        raise ConfigError("pipeline", "the config has a pipeline section but the model is not a pipeline model; "
+                                      "pass hf_zero.pipe.PipelineModule(...) or hf_zero.pipeline.wrap(model, "
+                                      "num_stages) to initialize(), or remove the section (accelerate and the "
+                                      "Trainer cannot drive a pipeline: see docs/pipeline.md)")
 
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
@@ -70,10 +79,20 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         raise ConfigError("optimizer", "no optimizer: add an \"optimizer\" section to the config (e.g. "
                                        "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=...")
 
-    engine = HfZeroEngine(model, cfg, plan, lr_scheduler=lr_scheduler)
+    if pipeline_grid is not None:
+        from hf_zero.runtime.pipe_engine import PipelineEngine
+
+        engine = PipelineEngine(model, cfg, plan, lr_scheduler=lr_scheduler)
+    else:
+        engine = HfZeroEngine(model, cfg, plan, lr_scheduler=lr_scheduler)
     dataloader = None
     if training_data is not None:
-        dataloader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn, world_size)
+        dataloader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn, world_size,
+                                 data_rank)
+        if pipeline_grid is not None:  # DeepSpeed: train_batch() without an iterator reads this loader forever
+            from hf_zero.pipeline.data import RepeatingLoader
+
+            engine.set_dataiterator(RepeatingLoader(dataloader))
     return engine, engine.optimizer, dataloader, engine.lr_scheduler
 
 
@@ -86,10 +105,10 @@ def _default_logging(rank: int) -> None:
         logger.setLevel(logging.INFO)
 
 
-def _dataloader(dataset, micro_batch: int, collate_fn, world_size: int):
+def _dataloader(dataset, micro_batch: int, collate_fn, world_size: int, rank: int):
     sampler = None
     if world_size > 1:
         sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world_size,
-                                                                  rank=comm.get_rank(), shuffle=True)
+                                                                  rank=rank, shuffle=True)
     return torch.utils.data.DataLoader(dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn,
                                        shuffle=False if sampler is not None else True, drop_last=True)

@@ -13,4 +13,5 @@ _forward(__name__, {
     "init_distributed": "hf_zero.comm:init_distributed",
     "DeepSpeedEngine": "hf_zero.runtime.engine:HfZeroEngine",
     "zero": "deepspeed.runtime.zero",  # as in DeepSpeed, deepspeed.zero is deepspeed.runtime.zero
-}, submodules=["accelerator", "checkpoint", "comm", "launcher", "ops", "runtime", "utils"])
+    "PipelineModule": "hf_zero.pipeline:PipelineModule",
+}, submodules=["accelerator", "checkpoint", "comm", "launcher", "ops", "pipe", "runtime", "utils"])

@@ -1,0 +1,267 @@
+"""The pipeline engine: DeepSpeed's ``train_batch``/``eval_batch`` over torch's pipeline schedules, with hf_zero's
+ZeRO engine (stages 0-3, optimizer offload) on each stage's data-parallel replicas.
+
+    engine, _, _, _ = hf_zero.initialize(model=PipelineModule(...), config=cfg)   # or hf_zero.pipeline.wrap(hf)
+    loss = engine.train_batch(data_iter)      # gradient_accumulation_steps micro-batches, one optimizer step
+
+One step:
+  1. the schedule (torch.distributed.pipelining: GPipe, 1F1B, interleaved, ...) runs every micro-batch's forward
+     and backward; losses are pre-scaled (1/micro-batches, or 1/global tokens), so gradients are sums already;
+  2. stages 0-2: the accumulated gradients are reduced over the data-parallel group once (at ZeRO-2 this keeps the
+     full gradient for the step, like ZeRO-1: reducing every micro-batch would cost m times the traffic);
+     stage 3 reduced each micro-batch's gradients into their shards as it went (the stage calls finish_backward);
+  3. tied weights (an embedding on the first and the last stage): the copies' gradient shards are summed;
+  4. the optimizer step; the gradient norm (clipping, fp16 overflow) is summed over every stage, a tied weight
+     counted once, so the update equals the unsplit model's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from hf_zero import comm
+from hf_zero.config import HfZeroConfig
+from hf_zero.config.errors import ConfigError
+from hf_zero.pipeline.config import parse_pipeline_config
+from hf_zero.pipeline.failure import StageFailureGuard
+from hf_zero.pipeline.module import PipelineError
+from hf_zero.pipeline.schedules import EngineStage, build_schedule, check_schedule
+from hf_zero.runtime.engine import HfZeroEngine
+from hf_zero.runtime.optimizers import OptimizerPlan
+
+__all__ = ["PipelineEngine"]
+
+logger = logging.getLogger("hf_zero")
+
+
+def _split_tied(plan: OptimizerPlan, tied_groups) -> tuple[OptimizerPlan, dict[int, Any]]:
+    """The plan with each tied key's parameters in their own optimizer group(s), so their gradient shards line up
+    between the stages holding copies (same parameters, same order, same data-parallel size)."""
+    tied_of = {p: tg for tg in tied_groups for p in tg.params}
+    groups, tied_index = [], {}
+    for params, hyper in plan.groups:
+        plain = [p for p in params if p not in tied_of]
+        if plain:
+            groups.append((plain, hyper))
+    for tg in tied_groups:
+        for params, hyper in plan.groups:
+            mine = [p for p in tg.params if any(p is q for q in params)]
+            if mine:
+                tied_index[len(groups)] = tg
+                groups.append((mine, hyper))
+    return OptimizerPlan(plan.inner_cls, plan.defaults, plan.fused_adam, groups), tied_index
+
+
+class PipelineEngine(HfZeroEngine):
+    """``train_batch``/``eval_batch`` only: ``forward``, ``backward`` and ``step`` raise :class:`PipelineError`."""
+
+    def __init__(self, module, config: HfZeroConfig, plan: OptimizerPlan, lr_scheduler: Any = None):
+        grid = module.grid
+        pcfg = parse_pipeline_config(config.pipeline, model_parallel_size=grid.model_parallel_size)
+        self._check_against_module(pcfg, module)
+        # refused before anything is built or communicated
+        check_schedule(pcfg.schedule, num_microbatches=int(config.gradient_accumulation_steps),
+                       num_stages=grid.pipe_parallel_size, virtual_stages=module.virtual_stages)
+        if int(config.zero.stage) == 3 and module.virtual_stages > 1:
+            raise ConfigError("pipeline.virtual_stages", "ZeRO-3 with several virtual stages per rank is not "
+                                                        "supported; use ZeRO 0-2 or virtual_stages 1")
+        plan, tied_index = _split_tied(plan, module.tied_groups)
+        mp_group = grid.get_model_parallel_group() if grid.get_model_parallel_world_size() > 1 else None
+        super().__init__(module, config, plan, lr_scheduler=lr_scheduler,
+                         process_group=grid.get_data_parallel_group(), model_parallel_group=mp_group)
+        self.grid = grid
+        self.pipeline_config = pcfg
+        self.num_stages = grid.pipe_parallel_size
+        self.stage_id = grid.stage_id
+        self._tied_index = tied_index
+        self.optimizer.norm_excluded_groups = {gi for gi, tg in tied_index.items()
+                                               if not tg.counted_here(self.stage_id)}
+        self.micro_batches = self.gradient_accumulation_steps()
+        self._schedule = None
+        self._shape_key = None
+        self._loss_fn = None
+        self.data_iterator = None
+        self.batch_fn = None
+        self._guard = StageFailureGuard(grid, describe=f"pipeline stage {self.stage_id}")
+        self._dp_loss_group = grid.get_data_parallel_group()
+
+    @staticmethod
+    def _check_against_module(pcfg, module) -> None:
+        if pcfg.stages is not None and pcfg.stages != module.num_stages:
+            raise ConfigError("pipeline.stages", f"is {pcfg.stages} but the model is cut into {module.num_stages} "
+                                                 f"stages; set it to \"auto\" or {module.num_stages}")
+        if pcfg.partition is not None and pcfg.partition != getattr(module, "partition_method", None):
+            raise ConfigError("pipeline.partition", f"is {pcfg.partition!r} but the model was partitioned with "
+                                                    f"{getattr(module, 'partition_method', None)!r}; the model's "
+                                                    f"constructor decides: remove the key or make them equal")
+        if pcfg.seed_layers is not None and pcfg.seed_layers != getattr(module, "seed_layers", False):
+            raise ConfigError("pipeline.seed_layers", "differs from the model's seed_layers (set at construction, "
+                                                      "before the layers were built); make them equal")
+        if pcfg.virtual_stages is not None and pcfg.virtual_stages != module.virtual_stages:
+            raise ConfigError("pipeline.virtual_stages", f"is {pcfg.virtual_stages} but the model was built with "
+                                                         f"{module.virtual_stages} chunks per rank; pass "
+                                                         f"virtual_stages={pcfg.virtual_stages} to the model")
+        if pcfg.activation_checkpoint_interval is not None:
+            if not hasattr(module, "activation_checkpoint_interval"):
+                raise ConfigError("pipeline.activation_checkpoint_interval", "this model type has no layer list to "
+                                                                             "checkpoint")
+            module.activation_checkpoint_interval = pcfg.activation_checkpoint_interval
+
+    # ---- DeepSpeed's pipeline-engine API ------------------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterable) -> None:
+        self.data_iterator = iterator
+
+    def set_batch_fn(self, fn) -> None:
+        self.batch_fn = fn
+
+    def reset_activation_shape(self) -> None:
+        """The next batch re-runs shape inference between stages (a different sequence length)."""
+        self._schedule = None
+
+    def forward(self, *args, **kwargs):
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def backward(self, *args, **kwargs):
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def step(self, *args, **kwargs):
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def train_batch(self, data_iter: Iterable | None = None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the mean loss on every rank."""
+        if not torch.is_grad_enabled():
+            raise PipelineError("train_batch() needs gradients; it was called under torch.no_grad()")
+        self.module.train()
+        losses: list[torch.Tensor] = []
+        with self._guard.step("train_batch"):
+            args, kwargs, target = self._next_batch(data_iter)
+            schedule = self._schedule_for(args, kwargs, target)
+            with self.timers.phase("forward"), self._stage_gathered():  # forward and backward interleave
+                schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+            self._reduce_gradients()
+            self._boundary_override = True
+            with self.timers.phase("step"):
+                HfZeroEngine.step(self)
+            loss = self._aggregate_loss(losses)
+        self._last_loss = float(loss.item())
+        return loss
+
+    def eval_batch(self, data_iter: Iterable, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None):
+        """Forward only over ``num_micro_batches`` (default: gradient_accumulation_steps) micro-batches: the mean
+        loss on every rank (``bcast_loss``), and with ``return_logits`` the last stage's outputs too."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
+        if not compute_loss and not return_logits:
+            raise ValueError("eval_batch: nothing to return (compute_loss=False and return_logits=False)")
+        if num_micro_batches is not None and num_micro_batches != self.micro_batches:
+            raise ValueError(f"eval_batch: num_micro_batches={num_micro_batches} differs from the schedule's "
+                             f"{self.micro_batches} (gradient_accumulation_steps); leave it None")
+        self.module.eval()
+        losses: list[torch.Tensor] = []
+        with self._guard.step("eval_batch"), torch.no_grad(), self._stage_gathered():
+            args, kwargs, target = self._next_batch(data_iter)
+            schedule = self._schedule_for(args, kwargs, target)
+            outputs = schedule.eval(*args, target=target if compute_loss else None,
+                                    losses=losses if compute_loss else None, **kwargs)
+            loss = self._aggregate_loss(losses, reduce=reduce_output == "avg", bcast=bcast_loss) \
+                if compute_loss else None
+        self.module.train()
+        if return_logits:
+            return loss, (outputs if self.is_last_stage() else None)
+        return loss
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+    def _next_batch(self, data_iter):
+        """The step's whole batch (micro-batches concatenated; the schedule splits it again) on the stages that
+        read data; the other stages get nothing."""
+        it = data_iter if data_iter is not None else self.data_iterator
+        reads = self.is_first_stage() or self.is_last_stage() or self.module.data_on_every_stage
+        micro = []
+        if reads:
+            if it is None:
+                raise PipelineError("train_batch(): no data: pass data_iter, call set_dataiterator(), or give "
+                                    "initialize(training_data=...)")
+            for _ in range(self.micro_batches):
+                batch = next(it)
+                micro.append(self.batch_fn(batch) if self.batch_fn is not None else batch)
+        args, kwargs, target, loss_fn = self.module.pipeline_batch(
+            micro, first=self.is_first_stage(), last=self.is_last_stage(), num_microbatches=self.micro_batches,
+            dp_group=self.grid.get_data_parallel_group(), dp_size=self.grid.data_parallel_size)
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        self._loss_fn = loss_fn if scale == 1.0 else (lambda out, tgt: loss_fn(out, tgt) * scale)
+        return args, kwargs, target
+
+    def _call_loss(self, output, target):
+        return self._loss_fn(output, target)
+
+    def _schedule_for(self, args, kwargs, target):
+        """The schedule, rebuilt (shape inference again) when the batch's shapes change and the model allows it."""
+        key = tuple(tuple(t.shape) for t in itertools.chain(args, kwargs.values(), [target])
+                    if isinstance(t, torch.Tensor))
+        if self._schedule is not None and key and self._shape_key and key != self._shape_key:
+            if not (getattr(self.module, "dynamic_shape", False) or self.module.data_on_every_stage):
+                raise PipelineError(f"the batch shapes changed from {self._shape_key} to {key} on pipeline stage "
+                                    f"{self.stage_id}; pad to a fixed length, or build the PipelineModule with "
+                                    f"dynamic_shape=True (or call engine.reset_activation_shape() on every stage)")
+            self._schedule = None
+        if getattr(self.module, "dynamic_shape", False) and not self.module.data_on_every_stage:
+            self._schedule = None  # middle stages cannot see a change: re-infer every step, as DeepSpeed does
+        if key:
+            self._shape_key = key
+        if self._schedule is None:
+            after = self.stage3.finish_backward if self.stage3 is not None else None
+            stages = [EngineStage(chunk, index, self.num_stages * self.module.virtual_stages, self.device,
+                                  group=self.grid.get_pipe_parallel_group(), after_backward=after)
+                      for index, chunk in self.module.chunk_modules()]
+            self._schedule = build_schedule(self.pipeline_config.schedule, stages, self.micro_batches,
+                                            loss_fn=self._call_loss)
+        return self._schedule
+
+    def _stage_gathered(self):
+        """ZeRO-3: this stage's parameters stay gathered from the step's first forward to its last backward (the
+        schedule runs several micro-batches' forwards before their backwards; gathering per module call would
+        cost one all-gather per micro-batch and layer). Sharded at rest, gradients and optimizer state sharded
+        throughout; the peak is one stage's full parameters, as FSDP's no-reshard-after-forward under PP."""
+        if self.stage3 is None:
+            return contextlib.nullcontext()
+        from hf_zero.zero.gathered import GatheredParameters
+
+        return GatheredParameters(list(self.module.parameters()))
+
+    def _reduce_gradients(self) -> None:
+        if self.reducer is not None:  # stages 0-2: one reduction of the accumulated gradients
+            with self.timers.phase("backward"):
+                self.reducer.begin(True)
+                self.reducer.finish()
+        for gi, tg in self._tied_index.items():
+            if tg.group is not None:
+                with self.timers.phase("communication"):
+                    dist.all_reduce(self.groups[gi].grad, group=tg.group)
+
+    def _aggregate_loss(self, losses: list, reduce: bool = True, bcast: bool = True) -> torch.Tensor:
+        """Last stage: the micro-batch losses (pre-scaled) summed, averaged over the data-parallel replicas; then
+        sent to every stage of this replica."""
+        total = torch.zeros((), dtype=torch.float32)
+        if self.is_last_stage():
+            scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+            total = torch.stack([l.detach().float() for l in losses]).sum() / scale
+            if reduce and self.grid.data_parallel_size > 1:
+                dist.all_reduce(total, group=self._dp_loss_group)
+                total /= self.grid.data_parallel_size
+        if bcast and self.num_stages > 1:
+            src = self.grid.stage_to_global(self.num_stages - 1)
+            dist.broadcast(total, src=src, group=self.grid.get_pipe_parallel_group())
+        return total

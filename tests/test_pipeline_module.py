@@ -1,0 +1,99 @@
+"""DeepSpeed-style PipelineModule + hf_zero.initialize -> train_batch, against one process training the same layers.
+
+SGD with gradient_clipping 1.0 (the clip is active every step), so a norm taken over one stage only -- DeepSpeed's
+ZeRO-0 pipeline bug -- would change every update. Tied and untied; 2 stages (1F1B, GPipe, interleaved with 2
+virtual stages), 4 stages, and 2 stages x 2 replicas at ZeRO 0-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_zero.testing import run_distributed
+
+from _pipe_util import CLIP, data, ds_config, layer_list, reference_run
+
+STEPS = 3
+
+
+def _train(cases):
+    import torch.distributed as dist
+
+    import hf_zero
+    from hf_zero.pipe import PipelineModule
+
+    out = {}
+    for case in cases:
+        name, stages, tied, micro_batches, zero, schedule, virtual, partition = case
+        world = dist.get_world_size()
+        net = PipelineModule(layer_list(tied), num_stages=stages, loss_fn=torch.nn.functional.mse_loss,
+                             seed_layers=True, partition_method=partition, virtual_stages=virtual)
+        engine, *_ = hf_zero.initialize(model=net, config=ds_config(micro_batches, zero, schedule,
+                                                                     virtual_stages=virtual))
+        dp, d = engine.grid.data_parallel_size, engine.grid.data_parallel_id
+        assert world == stages * dp
+        x, y = data(STEPS, micro_batches, dp)
+        losses, norms = [], []
+        for s in range(STEPS):
+            it = iter([(x[s, j, d], y[s, j, d]) for j in range(micro_batches)])
+            losses.append(engine.train_batch(it).item())
+            norms.append(engine.get_global_grad_norm())
+        if engine.stage3 is not None:
+            from hf_zero.zero import GatheredParameters
+
+            with GatheredParameters(list(net.parameters())):
+                state = {f"{i}.{k}": v.clone() for i, sd in net.layer_state_dicts().items() for k, v in sd.items()}
+        else:
+            state = {f"{i}.{k}": v.clone() for i, sd in net.layer_state_dicts().items() for k, v in sd.items()}
+        out[name] = dict(losses=losses, norms=norms, state=state, first=engine.is_first_stage(),
+                         last=engine.is_last_stage(), parts=net.parts)
+        engine.destroy()
+    return out
+
+
+def _check(results, case):
+    name, stages, tied, micro_batches = case[:4]
+    dp = len(results) // stages
+    ref_losses, ref_norms, ref_state = reference_run(tied, STEPS, micro_batches, dp)
+    assert all(n > CLIP for n in ref_norms), ref_norms  # the clip is active
+    merged = {}
+    for rank, per_case in enumerate(results):
+        r = per_case[name]
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), (name, rank)
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), (name, rank)
+        merged.update(r["state"])
+    assert sorted(merged) == sorted(ref_state), name
+    for key, ref in ref_state.items():
+        torch.testing.assert_close(merged[key], ref, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+
+
+CASES_2 = [
+    # name, stages, tied, micro-batches, zero stage, schedule, virtual stages, partition
+    ("1f1b-untied", 2, False, 2, 0, "1f1b", 1, "parameters"),
+    ("1f1b-tied", 2, True, 3, 0, "1f1b", 1, "uniform"),
+    ("gpipe-tied", 2, True, 1, 1, "gpipe", 1, "type:linear"),
+    ("interleaved-tied", 2, True, 4, 0, "interleaved_1f1b", 2, "uniform"),
+]
+CASES_4 = [
+    ("pp4-tied", 4, True, 4, 0, "1f1b", 1, "parameters"),
+    ("pp2dp2-z0-tied", 2, True, 2, 0, "1f1b", 1, "parameters"),
+    ("pp2dp2-z1-untied", 2, False, 2, 1, "1f1b", 1, "parameters"),
+    ("pp2dp2-z2-tied", 2, True, 2, 2, "gpipe", 1, "parameters"),
+    ("pp2dp2-z3-tied", 2, True, 2, 3, "1f1b", 1, "parameters"),
+]
+
+
+def test_pipeline_module_two_stages_matches_one_process():
+    results = run_distributed(_train, world_size=2, args=(CASES_2,), timeout_s=400)
+    for case in CASES_2:
+        _check(results, case)
+    # the first and last stage know they are
+    assert [r["1f1b-untied"]["first"] for r in results] == [True, False]
+    assert [r["1f1b-untied"]["last"] for r in results] == [False, True]
+
+
+def test_pipeline_module_four_ranks_matches_one_process():
+    results = run_distributed(_train, world_size=4, args=(CASES_4,), timeout_s=500)
+    for case in CASES_4:
+        _check(results, case)
