@@ -617,7 +617,7 @@ TOP_LEVEL_KEYS = frozenset({
     "communication_data_type", "fp16", "bf16", "bfloat16", "amp", "optimizer", "scheduler", "zero_optimization",
     "aio", "activation_checkpointing", "flops_profiler", "tensorboard", "csv_monitor", "wandb", "comet",
     "comms_logger", "checkpoint", "data_types", "pipeline", "compression_training", "tensor_parallel", "elasticity",
-    "autotuning", "data_efficiency", "curriculum_learning",
+    "autotuning", "data_efficiency", "curriculum_learning", "comms_timeout_s", "comms_divergence_check",
 })
 ZERO_KEYS = frozenset({
     "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",

@@ -1,7 +1,12 @@
-"""The two bulk collectives ZeRO is made of, on packed ``(world_size, span)`` buffers (see zero/layout.py).
+"""The two bulk collectives ZeRO is made of, on packed ``(world_size, span)`` buffers (see zero/layout.py), and the
+all-reduce, each bounded and checked (see faults.py).
 
 torch renamed the single-tensor collectives (``*_tensor`` -> ``*_single``); both NCCL and gloo implement them in
 the torch versions hf_zero supports, so there is no fallback path to maintain. A world of one skips the call.
+
+Every call is preceded by the divergence check (one small all-gather; ``comms_divergence_check``) and returns a
+:class:`BoundedWork`, whose ``wait()`` is bounded by ``comms_timeout_s``; a synchronous call waits the same way.
+``what`` names the collective in errors ("the gather of model.layers.3", "the gradient reduce-scatter of ...").
 """
 
 from __future__ import annotations
@@ -9,7 +14,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["reduce_scatter_packed", "all_gather_packed", "all_reduce_", "Work", "DoneWork"]
+from . import faults
+
+__all__ = ["reduce_scatter_packed", "all_gather_packed", "all_reduce_", "Work", "DoneWork", "BoundedWork"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -18,33 +25,67 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class DoneWork:
     """Stands in for a collective's handle when nothing had to be sent."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
         return True
 
 
-Work = object  # torch.distributed.Work or DoneWork: anything with .wait()
+class BoundedWork:
+    """A collective in flight; ``wait()`` ends in at most the configured timeout (or the diagnosed CommFault)."""
+
+    def __init__(self, work, what: str, group) -> None:
+        self.work, self.what, self.group = work, what, group
+        self._done = False
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done:
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+            faults.bounded_wait(self.work, self.what, self.group, seconds)
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or self.work.is_completed()
 
 
-def reduce_scatter_packed(out: torch.Tensor, packed: torch.Tensor, group=None, async_op: bool = False):
+Work = object  # BoundedWork or DoneWork: anything with .wait()
+
+
+def _issue(kind: str, fn, tensor: torch.Tensor, what: str | None, group, async_op: bool, *args,
+           force_check: bool = False, **kwargs):
+    what = what or f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} of {tensor.numel()} elements"
+    faults.check_collective(kind, tensor.numel(), tensor.dtype, what, group, force=force_check)
+    with faults.bounded(f"issuing {what}", group):
+        work = fn(*args, group=group, async_op=True, **kwargs)
+    bounded = BoundedWork(work, what, group)
+    if not async_op:
+        bounded.wait()
+        return DoneWork()
+    return bounded
+
+
+def reduce_scatter_packed(out: torch.Tensor, packed: torch.Tensor, group=None, async_op: bool = False,
+                          what: str | None = None):
     """``out`` (span,) = sum over ranks of row ``rank`` of ``packed`` (world_size, span)."""
     if packed.shape[0] == 1:
         out.copy_(packed[0])
         return DoneWork()
-    work = _reduce_scatter(out, packed.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return work if async_op else DoneWork()
+    return _issue("reduce_scatter", _reduce_scatter, packed, what, group, async_op, out, packed.view(-1),
+                  op=dist.ReduceOp.SUM)
 
 
-def all_gather_packed(packed: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
-    """Row ``r`` of ``packed`` (world_size, span) = rank ``r``'s ``shard`` (span,)."""
+def all_gather_packed(packed: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False,
+                      what: str | None = None, force_check: bool = False):
+    """Row ``r`` of ``packed`` (world_size, span) = rank ``r``'s ``shard`` (span,). ``force_check``: check even
+    when ``comms_divergence_check`` is off."""
     if packed.shape[0] == 1:
         packed[0].copy_(shard)
         return DoneWork()
-    work = _all_gather(packed.view(-1), shard, group=group, async_op=async_op)
-    return work if async_op else DoneWork()
+    return _issue("all_gather", _all_gather, packed, what, group, async_op, packed.view(-1), shard,
+                  force_check=force_check)
 
 
-def all_reduce_(tensor: torch.Tensor, group=None, async_op: bool = False, op=dist.ReduceOp.SUM):
+def all_reduce_(tensor: torch.Tensor, group=None, async_op: bool = False, op=dist.ReduceOp.SUM,
+                what: str | None = None):
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return DoneWork()
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    return work if async_op else DoneWork()
+    return _issue("all_reduce", dist.all_reduce, tensor, what, group, async_op, tensor, op=op)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "barrier",
-           "default_backend", "free_port", "get_sequence_parallel_group", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
+           "default_backend", "free_port", "created_by_hf_zero", "get_sequence_parallel_group", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
 
 ReduceOp = dist.ReduceOp
 
@@ -64,12 +64,25 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     backend = dist_backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(get_local_rank())
-    kwargs = {"backend": backend, "rank": rank, "world_size": world_size}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
+    from . import faults
+
+    # hf_zero's bound (comms_timeout_s / DEEPSPEED_TIMEOUT, default 300 s), not torch's 30 minutes; the engine
+    # re-applies the config's value once it is read
+    kwargs = {"backend": backend, "rank": rank, "world_size": world_size,
+              "timeout": timeout if timeout is not None else datetime.timedelta(seconds=faults.timeout_s())}
     if init_method is not None:
         kwargs["init_method"] = init_method
     dist.init_process_group(**kwargs)
+    global _created_here
+    _created_here = True
+
+
+_created_here = False
+
+
+def created_by_hf_zero() -> bool:
+    """Whether hf_zero created the default process group (then it owns its timeout)."""
+    return _created_here
 
 
 def is_initialized() -> bool:
@@ -88,9 +101,15 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def barrier(group=None) -> None:
-    if is_initialized():
-        dist.barrier(group)
+def barrier(group=None, what: str = "a barrier") -> None:
+    """``dist.barrier``, bounded by comms_timeout_s and checked like every hf_zero collective."""
+    if not is_initialized() or dist.get_world_size(group) == 1:
+        return
+    from .collectives import all_reduce_
+
+    # an all-reduce of one element is a barrier, and goes through the same check and bound
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    all_reduce_(torch.zeros(1, device=device), group=group, what=what)
 
 
 def get_sequence_parallel_group():

@@ -79,6 +79,13 @@ class HfZeroConfig:
     sparse_gradients: bool = spec(False, help="Reduce embedding gradients as sparse tensors.")
     zero_allow_untested_optimizer: bool = spec(
         False, help="Allow a client optimizer hf_zero has not been tested with under ZeRO.")
+    comms_timeout_s: float | None = spec(
+        None, help="hf_zero: seconds any hf_zero collective may wait before the job fails on every rank with an "
+                   "error naming the rank that stopped answering or died (docs/reliability.md). Also the timeout of "
+                   "the process group hf_zero creates. Default: DEEPSPEED_TIMEOUT (minutes) if set, else 300.")
+    comms_divergence_check: bool = spec(
+        True, help="hf_zero: before every collective, check (one 5-integer all-gather) that all ranks issue the "
+                   "same one, so a rank running other modules fails with their names instead of hanging.")
     zero_force_ds_cpu_optimizer: bool = spec(
         True, help="With optimizer offload, require hf_zero's CPU optimizer rather than a client one.")
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = spec(

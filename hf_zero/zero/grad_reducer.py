@@ -136,13 +136,14 @@ class GradReducer:
             g.params[i].grad = None  # the full gradient is no longer needed: this is where stage 2 saves memory
         bucket.launched = True
         self._next += 1
+        what = f"the gradient reduction of [{g.names[bucket.start]}{' ...' if bucket.stop - bucket.start > 1 else ''}]"
         with self.timers.phase("communication"):
             if self.mode is ReduceMode.REDUCE_SCATTER:
                 out = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
-                work = reduce_scatter_packed(out, packed, group=self.process_group, async_op=self.overlap)
+                work = reduce_scatter_packed(out, packed, group=self.process_group, async_op=self.overlap, what=what)
             else:
                 out = packed[0]
-                work = all_reduce_(out, group=self.process_group, async_op=self.overlap)
+                work = all_reduce_(out, group=self.process_group, async_op=self.overlap, what=what)
         self._in_flight.append(_InFlight(work, out, bucket))
         self._drain(self.max_in_flight if self.overlap else 0)
 

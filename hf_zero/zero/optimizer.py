@@ -131,9 +131,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if g.grad.numel() and i not in self.norm_excluded_groups:
                 sq += sum_of_squares(g.grad)
         if any(g.world_size > 1 for g in self.groups):
-            all_reduce_(sq, group=self.process_group)
+            all_reduce_(sq, group=self.process_group, what="the gradient-norm all-reduce of the optimizer step")
         if self.model_parallel_group is not None:
-            all_reduce_(sq, group=self.model_parallel_group)
+            all_reduce_(sq, group=self.model_parallel_group, what="the model-parallel gradient-norm all-reduce")
         total = sq.item()
         return math.sqrt(total) if math.isfinite(total) else float("inf")
 

@@ -17,13 +17,12 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from hf_zero.comm import all_gather_packed
+from hf_zero.comm import all_gather_packed, faults
 from hf_zero.offload.swapper import wait_all
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import ShardLayout
 
-from .divergence import (TRAILER_NUMEL, SideChannel, check_header, check_trailers, params_key, wait_or_diagnose,
-                         write_trailer)
+from .divergence import TRAILER_NUMEL, check_trailers, params_key, wait_or_diagnose, write_trailer
 from .param import ParamState, ShardedParam
 
 __all__ = ["Gatherer", "PendingGather", "gatherer_for", "DEFAULT_DIVERGENCE_TIMEOUT_S"]
@@ -48,8 +47,8 @@ class PendingGather:
         span = self.layout.shard_numel
         try:
             with g.timers.phase("communication"):
-                wait_or_diagnose(self.work, g.timeout_s, g.rank, g.world_size, self.label, self.seq, g.side)
-            check_trailers(self.packed[:, span:], g.rank, g.describe)
+                wait_or_diagnose(self.work, g.timeout_s, self.label, self.seq, g.group)
+            check_trailers(self.packed[:, span:], g.rank, g.describe, g.group)
         except BaseException:
             # The parameters were never gathered; leave them PARTITIONED so the error is raised once, not again
             # by every later wait on this gather.
@@ -83,9 +82,12 @@ class Gatherer:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.timeout_s = DEFAULT_DIVERGENCE_TIMEOUT_S
-        self.header_checks = True  # a Stage3Runtime turns this off once its gather order is recorded
+        # with comms_divergence_check off, still check every gather of the recorded first iteration (a
+        # Stage3Runtime turns this off once its gather order is recorded)
+        self.header_checks = True
         self.timers = NO_TIMERS  # the engine's: time blocked waiting for a gather counts as "communication"
-        self.side = SideChannel(group) if self.world_size > 1 else None
+        if self.world_size > 1:
+            faults.channel_for(group)  # created now, at the first partition, where every rank comes (collective)
         self.seq = 0
         self._labels: dict[int, str] = {}
         self.live_numel = 0
@@ -116,11 +118,9 @@ class Gatherer:
         self.seq += 1
         layout = ShardLayout(tuple(sp.numel for sp in sps), self.world_size)
         span = layout.shard_numel
-        if header_check if header_check is not None else self.header_checks:
-            if self.world_size > 1:
-                self.header_check_count += 1
-                check_header(key, span, seq, self.rank, self.world_size, self.group, self.timeout_s, self.describe,
-                             self.side)
+        force = header_check if header_check is not None else self.header_checks
+        if self.world_size > 1 and (force or faults.checks_enabled()):
+            self.header_check_count += 1  # all_gather_packed runs it, before the payload
         dtype, device = sps[0].dtype, sps[0].local_shard.device
         send = torch.empty(span + TRAILER_NUMEL, dtype=dtype, device=device)
         reads = []
@@ -135,7 +135,8 @@ class Gatherer:
                 wait_all(reads)
         write_trailer(send[span:], key, seq)
         packed = torch.empty(self.world_size, span + TRAILER_NUMEL, dtype=dtype, device=device)
-        work = all_gather_packed(packed, send, group=self.group, async_op=True)
+        work = all_gather_packed(packed, send, group=self.group, async_op=True, what=f"the gather of {label}",
+                                 force_check=force)
         pending = PendingGather(self, list(sps), layout, packed, work, key, seq, label)
         for sp in sps:
             sp.to_gathering(pending)

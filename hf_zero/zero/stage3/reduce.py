@@ -23,12 +23,12 @@ __all__ = ["GradReducer"]
 
 class GradReducer:
     def __init__(self, *, group, rank: int, world_size: int, bucket_numel: int, grad_scale: float,
-                 overlap_comm: bool, timeout_s_fn, side_fn) -> None:
+                 overlap_comm: bool, timeout_s_fn) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
         self.bucket_numel = max(int(bucket_numel), 1)
         self.grad_scale = grad_scale
         self.overlap_comm = overlap_comm
-        self._timeout_s, self._side = timeout_s_fn, side_fn
+        self._timeout_s = timeout_s_fn
         self._bucket: torch.Tensor | None = None  # (world_size, capacity)
         self._used = 0
         self._entries: list[tuple[ShardedParam, int]] = []  # (param, column offset)
@@ -56,7 +56,9 @@ class GradReducer:
             return
         packed = self._bucket if self._used == self._bucket.shape[1] else self._bucket[:, :self._used].contiguous()
         out = torch.empty(self._used, dtype=packed.dtype, device=packed.device)
-        work = reduce_scatter_packed(out, packed, group=self.group, async_op=True)
+        names = ", ".join(sp.name for sp, _ in self._entries[:3]) + (" ..." if len(self._entries) > 3 else "")
+        work = reduce_scatter_packed(out, packed, group=self.group, async_op=True,
+                                     what=f"the gradient reduce-scatter of [{names}]")
         self._inflight.append((work, out, self._entries, packed))
         self.reduced_numel += self._used
         self._bucket, self._entries, self._used = None, [], 0
@@ -69,10 +71,9 @@ class GradReducer:
     def _drain(self, keep: int) -> None:
         while len(self._inflight) > keep:
             work, out, entries, _packed = self._inflight.pop(0)
-            names = ", ".join(sp.name for sp, _ in entries[:3]) + (" ..." if len(entries) > 3 else "")
             with self.timers.phase("communication"):
-                wait_or_diagnose(work, self._timeout_s(), self.rank, self.world_size,
-                                 f"the gradient reduce-scatter of [{names}]", None, self._side())
+                wait_or_diagnose(work, self._timeout_s(), getattr(work, "what", "a gradient reduce-scatter"), None,
+                                 self.group)
             for sp, off in entries:
                 if sp.grad_storage is None:
                     sp.grad_storage = torch.zeros(sp.chunk_numel, dtype=torch.float32, device=out.device)

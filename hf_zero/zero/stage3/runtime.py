@@ -77,8 +77,7 @@ class Stage3Runtime:
         self.reducer = GradReducer(group=group, rank=self.rank, world_size=self.world_size,
                                    bucket_numel=reduce_bucket_size,
                                    grad_scale=1.0 / self.world_size if grad_scale is None else grad_scale,
-                                   overlap_comm=overlap_comm, timeout_s_fn=lambda: self.gatherer.timeout_s,
-                                   side_fn=lambda: self.gatherer.side)
+                                   overlap_comm=overlap_comm, timeout_s_fn=lambda: self.gatherer.timeout_s)
         self._groups: dict[nn.Module, _Group] = {}
         self._groups_of_sp: dict[int, set[int]] = {}  # ds_id -> group ids containing it
         self._build_groups()

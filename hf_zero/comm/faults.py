@@ -1,0 +1,492 @@
+"""Bounded collectives: a fault on one rank ends the job on every rank, with an error that names the real cause.
+
+What goes wrong in a data-parallel job is rarely visible from the rank that notices it: a rank that is stopped,
+dead, out of disk, or running another module than its peers leaves the others blocked in a collective, and gloo
+ignores wait timeouts in places (its reduce-scatter) and hangs on exit with work in flight. One
+:class:`FaultChannel` per process group closes these gaps:
+
+* **Every wait is bounded** by ``comms_timeout_s`` (config; default :data:`DEFAULT_TIMEOUT_S`): the wait itself
+  where the backend honours a timeout, the process group's own timeout (set to the same value) where it does not,
+  and a watchdog thread that ends the process ``grace`` seconds after a wait overran, whatever the backend does.
+* **Every collective is checked before it is issued** (``comms_divergence_check``): a 5-integer all-gather of
+  (kind, elements, dtype, sequence number, label hash). All ranks compare the headers, so ranks that run a
+  different module, an extra micro-batch or skip a call fail on every rank at once, naming what each rank was
+  about to do -- before a payload of a different size reaches gloo (which aborts the process) or NCCL (which hangs).
+* **The first fault is published** in the launcher's key-value store (the one the process group was rendezvoused
+  through): a divergence, a timeout with the ranks that stopped answering (stopped, dead, or alive elsewhere --
+  told apart by heartbeats and, on one host, by the peer's process state), or any exception that escapes the
+  script (a full disk, a user error). Every other rank reads it: a rank blocked in a collective that will never
+  finish prints the published cause and exits; a rank that raised exits when Python exits. Exit is ``os._exit``
+  with status 1, because a process group with work in flight blocks interpreter shutdown forever.
+
+The channel keeps no state in the steady state beyond a heartbeat (one store write per ``period``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import logging
+import zlib
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommFault", "DivergenceError", "PeerFailure", "DEFAULT_TIMEOUT_S", "configure", "channel_for",
+           "configure_from", "timeout_s", "default_timeout_s", "bounded_wait", "bounded", "check_collective", "checks_enabled", "fail"]
+
+logger = logging.getLogger("hf_zero")
+
+DEFAULT_TIMEOUT_S = 300.0  # well under torch's 30-minute default; raised by comms_timeout_s for slow jobs
+_GRACE_MAX_S = 5.0
+
+
+class CommFault(RuntimeError):
+    """A collective could not complete; the process group is unusable and this process will exit non-zero."""
+
+
+class DivergenceError(CommFault):
+    """Ranks were about to issue different collectives (another module, an extra or a missing call)."""
+
+
+class PeerFailure(CommFault):
+    """A rank stopped answering, died, or failed with an error of its own (named in the message)."""
+
+
+def default_timeout_s() -> float:
+    """``DEEPSPEED_TIMEOUT`` (minutes, DeepSpeed's variable) when set, else :data:`DEFAULT_TIMEOUT_S`."""
+    minutes = os.environ.get("DEEPSPEED_TIMEOUT")
+    return float(minutes) * 60.0 if minutes else DEFAULT_TIMEOUT_S
+
+
+_settings = {"timeout_s": None, "check": True}
+_channels: dict = {}
+_lock = threading.Lock()
+
+
+def configure(*, timeout_s: float | None = None, divergence_check: bool | None = None) -> None:
+    """Set the bound on every hf_zero collective and the per-collective check (process-wide; live channels follow)."""
+    if timeout_s is not None:
+        if not timeout_s > 0:
+            raise ValueError(f"hf_zero: comms_timeout_s must be > 0, got {timeout_s!r}")
+        _settings["timeout_s"] = float(timeout_s)
+    if divergence_check is not None:
+        _settings["check"] = bool(divergence_check)
+
+
+def configure_from(config, group=None) -> None:
+    """Apply an HfZeroConfig's ``comms_timeout_s`` / ``comms_divergence_check``. The group's own timeout is set
+    where hf_zero created the group; a group the application created keeps its timeout (it may bound the
+    application's own long barriers), with a warning when that is longer -- hf_zero's collectives are bounded by
+    the watchdog either way."""
+    from .process_group import created_by_hf_zero
+
+    seconds = config.comms_timeout_s if config.comms_timeout_s is not None else timeout_s()
+    configure(timeout_s=seconds, divergence_check=config.comms_divergence_check)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        if created_by_hf_zero() or group is not None:
+            _apply_pg_timeout(group, seconds)
+        elif config.comms_timeout_s is not None:
+            logger.warning("hf_zero: the default process group was created by the application with its own timeout "
+                           "(torch's default is 30 min); comms_timeout_s=%gs bounds hf_zero's collectives only. Pass "
+                           "timeout=datetime.timedelta(seconds=%g) to init_process_group to bound the rest too.",
+                           seconds, seconds)
+
+
+def timeout_s() -> float:
+    return _settings["timeout_s"] if _settings["timeout_s"] is not None else default_timeout_s()
+
+
+def _apply_pg_timeout(group, seconds: float) -> None:
+    # gloo's reduce-scatter (and its transport) honour only the group's own timeout, not Work.wait(timeout)
+    from torch.distributed import distributed_c10d as c10d
+
+    setter = getattr(c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(datetime.timedelta(seconds=seconds), group)
+
+
+def _group_key(group) -> tuple:
+    if group is None or group is dist.group.WORLD:
+        return ("world",)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def channel_for(group=None) -> "FaultChannel | None":
+    """The channel of ``group`` (None: the default group); None for a world of one (nothing can diverge)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return None
+    key = _group_key(group)
+    with _lock:
+        ch = _channels.get(key)
+        if ch is None:
+            ch = _channels[key] = FaultChannel(group, key)
+    return ch
+
+
+def bounded_wait(work, what: str, group=None, timeout: float | None = None) -> None:
+    """Wait for ``work`` at most ``timeout`` (default: comms_timeout_s) seconds; on failure raise the diagnosed
+    :class:`CommFault` (and the process will exit non-zero)."""
+    ch = channel_for(group)
+    if ch is None:
+        work.wait()
+        return
+    ch.wait(work, what, timeout)
+
+
+@contextlib.contextmanager
+def bounded(what: str, group=None, timeout: float | None = None):
+    """``with bounded("the barrier of save_checkpoint"): <blocking collective>`` -- see FaultChannel.bounded."""
+    ch = channel_for(group)
+    if ch is None:
+        yield timeout
+        return
+    with ch.bounded(what, timeout) as limit:
+        yield limit
+
+
+def check_collective(kind: str, numel: int, dtype: torch.dtype, what: str, group=None, force: bool = False) -> bool:
+    """The header check before a payload collective (see the module docstring). Skipped when
+    ``comms_divergence_check`` is off, unless ``force`` (stage 3 checks its first, recorded iteration always).
+    Returns whether a check ran."""
+    if not (_settings["check"] or force):
+        return False
+    ch = channel_for(group)
+    if ch is None:
+        return False
+    ch.check(kind, numel, dtype, what)
+    return True
+
+
+def checks_enabled() -> bool:
+    return bool(_settings["check"])
+
+
+def fail(exc: CommFault, group=None) -> CommFault:
+    """Publish ``exc`` as this job's fault and mark the process for a non-zero exit; returns ``exc`` to raise."""
+    ch = channel_for(group)
+    return ch.fail(exc) if ch is not None else exc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "barrier": 4, "broadcast": 5}
+_KIND_NAMES = {v: k for k, v in _KINDS.items()}
+
+
+def _root_store(store):
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def _proc_state(pid: int) -> str | None:
+    """'R', 'S', 'T' (stopped), 'Z' (zombie) ... from /proc; None when the process does not exist (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+class FaultChannel:
+    """The per-group fault machinery: store clients, the collective sequence, the heartbeat/watchdog thread."""
+
+    def __init__(self, group, key: tuple) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.global_ranks = (list(range(self.world)) if key == ("world",) else list(key))
+        self.backend = dist.get_backend(group)
+        generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"hf_zero/faults/{generation}/{'-'.join(map(str, key))}/"
+        self.seq = 0
+        self.fatal: CommFault | None = None
+        self.raised = False
+        self.in_wait: tuple[str, float, float] | None = None  # (what, start, timeout)
+        self.suspended_s = 0.0
+        self.hostname = socket.gethostname()
+        self._store = self._client()
+        self._mon_store = self._client()  # the thread's own connection: a blocked call never holds the other
+        self._store.set(self.prefix + f"proc/{self.rank}", f"{self.hostname} {os.getpid()}")
+        self._period = min(1.0, max(0.05, timeout_s() / 20))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._monitor, name="hf_zero-fault-monitor", daemon=True)
+        self._thread.start()
+        _install_hooks()
+
+    # ---- store ---------------------------------------------------------------------------------------------------
+    def _client(self):
+        from torch.distributed import distributed_c10d as c10d
+
+        root = _root_store(c10d._get_default_store())
+        io_timeout = datetime.timedelta(seconds=min(_GRACE_MAX_S, max(1.0, timeout_s() / 4)))
+        if isinstance(root, dist.TCPStore):
+            return dist.TCPStore(root.host, root.port, is_master=False, timeout=io_timeout, wait_for_workers=False)
+        return root  # a FileStore / HashStore: shared by the threads as is
+
+    def _try(self, fn, *args, default=None, store=None):
+        try:
+            return fn(store or self._store, *args)
+        except Exception:  # the store's host (usually rank 0) is gone or stopped: the caller says so
+            return default
+
+    def published(self, store=None) -> str | None:
+        key = self.prefix + "fault"
+        if not self._try(lambda s: s.check([key]), store=store, default=False):
+            return None
+        value = self._try(lambda s: s.get(key), store=store)
+        return value.decode() if value else None
+
+    # ---- the two operations every collective goes through ----------------------------------------------------------
+    def check(self, kind: str, numel: int, dtype: torch.dtype, what: str) -> None:
+        if self.fatal is not None:
+            raise self.fatal
+        seq = self.seq
+        self.seq += 1
+        mine = torch.tensor([_KINDS[kind], int(numel), _crc(str(dtype)), seq, _crc(what)], dtype=torch.int64)
+        rows = torch.empty(self.world * 5, dtype=torch.int64)
+        work = _all_gather(rows, mine, group=self.group, async_op=True)
+        self.wait(work, f"the check before {what} (collective #{seq})")
+        table = rows.view(self.world, 5).tolist()
+        if all(r == table[self.rank] for r in table):
+            return
+        self._try(lambda s: s.set(self.prefix + f"div/{seq}/{self.rank}", what))
+        descriptions = self._collect(f"div/{seq}/", lambda r: None)
+        descriptions[self.rank] = what
+        parts = []
+        for r, row in enumerate(table):
+            kind_name = _KIND_NAMES.get(row[0], "?")
+            text = descriptions.get(r) or f"{'an' if kind_name[0] in 'aeiou' else 'a'} {kind_name} of {row[1]} elements"
+            parts.append(f"rank {self.global_ranks[r]}: {text}")
+        same_shape = all(r[:3] == table[0][:3] for r in table)
+        how = ("ranks ran different modules at the same point (layers in a different order, or a rank-dependent "
+               "branch between same-size modules)" if same_shape else
+               "ranks reached different collectives (a module, micro-batch or step that one rank ran and the "
+               "other did not, or modules run in another order)")
+        raise self.fail(DivergenceError(
+            f"hf_zero: ranks diverged at collective #{seq}, before it was issued (seen on rank "
+            f"{self.global_ranks[self.rank]}): {how}. " + "; ".join(parts) + ". Every rank must run the same "
+            "modules, micro-batches and steps in the same order (generate(): synced_gpus=True)."))
+
+    def wait(self, work, what: str, timeout: float | None = None) -> None:
+        with self.bounded(what, timeout) as limit:
+            if self.backend == "nccl":
+                work.wait()  # stream-ordered; the group's own timeout and the watchdog bound it
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=limit))
+
+    @contextlib.contextmanager
+    def bounded(self, what: str, timeout: float | None = None):
+        """Run a blocking collective call under the watchdog; its failure becomes the diagnosed fault. Issuing
+        counts too: gloo's reduce-scatter blocks in the call itself, bounded only by the group's timeout."""
+        if self.fatal is not None:
+            raise self.fatal
+        limit = timeout_s() if timeout is None else float(timeout)
+        self.in_wait = (what, time.monotonic(), limit)
+        try:
+            yield limit
+        except CommFault:
+            raise
+        except Exception as exc:
+            if self.fatal is not None:
+                raise self.fatal from exc
+            raise self.fail(self.diagnose(what, limit, exc)) from exc
+        finally:
+            self.in_wait = None
+
+    # ---- failing -----------------------------------------------------------------------------------------------------
+    def fail(self, exc: CommFault) -> CommFault:
+        """This rank's fault: publish it (the first fault of the job wins), exit non-zero when Python exits."""
+        if self.fatal is None:
+            self.fatal = exc
+            self._try(lambda s: s.compare_set(self.prefix + "fault", "",
+                                              f"rank {self.global_ranks[self.rank]}: {exc}"))
+            self._try(lambda s: s.add(self.prefix + "seen", 1))
+        self.raised = True
+        _arm_exit()
+        return exc
+
+    def publish_exception(self, exc: BaseException) -> None:
+        """An exception escaped the script on this rank (not a collective): make it the job's fault."""
+        if self.fatal is not None:
+            return
+        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        self.fail(PeerFailure(f"failed with {text}"))
+
+    def _collect(self, sub: str, done) -> dict[int, str]:
+        """Read ``prefix+sub+<rank>`` of every other rank, waiting at most the grace period."""
+        deadline = time.monotonic() + self.grace()
+        out: dict[int, str] = {}
+        while time.monotonic() < deadline and len(out) < self.world - 1:
+            for r in range(self.world):
+                k = self.prefix + f"{sub}{r}"
+                if r != self.rank and r not in out and self._try(lambda s: s.check([k]), default=False):
+                    v = self._try(lambda s: s.get(k))
+                    if v is not None:
+                        out[r] = v.decode()
+            time.sleep(0.02)
+        return out
+
+    def grace(self) -> float:
+        return min(_GRACE_MAX_S, max(0.5, timeout_s() / 4))
+
+    def diagnose(self, what: str, limit: float, exc: BaseException) -> CommFault:
+        me = self.global_ranks[self.rank]
+        first = self.published()
+        if first is not None and not first.startswith(f"rank {me}:"):
+            return PeerFailure(f"hf_zero: rank {me} stops because {first} (this rank was in {what})")
+        closed = "closed" in str(exc).lower() or "reset" in str(exc).lower()
+        how = "lost its connection to a peer" if closed else f"waited {limit:g}s"
+        store_ok = self._try(lambda s: s.set(self.prefix + f"stuck/{self.rank}", what) or True, default=False)
+        if not store_ok:
+            host = self.global_ranks[0]
+            return PeerFailure(
+                f"hf_zero: rank {me} {how} in {what}; the launcher's store (hosted by rank {host}'s process "
+                f"unless torchrun's agent hosts it) does not answer either: rank {host} died or is stopped"
+                + self._suspended_note())
+        reports = self._collect("stuck/", None)
+        first = self.published()
+        if first is not None and not first.startswith(f"rank {me}:"):
+            return PeerFailure(f"hf_zero: rank {me} stops because {first} (this rank was in {what})")
+        lines = [f"rank {me} {how} in {what}"]
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            if r in reports:
+                lines.append(f"rank {self.global_ranks[r]} is alive and was blocked in {reports[r]}")
+            else:
+                lines.append(f"rank {self.global_ranks[r]} {self._whereabouts(r)}")
+        return PeerFailure("hf_zero: a collective could not complete: " + "; ".join(lines) +
+                           ". comms_timeout_s bounds every hf_zero collective; raise it only if a rank is "
+                           "legitimately slower." + self._suspended_note())
+
+    def _whereabouts(self, r: int) -> str:
+        proc = self._try(lambda s: s.get(self.prefix + f"proc/{r}"))
+        host, pid = (proc.decode().split() if proc else ("?", "0"))
+        if host == self.hostname:
+            state = _proc_state(int(pid))
+            if state is None or state == "Z":
+                return f"died (pid {pid} is gone)"
+            if state in ("T", "t"):
+                return f"is stopped (pid {pid} is suspended, e.g. SIGSTOP or a debugger) and stopped answering"
+        hb = self._try(lambda s: s.get(self.prefix + f"hb/{r}"))
+        if hb is None:
+            return "never sent a heartbeat (died or stopped before its first collective)"
+        age = time.time() - float(hb.decode())
+        if age > 3 * self._period + 1.0:
+            return f"stopped answering (no heartbeat for {age:.1f}s: died, stopped or hung) on host {host}"
+        return (f"is alive (pid {pid} on {host}) but never reached this collective: it is running other code "
+                f"(a different path through the model, or work outside hf_zero)")
+
+    def _suspended_note(self) -> str:
+        if self.suspended_s > 0:
+            return (f" (note: this process itself was suspended for {self.suspended_s:.1f}s, e.g. by SIGSTOP; the "
+                    f"other ranks gave up on it)")
+        return ""
+
+    # ---- the thread ----------------------------------------------------------------------------------------------
+    def _monitor(self) -> None:
+        last = time.monotonic()
+        foreign_since: float | None = None
+        while not self._stop.wait(self._period):
+            now = time.monotonic()
+            if now - last > max(2.0, 10 * self._period):
+                self.suspended_s += now - last - self._period
+            last = now
+            self._try(lambda s: s.set(self.prefix + f"hb/{self.rank}", repr(time.time())), store=self._mon_store)
+            if self.raised:
+                continue
+            inw = self.in_wait
+            first = self.published(store=self._mon_store)
+            me = self.global_ranks[self.rank]
+            if first is not None and not first.startswith(f"rank {me}:"):
+                if inw is not None or foreign_since is not None and now - foreign_since > self.grace():
+                    self._try(lambda s: s.add(self.prefix + "seen", 1), store=self._mon_store)
+                    where = f" (this rank was in {inw[0]})" if inw else ""
+                    _die(f"hf_zero: rank {me} stops because {first}{where}{self._suspended_note()}")
+                foreign_since = foreign_since or now
+            if inw is not None and now - inw[1] > inw[2] + self.grace():
+                # the wait ignored its timeout (gloo in places): diagnose from here and end the process
+                exc = self.diagnose(inw[0], inw[2], TimeoutError("the wait did not return"))
+                self.fail(exc)
+                _die(str(exc))
+
+    def wait_for_peers_to_read(self) -> None:
+        """Before this process exits: the store may live in it (rank 0); let the other ranks read the fault."""
+        if self.fatal is None:
+            return
+        deadline = time.monotonic() + self.grace()
+        while time.monotonic() < deadline:
+            seen = self._try(lambda s: s.add(self.prefix + "seen", 0), default=self.world)
+            if seen >= self.world:
+                return
+            time.sleep(0.05)
+
+
+# ---- process exit --------------------------------------------------------------------------------------------------
+_exit_armed = False
+_hooks_installed = False
+
+
+def _die(message: str) -> None:
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        for ch in list(_channels.values()):
+            ch.wait_for_peers_to_read()
+        os._exit(1)
+
+
+def _exit_now() -> None:
+    """atexit: a process group with work in flight (gloo) blocks interpreter shutdown forever; leave first."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        for ch in list(_channels.values()):
+            ch.wait_for_peers_to_read()
+        os._exit(1)
+
+
+def _arm_exit() -> None:
+    global _exit_armed
+    if not _exit_armed:
+        _exit_armed = True
+        atexit.register(_exit_now)
+
+
+def _stop_monitors() -> None:
+    """atexit (normal exit): stop the threads before the interpreter tears down the store clients under them."""
+    for ch in list(_channels.values()):
+        ch._stop.set()
+        ch._thread.join(timeout=2 * ch._period + 1.0)
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_stop_monitors)
+    previous = sys.excepthook
+
+    def hook(tp, value, tb):
+        for ch in list(_channels.values()):
+            ch.publish_exception(value)
+        previous(tp, value, tb)
+
+    sys.excepthook = hook
