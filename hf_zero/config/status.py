@@ -141,6 +141,8 @@ STATUS: dict[str, KeyStatus] = {
                                           "applies no other factor; remove gradient_predivide_factor"),
     "sparse_gradients": _todo("embedding gradients are reduced as dense tensors (same values)"),
     "zero_allow_untested_optimizer": HONOURED,
+    "comms_timeout_s": HONOURED,
+    "comms_divergence_check": HONOURED,
     "zero_force_ds_cpu_optimizer": _no_op("with optimizer offload hf_zero always runs its own CPU Adam (a client "
                                           "Adam/AdamW is re-applied as it; other optimizers are refused)"),
     "communication_data_type": _refused(
