@@ -156,3 +156,15 @@ def test_flops_profiler_counts_forward_only_like_deepspeed():
     prof.end_profile()
     assert prof.get_total_flops() == 0
     assert not nn.modules.module._global_forward_hooks
+
+
+def test_deepspeed_names_reach_hf_zero_profiler():
+    from deepspeed.profiling.flops_profiler import FlopsProfiler as DsFlopsProfiler
+    from deepspeed.profiling.flops_profiler import get_model_profile as ds_get_model_profile
+    from deepspeed.profiling.flops_profiler.profiler import get_model_profile as ds_get_model_profile2
+
+    assert DsFlopsProfiler is FlopsProfiler and ds_get_model_profile is ds_get_model_profile2 is get_model_profile
+    cfg, model = llama()
+    flops, _, params = ds_get_model_profile(model, input_shape=None, args=[torch.randint(0, 128, (B, S))],
+                                            print_profile=False, as_string=False)
+    assert flops == analytic_flops(cfg, B, S).forward

@@ -11,7 +11,16 @@ with :meth:`attach` it runs before them, so ``report_to`` integrations see the v
 - ``zero/grad_norm``: the engine's global gradient norm (all shards, before clipping);
 - ``zero/loss_scale`` and ``zero/skipped_steps``: the fp16 loss scale and the steps it skipped (1.0 and 0 otherwise);
 - ``zero/time_share/<phase>``: the share of wall-clock time since the previous log that the engine spent in each
-  phase it times (forward, backward, step, and communication / offload phases where the engine times them).
+  phase it times (forward, backward, step, and communication / offload phases where the engine times them);
+- ``zero/tokens_per_s`` and ``zero/tokens_per_s_per_rank``: tokens (from the attention mask) trained per second
+  since the previous log, all ranks / per rank;
+- ``zero/model_tflops_per_rank``, and where the device's dense peak is known (``zero/peak_tflops``, overridable with
+  ``HfZeroCallback(peak_tflops=...)`` or ``HF_ZERO_PEAK_TFLOPS``) ``zero/mfu`` and ``zero/hfu``: model FLOPs per
+  second per rank (analytic, checked against a dispatcher count; see hf_zero/integrations/throughput.py) and their
+  share of the peak, without and with recompute. On a device with no known peak there is no MFU rather than a guess.
+
+With :meth:`attach`, the Trainer's ``total_flos`` counts the model's true parameters (transformers counts the local
+ZeRO-3 shard), so it is the same at every stage.
 
 On every checkpoint save and at the end of training it writes a model card (``templates/model_card.md`` beside
 this file, shipped in the wheel as package data) into the saved directory, describing the ZeRO configuration,
@@ -69,8 +78,11 @@ def _engine_of(obj: Any):
 class HfZeroCallback(TrainerCallback):
     """Adds ZeRO engine statistics to the Trainer's logs and writes a model card next to saved models."""
 
-    def __init__(self, write_cards: bool = True):
+    def __init__(self, write_cards: bool = True, peak_tflops: float | None = None):
         self.write_cards = write_cards
+        self.peak_tflops = peak_tflops
+        self._meter = None                # ThroughputMeter, from on_train_begin
+        self._throughput_mark = 0.0
         self._trainer = None
         self._pending: dict[str, float] = {}
         self._phase_mark: tuple[float, dict[str, float]] | None = None
@@ -81,8 +93,11 @@ class HfZeroCallback(TrainerCallback):
         ahead of the reporting integrations (so they log its values)."""
         from transformers.trainer_callback import DefaultFlowCallback
 
+        from hf_zero.integrations.throughput import true_floating_point_ops
+
         callback = cls(**kwargs)
         callback._trainer = trainer
+        trainer.floating_point_ops = true_floating_point_ops(trainer.model)
         callbacks = trainer.callback_handler.callbacks
         flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
         callbacks.insert(flow[0] + 1 if flow else 0, callback)
@@ -105,23 +120,59 @@ class HfZeroCallback(TrainerCallback):
 
     # ---- callbacks ----------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
+        from hf_zero.integrations.throughput import ThroughputMeter
+
         engine = self._engine(kwargs)
         if engine is not None:
             self._phase_mark = (time.perf_counter(), engine.phase_seconds_total())
+        model = kwargs.get("model")
+        called = engine if engine is not None else getattr(self._trainer, "model_wrapped", None) or model
+        if isinstance(called, torch.nn.Module) and self._meter is None:
+            self._meter = ThroughputMeter(called, getattr(model, "config", None))
+        self._throughput_mark = time.perf_counter()
+
+    def _throughput(self, args, engine, gathered: list) -> dict[str, float]:
+        now = time.perf_counter()
+        wall = max(now - self._throughput_mark, 1e-9)
+        self._throughput_mark = now
+        world = len(gathered)
+        tokens = sum(g[1] for g in gathered)
+        stats = {"zero/tokens_per_s": round(tokens / wall, 2),
+                 "zero/tokens_per_s_per_rank": round(tokens / wall / world, 2)}
+        if not all(g[2] > 0 for g in gathered):
+            return stats
+        model_tflops = sum(g[2] for g in gathered) / world / wall / 1e12
+        hardware_tflops = sum(g[3] for g in gathered) / world / wall / 1e12
+        stats["zero/model_tflops_per_rank"] = _sig(model_tflops)
+        from hf_zero.profiling.hardware import peak_tflops
+
+        if engine is not None:
+            dtype = engine.compute_dtype
+        else:
+            dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+        peak = peak_tflops(getattr(args, "device", None), dtype, override=self.peak_tflops)
+        if peak:
+            stats["zero/peak_tflops"] = peak
+            stats["zero/mfu"] = _sig(model_tflops / peak)
+            stats["zero/hfu"] = _sig(hardware_tflops / peak)
+        return stats
 
     def on_step_end(self, args, state, control, **kwargs):
         if not control.should_log:
             return
         stats: dict[str, float] = {}
         device = args.device if hasattr(args, "device") else None
-        mine = peak_memory_mb(device)
+        # (peak MiB, tokens, model FLOPs, hardware FLOPs) of this rank since the previous log
+        mine = (peak_memory_mb(device), *(self._meter.take() if self._meter is not None else (0, 0.0, 0.0)))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list[float | None] = [None] * dist.get_world_size()
+            gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
         else:
             gathered = [mine]
-        for rank, mb in enumerate(gathered):
-            stats[f"zero/peak_mem_mb/rank{rank}"] = round(float(mb), 1)
+        for rank, figures in enumerate(gathered):
+            stats[f"zero/peak_mem_mb/rank{rank}"] = round(float(figures[0]), 1)
+        if self._meter is not None:
+            stats.update(self._throughput(args, self._engine(kwargs), gathered))
 
         optimizer = self._optimizer(kwargs)
         if optimizer is not None:
@@ -158,8 +209,16 @@ class HfZeroCallback(TrainerCallback):
                 write_model_card(directory, self._trainer or kwargs, state=state)
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._meter is not None:
+            self._meter.remove()
+            self._meter = None
         if self.write_cards and state.is_world_process_zero and Path(args.output_dir).is_dir():
             write_model_card(args.output_dir, self._trainer or kwargs, state=state)
+
+
+def _sig(x: float) -> float:
+    """Six significant digits (an MFU of 3e-7 on a CPU must not round to 0)."""
+    return float(f"{x:.6g}")
 
 
 def _hardware() -> str:

@@ -1,0 +1,333 @@
+"""Per-rank memory of a training run before it runs: ``estimate_memory(model_or_config, ds_config, ...)``.
+
+Model states follow the engine's own data structures, byte for byte (``tests/test_profiling_memory.py`` compares
+them with a real engine's tensors, so a change to either breaks that test instead of the estimate):
+
+stages 0-2 (``ShardedGroup``; stage 0 shards over a world of one)::
+
+    parameters   every parameter, full, compute dtype. At a sharding world of one the trainable ones are views of
+                 the group's 16-bit shard (fp32: of the master itself), so they are not counted twice
+    master       fp32, one shard: sum over trainable parameters of ceil(numel / world)
+    param16      compute-dtype copy of the shard (none for fp32, none at a world of one: it *is* the parameters)
+    gradients    stage 2: the shard, kept; stages 0/1: full ``param.grad`` between micro-steps and the shard at
+                 the boundary (transients)
+    optimizer    Adam/AdamW 8 B per shard element (exp_avg, exp_avg_sq), SGD with momentum 4 B, else 0
+
+stage 3 (``Stage3Group``): master, param16 (= master for fp32) and the gradient shard per trainable parameter; the
+partitioned parameters are views of param16; frozen parameters keep their own shard; parameters of at most
+``stage3_param_persistence_threshold`` elements are also kept whole on every rank.
+
+``offload_optimizer`` moves master and moments to the host (``cpu``) or to NVMe files with two sets of host tile
+buffers (``nvme``); on a CPU-only machine host and accelerator are the same memory, and the engine then keeps
+the master where it is (no copy).
+
+Transients on top of the states, per phase: activations and backward temporaries (traced under
+``FakeTensorMode``, see :mod:`hf_zero.profiling.activations`), gradient buckets, the stage-1/2 publish all-gather,
+the stage-3 gathered working set. Peak = states + the largest phase, per device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Component", "MemoryEstimate", "ParamLayout", "estimate_memory", "model_state_bytes", "build_meta_model",
+           "param_layout"]
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DEVICES = ("accelerator", "host", "nvme")
+PHASES = ("states", "forward_backward", "step")
+_FP32 = 4
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    device: str        # accelerator | host | nvme
+    nbytes: int
+    phase: str         # states (always resident) | forward_backward | step (transient)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """What the estimate needs to know about the parameters: numels in order, trainable flags, module groups."""
+
+    numels: tuple[int, ...]
+    trainable: tuple[bool, ...]
+    largest_module_numel: int      # parameters a module owns directly (one ZeRO-3 gather)
+    embedding_numel: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def trainable_total(self) -> int:
+        return sum(n for n, t in zip(self.numels, self.trainable) if t)
+
+
+def param_layout(model: nn.Module, trainable=None) -> ParamLayout:
+    """The layout of ``model``'s parameters (true sizes under ZeRO-3). ``trainable(name) -> bool`` overrides
+    ``requires_grad`` (e.g. LoRA: only adapter weights train)."""
+    from hf_zero.profiling.params import true_numel
+
+    numels, flags, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        numels.append(true_numel(p))
+        flags.append(bool(trainable(name)) if trainable is not None else p.requires_grad)
+    largest = max((sum(true_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    emb = sum(true_numel(m.weight) for m in model.modules() if isinstance(m, nn.Embedding))
+    return ParamLayout(tuple(numels), tuple(flags), largest, emb)
+
+
+@dataclass
+class MemoryEstimate:
+    """Components per rank, each tagged with a device and a phase; peaks derived from them."""
+
+    components: list[Component] = field(default_factory=list)
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    def total(self, device: str, phase: str | None = None) -> int:
+        return sum(c.nbytes for c in self.components if c.device == device and (phase is None or c.phase == phase))
+
+    def peak(self, device: str) -> int:
+        """Resident states plus the largest transient phase on ``device``."""
+        return self.total(device, "states") + max(self.total(device, ph) for ph in PHASES[1:])
+
+    def peak_phase(self, device: str) -> str:
+        return max(PHASES[1:], key=lambda ph: self.total(device, ph))
+
+    def model_states(self) -> int:
+        return sum(c.nbytes for c in self.components if c.phase == "states" and c.device != "nvme"
+                   and c.name != "runtime")
+
+    def to_dict(self) -> dict:
+        return {"inputs": self.inputs, "components": [asdict(c) for c in self.components],
+                "peak_bytes": {d: self.peak(d) for d in DEVICES},
+                "peak_phase": {d: self.peak_phase(d) for d in DEVICES}}
+
+    def table(self) -> str:
+        mib = lambda b: f"{b / 2**20:10.1f}"  # noqa: E731
+        lines = [f"{'component':<38}{'device':<12}{'phase':<17}{'MiB':>10}  note"]
+        for c in self.components:
+            if c.nbytes:
+                lines.append(f"{c.name:<38}{c.device:<12}{c.phase:<17}{mib(c.nbytes)}  {c.note}")
+        lines.append("")
+        for d in DEVICES:
+            if any(c.device == d and c.nbytes for c in self.components):
+                lines.append(f"peak {d:<12} {mib(self.peak(d))} MiB  (states {self.total(d, 'states') / 2**20:.1f}"
+                             f" + {self.peak_phase(d)} {self.total(d, self.peak_phase(d)) / 2**20:.1f})")
+        return "\n".join(lines)
+
+
+# ---- model states: the engine's layout ---------------------------------------------------------------------------
+
+def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compute_dtype: torch.dtype,
+                      grad_dtype: torch.dtype | None = None, optimizer: str = "adamw", momentum: float = 0.0,
+                      offload_optimizer: str = "none", offload_param: str = "none", accelerator: str = "cuda",
+                      persistence_threshold: int = 100_000, sub_group_size: int = 1_000_000_000
+                      ) -> list[Component]:
+    """Resident model-state components of one rank (phase ``states``), as the engine allocates them."""
+    c = torch.empty(0, dtype=compute_dtype).element_size()
+    g = torch.empty(0, dtype=grad_dtype or compute_dtype).element_size()
+    shard_world = 1 if stage == 0 else world_size
+    trainable = [n for n, t in zip(layout.numels, layout.trainable) if t]
+    frozen = [n for n, t in zip(layout.numels, layout.trainable) if not t]
+    shard = sum(_ceil_div(n, shard_world) for n in trainable)
+    opt_per_elem = {"adam": 8, "adamw": 8}.get(optimizer.lower(), 4 if momentum else 0)
+    host = "host" if accelerator != "cpu" else "accelerator"  # a CPU-only run: host memory is the device memory
+    out: list[Component] = []
+    add = lambda name, device, nbytes, note="": out.append(Component(name, device, int(nbytes), "states", note))  # noqa: E731
+    if stage < 3:
+        bound = shard_world == 1  # trainable parameters are views of the 16-bit shard (fp32: of the master)
+        params = sum(frozen) * c + (0 if bound and c == _FP32 else sum(trainable) * c)
+        add("parameters (full)", "accelerator", params, "every parameter, compute dtype")
+        if c != _FP32 and not bound:
+            add("param16 shard", "accelerator", shard * c, "16-bit copy of the master shard")
+        if stage == 2:
+            add("gradient shard", "accelerator", shard * g, "reduced every micro-step")
+    else:
+        persistent = [n for n in layout.numels if n <= persistence_threshold]
+        frozen_shard = sum(_ceil_div(n, world_size) for n in frozen)
+        add("parameters (persistent, full)", "accelerator", sum(persistent) * c,
+            f"numel <= stage3_param_persistence_threshold ({persistence_threshold})")
+        if offload_param == "nvme":
+            add("parameter shards", "nvme", (shard + frozen_shard) * c, "swap files")
+        else:
+            dev = "accelerator" if offload_param == "none" else host
+            add("parameter shards (16-bit)", dev, (shard if c != _FP32 else 0) * c + frozen_shard * c,
+                "trainable: views of param16; fp32: of the master")
+        add("gradient shard", "accelerator", shard * g, "reduced every micro-step")
+    # master + optimizer moments, where offload_optimizer puts them
+    master_in_weights = c == _FP32 and (stage < 3 or offload_param != "nvme")
+    if offload_optimizer == "none":
+        add("master (fp32 shard)", "accelerator", shard * _FP32, "= the weights for fp32" if c == _FP32 else "")
+        add(f"optimizer states ({optimizer})", "accelerator", shard * opt_per_elem)
+    elif offload_optimizer == "cpu":
+        if accelerator == "cpu":
+            add("master (fp32 shard)", "accelerator", shard * _FP32, "offloaded to host = the same memory on CPU")
+        else:
+            add("master (fp32 shard)", "host", shard * _FP32, "offload_optimizer cpu")
+            if master_in_weights:
+                add("weights (fp32, former master)", "accelerator", shard * _FP32, "param16 is the master for fp32")
+        add(f"optimizer states ({optimizer})", host, shard * opt_per_elem, "offload_optimizer cpu")
+    else:  # nvme
+        add("master + optimizer states", "nvme", shard * (_FP32 + opt_per_elem), "swap files")
+        if master_in_weights:
+            add("weights (fp32, former master)", "accelerator", shard * _FP32, "param16 is the master for fp32")
+        tile = min(sub_group_size, shard)
+        add("optimizer tile buffers", host, 2 * 3 * tile * _FP32, "2 sets x (master, exp_avg, exp_avg_sq)")
+    return out
+
+
+def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: int, zero: dict,
+                activations: int, gas: int) -> list[Component]:
+    trainable = layout.trainable_total
+    shard_world = 1 if stage == 0 else world_size
+    shard = sum(_ceil_div(n, shard_world) for n, t in zip(layout.numels, layout.trainable) if t)
+    reduce_bucket = int(float(zero.get("reduce_bucket_size", 5e8)))
+    allgather_bucket = int(float(zero.get("allgather_bucket_size", 5e8)))
+    out = [Component("activations + backward temporaries", "accelerator", activations, "forward_backward",
+                     "traced under FakeTensorMode")]
+    if stage < 2:
+        out.append(Component("full gradients (param.grad)", "accelerator", trainable * c, "forward_backward",
+                             "between micro-steps until the boundary reduce"))
+        out.append(Component("gradient shard (boundary)", "accelerator", shard * g, "step", "freed after the step"))
+    if world_size > 1 and stage < 3:
+        out.append(Component("gradient bucket", "accelerator", min(reduce_bucket, trainable) * g, "forward_backward",
+                             "reduce_bucket_size"))
+        if stage > 0:
+            out.append(Component("publish all-gather buffer", "accelerator",
+                                 min(allgather_bucket, shard * world_size) * c, "step", "allgather_bucket_size"))
+    if stage == 3:
+        prefetch = int(float(zero.get("stage3_prefetch_bucket_size", 5e7)))
+        live = int(float(zero.get("stage3_max_live_parameters", 1e9)))
+        gathered = min(layout.largest_module_numel + min(prefetch, layout.total), max(live, layout.largest_module_numel))
+        out.append(Component("stage-3 gathered parameters", "accelerator", gathered * c, "forward_backward",
+                             "largest module + prefetch, capped by stage3_max_live_parameters"))
+        if world_size > 1:
+            out.append(Component("gradient bucket", "accelerator", min(reduce_bucket, trainable) * g,
+                                 "forward_backward", "reduce_bucket_size"))
+    return out
+
+
+# ---- inputs ----------------------------------------------------------------------------------------------------
+
+def _load_config(model_or_config: Any):
+    """A transformers config from a path (config.json or its directory), a config object, or a model."""
+    if isinstance(model_or_config, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        path = os.fspath(model_or_config)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"hf-zero estimate: model config {path!r} does not exist (pass a config.json "
+                                    f"or a directory holding one; nothing is downloaded)")
+        return AutoConfig.from_pretrained(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)),
+                                          local_files_only=True) if os.path.basename(path) == "config.json" or \
+            os.path.isdir(path) else _config_from_file(path)
+    return model_or_config
+
+
+def _config_from_file(path: str):
+    from transformers import AutoConfig
+
+    with open(path) as f:
+        data = json.load(f)
+    model_type = data.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"hf-zero estimate: {path} has no 'model_type'; is it a transformers config.json?")
+    return AutoConfig.for_model(model_type, **data)
+
+
+def build_meta_model(config) -> nn.Module:
+    """The model ``config`` describes, on the meta device (shapes only: no memory, no weights, no download)."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    auto = AutoModelForMaskedLM if config.model_type in ("bert", "roberta", "xlm-roberta", "electra") \
+        else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config)
+
+
+def _ds(ds_config: Any) -> dict:
+    if ds_config is None:
+        return {}
+    if isinstance(ds_config, (str, os.PathLike)):
+        with open(ds_config) as f:
+            return json.load(f)
+    return dict(ds_config)
+
+
+def _compute_dtype(ds: dict) -> torch.dtype:
+    if (ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled") is True:
+        return torch.bfloat16
+    if (ds.get("fp16") or {}).get("enabled") is True:
+        return torch.float16
+    return torch.float32
+
+
+def _int(value: Any, default: int) -> int:
+    return default if value in (None, "auto") else int(value)
+
+
+def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: int = 1, micro_batch: int | None = None,
+                    seq_len: int = 512, accelerator: str | None = None, trainable=None,
+                    gradient_checkpointing: bool = False, activations: int | None = None) -> MemoryEstimate:
+    """Per-rank memory of training ``model_or_config`` (an ``nn.Module``, a transformers config, or a path to a
+    ``config.json``) with the DeepSpeed/hf_zero config ``ds_config`` (dict or JSON path) on ``world_size`` ranks.
+
+    ``micro_batch`` defaults to the config's ``train_micro_batch_size_per_gpu`` (1 when "auto"); ``trainable``
+    (``name -> bool``) overrides which parameters train; ``activations`` (bytes) skips the trace.
+    """
+    ds = _ds(ds_config)
+    zero = dict(ds.get("zero_optimization") or {})
+    stage = _int(zero.get("stage"), 0)
+    compute = _compute_dtype(ds)
+    grad_name = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    grad_dtype = _DTYPES[grad_name] if grad_name else compute
+    micro = micro_batch or _int(ds.get("train_micro_batch_size_per_gpu"), 1)
+    gas = _int(ds.get("gradient_accumulation_steps"), 1)
+    opt = ds.get("optimizer") or {"type": "AdamW"}
+    off_opt = (zero.get("offload_optimizer") or {}).get("device", "none") or "none"
+    off_param = (zero.get("offload_param") or {}).get("device", "none") or "none"
+    if accelerator is None:
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(model_or_config, nn.Module):
+        model, config = model_or_config, getattr(model_or_config, "config", None)
+    else:
+        config = _load_config(model_or_config)
+        model = build_meta_model(config)
+    layout = param_layout(model, trainable)
+    c = torch.empty(0, dtype=compute).element_size()
+    g = torch.empty(0, dtype=grad_dtype).element_size()
+    states = model_state_bytes(
+        layout, stage=stage, world_size=world_size, compute_dtype=compute, grad_dtype=grad_dtype,
+        optimizer=str(opt.get("type", "AdamW")), momentum=float((opt.get("params") or {}).get("momentum", 0.0)),
+        offload_optimizer=off_opt, offload_param=off_param, accelerator=accelerator,
+        persistence_threshold=_int(zero.get("stage3_param_persistence_threshold"), 100_000),
+        sub_group_size=_int(zero.get("sub_group_size"), 1_000_000_000))
+    if activations is None:
+        from hf_zero.profiling.activations import activation_bytes
+
+        activations = activation_bytes(config, micro, seq_len, dtype=compute,
+                                       gradient_checkpointing=gradient_checkpointing, trainable=trainable)
+    transients = _transients(layout, stage=stage, world_size=world_size, c=c, g=g, zero=zero,
+                             activations=activations, gas=gas)
+    est = MemoryEstimate(states + transients, inputs=dict(
+        stage=stage, world_size=world_size, micro_batch=micro, seq_len=seq_len, dtype=str(compute).split(".")[-1],
+        offload_optimizer=off_opt, offload_param=off_param, accelerator=accelerator, params=layout.total,
+        trainable_params=layout.trainable_total, gradient_checkpointing=gradient_checkpointing))
+    return est
