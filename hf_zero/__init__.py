@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 # name -> (module that defines it, attribute of that module; None for the module itself)
 _LAZY = {
     "initialize": ("hf_zero.runtime.initialize", "initialize"),
+    "add_config_arguments": ("hf_zero.runtime.arguments", "add_config_arguments"),
     "HfZeroEngine": ("hf_zero.runtime.engine", "HfZeroEngine"),
     "ConfigError": ("hf_zero.config.errors", "ConfigError"),
     "init_distributed": ("hf_zero.comm", "init_distributed"),
@@ -25,6 +26,7 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:
+    from hf_zero.runtime.arguments import add_config_arguments
     from hf_zero.config.errors import ConfigError
     from hf_zero.runtime.engine import HfZeroEngine
     from hf_zero.runtime.initialize import initialize

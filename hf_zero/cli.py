@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 __all__ = ["main"]
@@ -12,10 +13,18 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-zero", description="hf_zero: ZeRO training for the Hugging Face stack")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser("doctor", help="report versions, compiled ops, distributed backends and the deepspeed layer")
+    commands.add_parser("launch", add_help=False,
+                        help="run a training script on every rank (DeepSpeed's launcher flags; see 'launch -h')")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        # the launcher has its own parser: everything after the script name belongs to the script
+        from hf_zero.launcher import main as launch_main
+
+        return launch_main(argv[1:], prog="hf-zero launch")
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command == "doctor":

@@ -275,6 +275,11 @@ class HfZeroEngine(nn.Module):
         return self.compute_dtype == torch.float16
 
     @property
+    def local_rank(self) -> int:
+        """This process's index on its node (LOCAL_RANK; DeepSpeed scripts pick their device with it)."""
+        return comm.get_local_rank()
+
+    @property
     def device(self) -> torch.device:
         for p in self.module.parameters():
             return p.device

@@ -11,6 +11,7 @@ from torch import nn
 from hf_zero import comm
 from hf_zero.config import load_config
 from hf_zero.config.errors import ConfigError
+from hf_zero.runtime.arguments import align_local_rank, config_from_args
 from hf_zero.runtime.engine import HfZeroEngine
 from hf_zero.runtime.optimizers import plan_from_client, plan_from_config
 
@@ -23,11 +24,16 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     if config is not None and config_params is not None:
         raise ConfigError("", "initialize() got both config and config_params; pass one")
     source = config if config is not None else config_params
-    if source is None and args is not None:
-        source = getattr(args, "deepspeed_config", None) or getattr(args, "hf_zero_config", None)
+    from_args = config_from_args(args)
+    if from_args is not None and source is not None:
+        # DeepSpeed refuses this ambiguity too; silently preferring one would train with a config the user did not mean
+        raise ConfigError("deepspeed_config", f"initialize() got a config both from args.deepspeed_config "
+                                              f"({from_args!r}) and from config=/config_params=; pass only one")
+    if source is None:
+        source = from_args
     if source is None:
         raise ConfigError("", "initialize() needs a config: config=<dict | path to JSON | base64 JSON> "
-                              "(or args.deepspeed_config)")
+                              "(or args.deepspeed_config, e.g. from --deepspeed_config with add_config_arguments)")
     return source
 
 
@@ -49,6 +55,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         raise ValueError("hf_zero.initialize: model parallelism (mpu=...) is not supported; hf_zero shards over the "
                          "data-parallel world only")
     comm.init_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
+    align_local_rank(args)
     world_size = comm.get_world_size()
     _default_logging(comm.get_rank())
     pipeline_grid = getattr(model, "grid", None) if hasattr(model, "chunk_modules") else None

@@ -10,6 +10,7 @@ __version__ = _shim_version()
 
 _forward(__name__, {
     "initialize": "hf_zero:initialize",
+    "add_config_arguments": "hf_zero.runtime.arguments:add_config_arguments",
     "init_distributed": "hf_zero.comm:init_distributed",
     "DeepSpeedEngine": "hf_zero.runtime.engine:HfZeroEngine",
     "zero": "deepspeed.runtime.zero",  # as in DeepSpeed, deepspeed.zero is deepspeed.runtime.zero

@@ -1,4 +1,4 @@
-"""``deepspeed.launcher``: only ``runner.DEEPSPEED_ENVIRONMENT_NAME`` (accelerate launch imports it)."""
+"""``deepspeed.launcher``: ``runner`` (the launcher; accelerate launch imports its DEEPSPEED_ENVIRONMENT_NAME)."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 

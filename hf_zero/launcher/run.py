@@ -1,0 +1,81 @@
+"""Hand a :class:`NodePlan` to ``torch.distributed.run``: it starts this node's ranks, joins the rendezvous,
+watches them, and stops them all when one fails."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hf_zero.launcher.hosts import LaunchError
+from hf_zero.launcher.plan import NodePlan, make_plan
+from hf_zero.launcher.worker import BIND_CORES_ENV
+
+__all__ = ["launch", "torchrun_args", "read_environment_files"]
+
+
+def read_environment_files() -> dict[str, str]:
+    """``KEY=VALUE`` lines of DeepSpeed's ``.deepspeed_env`` (name from ``DS_ENV_FILE``) in the home directory,
+    then the working directory (later wins); DeepSpeed's runner exports them to the ranks of every node."""
+    from hf_zero.integrations.compat import DEEPSPEED_ENVIRONMENT_NAME
+
+    exports: dict[str, str] = {}
+    for folder in (os.path.expanduser("~"), "."):
+        path = os.path.join(folder, DEEPSPEED_ENVIRONMENT_NAME)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            for number, raw in enumerate(f, start=1):
+                line = raw.strip()
+                if not line or line.startswith("#"):
+                    continue
+                key, sep, value = line.partition("=")
+                if not sep or not key.strip():
+                    raise LaunchError(f"{path}, line {number}: {line!r} is not KEY=VALUE")
+                exports[key.strip()] = value.strip()
+    return exports
+
+
+def torchrun_args(plan: NodePlan, args: argparse.Namespace) -> list[str]:
+    """The ``torch.distributed.run`` command line for this node (static rendezvous at master_addr:master_port)."""
+    argv = ["--nnodes", str(plan.nnodes), "--node-rank", str(plan.node_rank), "--nproc-per-node", str(plan.nproc),
+            "--master-addr", plan.master_addr, "--master-port", str(plan.master_port), "--max-restarts", "0"]
+    if args.enable_each_rank_log != "None":
+        os.makedirs(args.enable_each_rank_log, exist_ok=True)
+        argv += ["--log-dir", args.enable_each_rank_log, "--redirects", "3"]
+    how = "module" if args.module else "exec" if args.no_python else "python"
+    rank_flag = "no_local_rank" if args.no_local_rank else "local_rank"
+    return [*argv, "--module", "hf_zero.launcher.worker", how, rank_flag, args.user_script, *args.user_args]
+
+
+def _device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def launch(args: argparse.Namespace) -> int:
+    try:
+        plan = make_plan(args, _device_count())
+        exports = read_environment_files() if plan.nnodes > 1 else {}
+    except LaunchError as exc:
+        print(f"hf_zero launcher: error: {exc}", file=sys.stderr)
+        return 2
+    os.environ.update(exports)
+    if _device_count() > 0:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in plan.slots)
+    if plan.cores_per_rank is not None:
+        os.environ[BIND_CORES_ENV] = ";".join(",".join(map(str, cores)) for cores in plan.cores_per_rank)
+    if plan.nproc > 1 and "OMP_NUM_THREADS" not in os.environ and plan.cores_per_rank is None:
+        # as torch.distributed.run does (and says so): one thread per rank unless the user chose otherwise
+        os.environ["OMP_NUM_THREADS"] = "1"
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    try:
+        run(get_args_parser().parse_args(torchrun_args(plan, args)))
+    except ChildFailedError as exc:
+        codes = [failure.exitcode for _, failure in sorted(exc.failures.items())]
+        return next((c for c in codes if c not in (0, None)), 1) if codes else 1
+    return 0
