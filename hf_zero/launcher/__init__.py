@@ -6,6 +6,7 @@
 - ``args.py``: DeepSpeed's flags (``--num_gpus``, ``--num_nodes``, ``--hostfile``, ``--include``, ...).
 - ``hosts.py``: hostfiles and ``--include``/``--exclude`` filters (DeepSpeed's ``host:slot,slot@host`` syntax).
 - ``plan.py``: what this node runs: how many nodes, this node's rank, processes here, rendezvous, core binding.
+- ``envfile.py``: ``.deepspeed_env``, the variables a multi-node launch exports to every rank.
 - ``run.py``: hands the plan to ``torch.distributed.run`` (the elastic agent starts, watches and stops the ranks).
 - ``worker.py``: the first thing each rank runs: binds cores, sets DeepSpeed's extra variables, then execs the
   training script with ``--local_rank=N`` as DeepSpeed's launcher passes it.

@@ -7,33 +7,12 @@ import argparse
 import os
 import sys
 
+from hf_zero.launcher.envfile import read_environment_files
 from hf_zero.launcher.hosts import LaunchError
 from hf_zero.launcher.plan import NodePlan, make_plan
 from hf_zero.launcher.worker import BIND_CORES_ENV
 
-__all__ = ["launch", "torchrun_args", "read_environment_files"]
-
-
-def read_environment_files() -> dict[str, str]:
-    """``KEY=VALUE`` lines of DeepSpeed's ``.deepspeed_env`` (name from ``DS_ENV_FILE``) in the home directory,
-    then the working directory (later wins); DeepSpeed's runner exports them to the ranks of every node."""
-    from hf_zero.integrations.compat import DEEPSPEED_ENVIRONMENT_NAME
-
-    exports: dict[str, str] = {}
-    for folder in (os.path.expanduser("~"), "."):
-        path = os.path.join(folder, DEEPSPEED_ENVIRONMENT_NAME)
-        if not os.path.isfile(path):
-            continue
-        with open(path) as f:
-            for number, raw in enumerate(f, start=1):
-                line = raw.strip()
-                if not line or line.startswith("#"):
-                    continue
-                key, sep, value = line.partition("=")
-                if not sep or not key.strip():
-                    raise LaunchError(f"{path}, line {number}: {line!r} is not KEY=VALUE")
-                exports[key.strip()] = value.strip()
-    return exports
+__all__ = ["launch", "torchrun_args"]
 
 
 def torchrun_args(plan: NodePlan, args: argparse.Namespace) -> list[str]:
