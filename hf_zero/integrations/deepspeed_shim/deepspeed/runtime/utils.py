@@ -1,0 +1,5 @@
+"""``deepspeed.runtime.utils``: set_random_seed."""
+
+from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
+
+_forward(__name__, {"set_random_seed": "hf_zero.runtime.seed:set_random_seed"})

@@ -1,0 +1,89 @@
+"""DeepSpeed names scripts import, reached through ``import deepspeed`` (hf_zero's compatibility layer), one test
+per name: each must do what DeepSpeed's does, not merely exist."""
+
+from __future__ import annotations
+
+import importlib
+import random
+
+import numpy
+import pytest
+import torch
+
+from hf_zero.integrations.deepspeed_shim._finder import install
+
+install()  # as the start-up .pth line does in an installed hf_zero
+
+
+def _ds(module: str):
+    mod = importlib.import_module(module)
+    assert "hf_zero" in (mod.__file__ or "") or "hf_zero" in mod.__name__ or hasattr(mod, "_hf_zero_forward"), \
+        f"{module} is not hf_zero's compatibility layer"
+    return mod
+
+
+def test_set_random_seed_seeds_python_numpy_and_torch():
+    set_random_seed = _ds("deepspeed.runtime.utils").set_random_seed
+    set_random_seed(1234)
+    first = (random.random(), numpy.random.rand(), torch.rand(1).item())
+    random.random(), numpy.random.rand(), torch.rand(1)  # move every generator on
+    set_random_seed(1234)
+    assert (random.random(), numpy.random.rand(), torch.rand(1).item()) == first
+    set_random_seed(1235)
+    assert (random.random(), numpy.random.rand(), torch.rand(1).item()) != first
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU accelerator's answers")
+def test_accelerator_interface_on_cpu(monkeypatch):
+    acc = _ds("deepspeed.accelerator").get_accelerator()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    acc.set_device(1)  # nothing to select on CPU, and no error (scripts call it unconditionally)
+    assert (acc.device_name(), acc.device_name(1), acc.current_device_name(), acc.current_device()) == \
+        ("cpu", "cpu", "cpu", 1)
+    assert acc.device(0) == torch.device("cpu") and acc.device_count() == 1 and acc.is_available()
+    assert acc.communication_backend_name() == "gloo"
+    assert acc.is_bf16_supported() and acc.is_fp16_supported()
+    assert torch.bfloat16 in acc.supported_dtypes()
+    assert acc.is_synchronized_device() and acc.use_host_timers()
+    assert acc.on_accelerator(torch.zeros(1)) and acc.pin_memory(t := torch.zeros(2)) is t
+    assert acc.Stream is None and acc.Event is None and acc.current_stream() is None
+    with acc.stream(None):
+        pass
+    acc.range_push("x")
+    acc.range_pop()
+    acc.synchronize()
+    acc.empty_cache()
+    called = []
+    acc.lazy_call(lambda: called.append(1))
+    assert called == [1]
+
+    acc.manual_seed_all(7)
+    state = acc.get_rng_state()
+    a = torch.rand(3)
+    acc.set_rng_state(state)
+    assert torch.equal(torch.rand(3), a) and acc.initial_seed() == 7
+
+    total, available = acc.total_memory(), acc.available_memory()
+    assert 0 < available <= total
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU accelerator's answers")
+def test_accelerator_memory_counts_host_bytes():
+    """On CPU the memory queries are this process's resident bytes, and the peak sees a freed allocation."""
+    acc = _ds("deepspeed.accelerator").get_accelerator()
+    nbytes = 128 * 2**20
+    acc.reset_peak_memory_stats()
+    before = acc.memory_allocated()
+    assert acc.max_memory_allocated() - before < nbytes // 4  # the reset started a new peak near the current RSS
+    block = torch.ones(nbytes // 4, dtype=torch.float32)  # written: the pages are resident
+    during = acc.memory_allocated()
+    assert during - before >= 0.9 * nbytes
+    assert acc.memory_reserved() >= during - nbytes // 8
+    del block
+    after = acc.memory_allocated()
+    assert during - after >= 0.9 * nbytes  # torch hands large blocks back to the OS
+    # the peak still holds the freed block until reset_peak_memory_stats
+    assert acc.max_memory_allocated() - before >= 0.9 * nbytes
+    assert acc.memory_stats()["allocated_bytes.all.peak"] == acc.max_memory_allocated()
+    acc.reset_max_memory_allocated()
+    assert acc.max_memory_allocated() - after < nbytes // 4
