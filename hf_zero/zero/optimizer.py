@@ -68,6 +68,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.overflow = False  # read by accelerate (step_was_skipped)
         self.global_grad_norm: float | None = None
         self.skipped_steps = 0
+        from hf_zero.zero.tensor_fragment import track
+
+        track(self)  # safe_get_full_grad(param) and friends find the parameter's shards through this
 
     # torch.optim.Optimizer API ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,4 +1,5 @@
-"""``deepspeed.utils``: logger, set_z3_leaf_modules, is_initialized and the ``groups`` module."""
+"""``deepspeed.utils``: logger, set_z3_leaf_modules, is_initialized, the safe_get_*/safe_set_* accessors of
+sharded parameters and the ``groups`` module."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
@@ -6,4 +7,9 @@ _forward(__name__, {
     "logger": "hf_zero.integrations.compat:logger",
     "set_z3_leaf_modules": "hf_zero.zero:set_z3_leaf_modules",
     "is_initialized": "hf_zero.comm:is_initialized",
+    **{name: f"hf_zero.zero.tensor_fragment:{name}" for name in (
+        "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+        "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+        "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+        "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state")},
 }, submodules=["groups"])

@@ -1,0 +1,256 @@
+"""DeepSpeed's ``safe_get_*`` / ``safe_set_*``: a parameter's fp32 master, gradient and optimizer state as full
+tensors (assembled from every rank's chunk) or as this rank's chunk, at every ZeRO stage.
+
+    loss = engine(batch); engine.backward(loss)
+    grad = safe_get_full_grad(model.fc.weight)                       # fp32, model.fc.weight's shape, every rank
+    m = safe_get_full_optimizer_state(model.fc.weight, "exp_avg")   # after the first step
+    engine.step()
+
+Where the values live (:class:`~hf_zero.zero.sharded_group.ShardedGroup`, the same layout at every stage): chunk
+``index`` of the group's flat ``master`` / ``grad`` / optimizer-state shards, ``chunk_numel`` elements per rank,
+rank r holding elements ``[r * chunk_numel, (r + 1) * chunk_numel)`` of the flattened parameter (zero-padded past
+its end). Stage 0 is a world of one whose ``grad`` is already averaged over every rank.
+
+- The *full* functions are collectives over the engine's data-parallel group when it shards (stages 1-3): call
+  them on every rank, in the same order. ``safe_set_full_*`` take the full value, the same on every rank.
+- The gradient is the reduced (averaged) gradient once the reduction ran -- after ``engine.backward`` at stages
+  2/3 and at the accumulation boundary at stages 0/1 -- until ``engine.step`` clears it; before the reduction
+  (stages 0/1 between boundaries) it is this rank's ``param.grad``, as in DeepSpeed; None when there is neither.
+  With fp16 loss scaling it is still multiplied by the loss scale, as DeepSpeed's.
+- *Local* functions return this rank's chunk, 1-D and padded (DeepSpeed defines them for ZeRO-3 partitions). The
+  local setters are refused at stages 0-2, where every rank holds the full weights: writing one chunk would leave
+  the ranks disagreeing; use the full setter there.
+- A parameter the optimizer does not own (frozen, or no engine) gives None from the getters, as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from hf_zero.comm import all_gather_packed
+
+if TYPE_CHECKING:
+    from hf_zero.zero.optimizer import ZeroOptimizer
+    from hf_zero.zero.sharded_group import ShardedGroup
+
+__all__ = ["track", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"]
+
+
+@dataclass(frozen=True)
+class _Fragment:
+    optimizer: "ZeroOptimizer"
+    group: "ShardedGroup"
+    index: int  # the parameter's position in group.params / group.layout
+
+    @property
+    def span(self) -> tuple[int, int]:
+        layout = self.group.layout
+        return layout.offsets[self.index], layout.offsets[self.index + 1]
+
+
+# parameter -> its place in the optimizer that owns it; weak, so a dropped engine frees its parameters
+_FRAGMENTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def track(optimizer: "ZeroOptimizer") -> None:
+    """Make the parameters of ``optimizer`` reachable by the safe_* functions (the engine's optimizer calls this)."""
+    for group in optimizer.groups:
+        for index, param in enumerate(group.params):
+            _FRAGMENTS[param] = _Fragment(optimizer, group, index)
+
+
+def _fragment(param: torch.Tensor, what: str) -> _Fragment | None:
+    frag = _FRAGMENTS.get(param)
+    if frag is not None and frag.group.master.numel() == 0 and frag.group.shard_numel > 0:
+        raise NotImplementedError(f"hf_zero {what}: the fp32 weights and optimizer states are offloaded "
+                                  "(zero_optimization.offload_optimizer); read them before enabling the offload "
+                                  "or from a checkpoint")
+    return frag
+
+
+def _full(frag: _Fragment, shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The full fp32 tensor (``like``'s shape) from every rank's chunk of ``shard`` (a flat per-rank buffer)."""
+    group = frag.group
+    lo, hi = frag.span
+    numel = group.layout.numels[frag.index]
+    shape = _shape(like)
+    if group.world_size == 1:
+        return shard[lo:lo + numel].float().reshape(shape).clone()
+    packed = torch.empty(group.world_size, hi - lo, dtype=shard.dtype, device=shard.device)
+    all_gather_packed(packed, shard[lo:hi], group=frag.optimizer.process_group)
+    return packed.reshape(-1)[:numel].float().reshape(shape)
+
+
+def _shape(param: torch.Tensor) -> torch.Size:
+    ds_shape = getattr(param, "ds_shape", None)  # a ZeRO-3 parameter's data is a (0,) placeholder
+    return torch.Size(ds_shape) if ds_shape is not None else param.shape
+
+
+def _own_chunk(frag: _Fragment, value: torch.Tensor) -> torch.Tensor:
+    """This rank's chunk (chunk_numel,) of a full value, zero-padded."""
+    group = frag.group
+    numel = group.layout.numels[frag.index]
+    flat = value.detach().reshape(-1)
+    if flat.numel() != numel:
+        raise ValueError(f"hf_zero: value has {flat.numel()} elements, the parameter has {numel} "
+                         f"(shape {tuple(_shape(group.params[frag.index]))})")
+    out = torch.empty(frag.span[1] - frag.span[0], dtype=torch.float32, device=group.master.device)
+    group.layout.shard_of(flat.float(), frag.index, group.rank, out)
+    return out
+
+
+def _state(frag: _Fragment, key: str, what: str) -> torch.Tensor:
+    state = frag.optimizer.state.get(frag.group.master, {})
+    if key not in state:
+        known = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.numel() == frag.group.shard_numel)
+        raise KeyError(f"hf_zero {what}: no optimizer state {key!r} for this parameter "
+                       f"({'states: ' + ', '.join(known) if known else 'none yet: they appear at the first step'})")
+    return state[key]
+
+
+def _has_reduced_grad(frag: _Fragment) -> bool:
+    return frag.group.grad.numel() == frag.group.shard_numel and frag.group.shard_numel > 0
+
+
+def _write_weights(frag: _Fragment, chunk: torch.Tensor, full: torch.Tensor | None) -> None:
+    """Master chunk <- ``chunk``, and the model's copies with it: the 16-bit shard, and the full weights where a
+    rank holds them (stages 0-2, or a ZeRO-3 parameter currently gathered/persistent)."""
+    from hf_zero.offload.swapper import wait_all
+    from hf_zero.zero.stage3.param import ParamState, sharded_param_of
+
+    group = frag.group
+    lo, hi = frag.span
+    group.master[lo:hi].copy_(chunk)
+    wait_all(group.write_param16(lo, hi, group.master[lo:hi]))
+    param = group.params[frag.index]
+    sp = sharded_param_of(param)
+    holds_full = (sp is None and group.world_size > 1) or (sp is not None and sp.state is ParamState.AVAILABLE)
+    if full is not None and holds_full:
+        with torch.no_grad():
+            param.data.copy_(full.reshape(param.shape))
+
+
+# ---- full -------------------------------------------------------------------------------------------------------
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    frag = _fragment(param, "safe_get_full_fp32_param")
+    return None if frag is None else _full(frag, frag.group.master, param)
+
+
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+    frag = _fragment(param, "safe_get_full_grad")
+    if frag is None or not _has_reduced_grad(frag):
+        return None if param.grad is None else param.grad.float().clone()
+    return _full(frag, frag.group.grad, param)
+
+
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    frag = _fragment(param, "safe_get_full_optimizer_state")
+    if frag is None:
+        return None
+    state = _state(frag, optim_state_key, "safe_get_full_optimizer_state")
+    return state.clone() if state.dim() == 0 else _full(frag, state, param)
+
+
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    frag = _require(param, "safe_set_full_fp32_param")
+    _write_weights(frag, _own_chunk(frag, value), value)
+
+
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    frag = _require(param, "safe_set_full_grad")
+    if _has_reduced_grad(frag):
+        lo, hi = frag.span
+        frag.group.grad[lo:hi].copy_(_own_chunk(frag, value))
+    else:  # not reduced yet: the value is this rank's gradient, averaged with the others' at the boundary
+        param.grad = value.detach().to(param.dtype).reshape(param.shape).clone()
+
+
+def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    frag = _require(param, "safe_set_full_optimizer_state")
+    state = _state(frag, optim_state_key, "safe_set_full_optimizer_state")
+    if state.dim() == 0:
+        state.copy_(value)
+        return
+    lo, hi = frag.span
+    state[lo:hi].copy_(_own_chunk(frag, value))
+
+
+# ---- local (this rank's chunk) ----------------------------------------------------------------------------------
+
+def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    frag = _fragment(param, "safe_get_local_fp32_param")
+    return None if frag is None else frag.group.master[slice(*frag.span)].clone()
+
+
+def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    frag = _fragment(param, "safe_get_local_grad")
+    if frag is None or not _has_reduced_grad(frag):
+        return None
+    return frag.group.grad[slice(*frag.span)].float().clone()
+
+
+def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    frag = _fragment(param, "safe_get_local_optimizer_state")
+    if frag is None:
+        return None
+    state = _state(frag, optim_state_key, "safe_get_local_optimizer_state")
+    return state.clone() if state.dim() == 0 else state[slice(*frag.span)].clone()
+
+
+def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    frag = _require_local(param, "safe_set_local_fp32_param")
+    _write_weights(frag, _local_value(frag, value), None)
+
+
+def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    frag = _require_local(param, "safe_set_local_grad")
+    if not _has_reduced_grad(frag):
+        raise RuntimeError("hf_zero safe_set_local_grad: the gradient has not been reduced yet (call it after "
+                           "engine.backward at the accumulation boundary)")
+    frag.group.grad[slice(*frag.span)].copy_(_local_value(frag, value))
+
+
+def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    frag = _require_local(param, "safe_set_local_optimizer_state")
+    state = _state(frag, optim_state_key, "safe_set_local_optimizer_state")
+    if state.dim() == 0:
+        state.copy_(value)
+    else:
+        state[slice(*frag.span)].copy_(_local_value(frag, value))
+
+
+def _require(param: torch.Tensor, what: str) -> _Fragment:
+    frag = _fragment(param, what)
+    if frag is None:
+        raise ValueError(f"hf_zero {what}: this parameter is not trained by an hf_zero engine's optimizer (frozen, "
+                         "or not passed to initialize())")
+    return frag
+
+
+def _require_local(param: torch.Tensor, what: str) -> _Fragment:
+    from hf_zero.zero.stage3.param import is_sharded
+
+    frag = _require(param, what)
+    if not is_sharded(param):
+        full_name = what.replace("_local_", "_full_")
+        raise ValueError(f"hf_zero {what}: at ZeRO stages 0-2 every rank holds the full weights, so writing one "
+                         f"rank's chunk would leave the ranks disagreeing; use {full_name} (DeepSpeed defines the "
+                         "local setters for ZeRO-3 partitions only)")
+    return frag
+
+
+def _local_value(frag: _Fragment, value: torch.Tensor) -> torch.Tensor:
+    lo, hi = frag.span
+    flat = value.detach().reshape(-1)
+    if flat.numel() != hi - lo:
+        raise ValueError(f"hf_zero: a local value must be this rank's chunk of {hi - lo} elements "
+                         f"(safe_get_local_* returns one), got {flat.numel()}")
+    return flat
