@@ -15,4 +15,5 @@ _forward(__name__, {
     "DeepSpeedEngine": "hf_zero.runtime.engine:HfZeroEngine",
     "zero": "deepspeed.runtime.zero",  # as in DeepSpeed, deepspeed.zero is deepspeed.runtime.zero
     "PipelineModule": "hf_zero.pipeline:PipelineModule",
-}, submodules=["accelerator", "checkpoint", "comm", "launcher", "ops", "pipe", "profiling", "runtime", "utils"])
+}, submodules=["accelerator", "checkpoint", "comm", "launcher", "moe", "ops", "pipe", "profiling", "runtime",
+                "utils"])
