@@ -285,6 +285,29 @@ class HfZeroEngine(nn.Module):
             return p.device
         return torch.device("cpu")
 
+    # ---- moving state off the accelerator between uses (hf_zero/zero/state_offload.py) --------------------------
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Move the chosen states (``OffloadStateTypeEnum``; all when None) to CPU memory until
+        :meth:`reload_states`. On a CPU-only machine they already are there and nothing moves."""
+        if self.optimizer.offload is not None:
+            raise ValueError("hf_zero: engine.offload_states() with zero_optimization.offload_optimizer set: the "
+                             "optimizer states are already offloaded and managed by the optimizer offload")
+        if any(getattr(g, "param16", 0) is None for g in self.groups):
+            raise ValueError("hf_zero: engine.offload_states() with zero_optimization.offload_param nvme: the "
+                             "parameters already live in swap files")
+        self._state_offloader().offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Move every state :meth:`offload_states` moved back to the device it came from."""
+        self._state_offloader().reload(non_blocking)
+
+    def _state_offloader(self):
+        from hf_zero.zero.state_offload import StateOffloader
+
+        if getattr(self, "_offloader", None) is None:
+            self._offloader = StateOffloader(self.groups, self.optimizer, self.module)
+        return self._offloader
+
     # ---- checkpoints (hf_zero/runtime/checkpoint.py does the work) --------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
