@@ -87,3 +87,18 @@ def test_accelerator_memory_counts_host_bytes():
     assert acc.memory_stats()["allocated_bytes.all.peak"] == acc.max_memory_allocated()
     acc.reset_max_memory_allocated()
     assert acc.max_memory_allocated() - after < nbytes // 4
+
+
+def test_repeating_loader_restarts_and_reshuffles_per_pass():
+    RepeatingLoader = _ds("deepspeed.utils").RepeatingLoader
+    data = torch.arange(5.0)
+    loader = RepeatingLoader(torch.utils.data.DataLoader(data, batch_size=2))
+    batches = [next(loader).tolist() for _ in range(7)]
+    assert batches == [[0.0, 1.0], [2.0, 3.0], [4.0], [0.0, 1.0], [2.0, 3.0], [4.0], [0.0, 1.0]]
+    assert iter(loader) is loader
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+    loader = RepeatingLoader(torch.utils.data.DataLoader(data, batch_size=5, sampler=sampler))
+    first, second = next(loader), next(loader)
+    assert sampler.epoch == 1  # each pass is a new epoch: a distributed sampler reshuffles
+    assert sorted(first.tolist()) == sorted(second.tolist()) == data.tolist()
+    assert first.tolist() != second.tolist()

@@ -1,4 +1,4 @@
-"""``deepspeed.utils``: logger, set_z3_leaf_modules, is_initialized, the safe_get_*/safe_set_* accessors of
+"""``deepspeed.utils``: logger, set_z3_leaf_modules, is_initialized, RepeatingLoader, the safe_get_*/safe_set_* accessors of
 sharded parameters and the ``groups`` module."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
@@ -7,6 +7,7 @@ _forward(__name__, {
     "logger": "hf_zero.integrations.compat:logger",
     "set_z3_leaf_modules": "hf_zero.zero:set_z3_leaf_modules",
     "is_initialized": "hf_zero.comm:is_initialized",
+    "RepeatingLoader": "hf_zero.pipeline.data:RepeatingLoader",
     **{name: f"hf_zero.zero.tensor_fragment:{name}" for name in (
         "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
         "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
