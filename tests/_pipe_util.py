@@ -68,10 +68,13 @@ def data(steps: int, micro_batches: int, dp: int, seed: int = 5):
             torch.randn(steps, micro_batches, dp, MICRO, W, generator=g))
 
 
-def reference_run(tied: bool, steps: int, micro_batches: int, dp: int, n_hidden: int = 4):
+ADAM = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}
+
+
+def reference_run(tied: bool, steps: int, micro_batches: int, dp: int, n_hidden: int = 4, adam: bool = False):
     modules, forward = reference_params(tied, n_hidden)
     params = [p for m in modules.values() for p in m.parameters()]
-    opt = torch.optim.SGD(params, lr=LR)
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0) if adam else torch.optim.SGD(params, lr=LR)
     x, y = data(steps, micro_batches, dp)
     losses, norms = [], []
     for s in range(steps):
@@ -88,9 +91,10 @@ def reference_run(tied: bool, steps: int, micro_batches: int, dp: int, n_hidden:
     return losses, norms, state
 
 
-def ds_config(micro_batches: int, stage: int = 0, schedule: str = "1f1b", **pipeline) -> dict:
+def ds_config(micro_batches: int, stage: int = 0, schedule: str = "1f1b", optimizer: dict | None = None,
+              **pipeline) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": micro_batches,
-            "gradient_clipping": CLIP, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "gradient_clipping": CLIP, "optimizer": optimizer or {"type": "SGD", "params": {"lr": LR}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, "allgather_bucket_size": 40,
                                   "stage3_param_persistence_threshold": 8},
             "pipeline": {"schedule": schedule, **pipeline}, "steps_per_print": 1000}

@@ -266,6 +266,32 @@ class HFPipelineModule(nn.Module):
 
         return args, kwargs, target, loss
 
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+    def checkpoint_aliases(self) -> dict[str, tuple[str, ...]]:
+        """A tied weight is one parameter on a single stage but two (embedding, head) when cut: either name finds
+        it in a checkpoint written with another cut."""
+        if not self.tied:
+            return {}
+        embed = f"{self.family.base}.{self.family.embed}.weight"
+        head = f"{self.family.head}.weight"
+        return {embed: (head,), head: (embed,)}
+
+    def layer_state_dicts(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Unit index (0 embedding, 1..L decoder layers, L+1 norm and head) -> its tensors under HF names."""
+        sd = self.hf_state_dict()
+        n = self.config.num_hidden_layers
+        prefix_layers = f"{self.family.base}.{self.family.layers}."
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in sd.items():
+            if key.startswith(prefix_layers):
+                unit = int(key[len(prefix_layers):].split(".", 1)[0]) + 1
+            elif key.startswith(f"{self.family.base}.{self.family.norm}.") or key.startswith(f"{self.family.head}."):
+                unit = n + 1
+            else:
+                unit = 0
+            out.setdefault(unit, {})[key] = value
+        return out
+
     # ---- saving -------------------------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and persistent buffers under the unsplit model's names (a tied head omitted,

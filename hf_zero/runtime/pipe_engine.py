@@ -183,6 +183,30 @@ class PipelineEngine(HfZeroEngine):
             return loss, (outputs if self.is_last_stage() else None)
         return loss
 
+    # ---- checkpoints (hf_zero/runtime/pipe_checkpoint.py) --------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Collective over every rank: per-layer model files plus each stage's ZeRO checkpoint; reloads on any
+        number of stages, replicas and ZeRO stage."""
+        if exclude_frozen_parameters:
+            raise ValueError("pipeline checkpoints keep frozen parameters (they are needed to re-cut the stages)")
+        from hf_zero.runtime.pipe_checkpoint import save_pipeline_checkpoint
+
+        return save_pipeline_checkpoint(self, save_dir, tag=tag, client_state=client_state,
+                                        save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn=None):
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint(custom_load_fn=...) is not supported for pipeline checkpoints")
+        from hf_zero.runtime.pipe_checkpoint import load_pipeline_checkpoint
+
+        return load_pipeline_checkpoint(self, load_dir, tag=tag,
+                                        load_optimizer_states=load_optimizer_states and not load_module_only,
+                                        load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+                                        load_module_strict=load_module_strict)
+
     # ---- internals ----------------------------------------------------------------------------------------------
     def _next_batch(self, data_iter):
         """The step's whole batch (micro-batches concatenated; the schedule splits it again) on the stages that
