@@ -88,7 +88,12 @@ def reference_run(tied: bool, steps: int, micro_batches: int, dp: int, n_hidden:
         opt.zero_grad()
         losses.append(loss.item())
     state = {f"{idx}.{n}": t.detach().clone() for idx, m in modules.items() for n, t in m.state_dict().items()}
-    return losses, norms, state
+    with torch.no_grad():  # what eval_batch on step 0's data should give after training
+        h = x[0].reshape(-1, W)
+        for f in forward:
+            h = f(h)
+        eval_loss = F.mse_loss(h, y[0].reshape(-1, W)).item()
+    return losses, norms, state, eval_loss
 
 
 def ds_config(micro_batches: int, stage: int = 0, schedule: str = "1f1b", optimizer: dict | None = None,

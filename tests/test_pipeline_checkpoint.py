@@ -42,7 +42,7 @@ def _run(ckpt: str, stages: int, zero: int, start: int, steps: int, save: bool):
 
 def test_checkpoint_from_two_stages_continues_on_four_and_on_one(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    ref_losses, _, ref_state = reference_run(True, 3, M, 1, adam=True)
+    ref_losses, _, ref_state, _ = reference_run(True, 3, M, 1, adam=True)
     saved = run_distributed(_run, world_size=2, args=(ckpt, 2, 0, 0, 2, True), timeout_s=300)
     assert saved[0][0] == pytest.approx(ref_losses[:2], rel=1e-5)
     for stages, world, zero in ((4, 4, 0), (1, 2, 1)):

@@ -129,6 +129,10 @@ def _refusals():
         hf_zero.initialize(model=net, config=ds_config(2, bogus=1))
     except ConfigError as exc:
         out["unknown"] = str(exc)
+    try:  # what accelerate's DeepSpeed plugin (or the Trainer) does with a pipeline config and a plain model
+        hf_zero.initialize(model=torch.nn.Linear(2, 2), config=ds_config(2))
+    except ConfigError as exc:
+        out["plain_model"] = str(exc)
     engine, *_ = hf_zero.initialize(model=net, config=ds_config(2))
     for call in ("forward", "backward", "step"):
         try:
@@ -143,5 +147,6 @@ def test_refusals_name_the_key():
         assert "gradient_accumulation_steps" in out["1f1b"] and "1 micro-batches" in out["1f1b"]
         assert "pipeline.use_reentrant" in out["reentrant"]
         assert "pipeline.bogus" in out["unknown"]
+        assert out["plain_model"].startswith("pipeline: ") and "hf_zero.pipeline.wrap" in out["plain_model"]
         for call in ("forward", "backward", "step"):
             assert out[call] == "Only train_batch() is accessible in pipeline mode."

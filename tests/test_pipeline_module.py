@@ -39,6 +39,7 @@ def _train(cases):
             it = iter([(x[s, j, d], y[s, j, d]) for j in range(micro_batches)])
             losses.append(engine.train_batch(it).item())
             norms.append(engine.get_global_grad_norm())
+        eval_loss = engine.eval_batch(iter([(x[0, j, d], y[0, j, d]) for j in range(micro_batches)])).item()
         if engine.stage3 is not None:
             from hf_zero.zero import GatheredParameters
 
@@ -46,7 +47,7 @@ def _train(cases):
                 state = {f"{i}.{k}": v.clone() for i, sd in net.layer_state_dicts().items() for k, v in sd.items()}
         else:
             state = {f"{i}.{k}": v.clone() for i, sd in net.layer_state_dicts().items() for k, v in sd.items()}
-        out[name] = dict(losses=losses, norms=norms, state=state, first=engine.is_first_stage(),
+        out[name] = dict(losses=losses, norms=norms, state=state, eval_loss=eval_loss, first=engine.is_first_stage(),
                          last=engine.is_last_stage(), parts=net.parts)
         engine.destroy()
     return out
@@ -55,13 +56,14 @@ def _train(cases):
 def _check(results, case):
     name, stages, tied, micro_batches = case[:4]
     dp = len(results) // stages
-    ref_losses, ref_norms, ref_state = reference_run(tied, STEPS, micro_batches, dp)
+    ref_losses, ref_norms, ref_state, ref_eval = reference_run(tied, STEPS, micro_batches, dp)
     assert all(n > CLIP for n in ref_norms), ref_norms  # the clip is active
     merged = {}
     for rank, per_case in enumerate(results):
         r = per_case[name]
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), (name, rank)
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), (name, rank)
+        assert r["eval_loss"] == pytest.approx(ref_eval, rel=1e-5), (name, rank)
         merged.update(r["state"])
     assert sorted(merged) == sorted(ref_state), name
     for key, ref in ref_state.items():
