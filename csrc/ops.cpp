@@ -32,6 +32,15 @@ TORCH_LIBRARY(hf_zero, m) {
       "int step, float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, "
       "bool bias_correction, float grad_scale) -> ()");
 
+  // One Adagrad step (DeepSpeedCPUAdagrad / torch.optim.Adagrad, L2 weight decay) over a flat fp32 partition.
+  m.def(
+      "adagrad_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg_sq, Tensor(c!)? out16, float lr, float eps, "
+      "float weight_decay, float grad_scale) -> ()");
+  // One Lion step (DeepSpeedCPULion, decoupled weight decay) over a flat fp32 partition.
+  m.def(
+      "lion_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!)? out16, float lr, float beta1, "
+      "float beta2, float weight_decay, float grad_scale) -> ()");
+
   // sum(x.float() ** 2) over all elements as a 0-dim fp32 tensor; inf / nan propagate (fp16 overflow detection).
   m.def("sum_of_squares(Tensor x) -> Tensor");
 

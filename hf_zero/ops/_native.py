@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DISABLE_ENV", "ExtensionStatus", "extension_status", "native_available", "op_kernels", "warn_fallback"]
+__all__ = ["DISABLE_ENV", "ExtensionStatus", "extension_status", "native_available", "op_kernels", "warn_fallback",
+           "stale_build_warning"]
 
 DISABLE_ENV = "HF_ZERO_DISABLE_OPS"
 REBUILD_HINT = "rebuild with `pip install --no-build-isolation -e .` in the hf_zero checkout (see `hf-zero doctor`)"
@@ -97,6 +98,19 @@ def warn_fallback(op_name: str, device: str | torch.device) -> None:
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+_stale_warned: set[str] = set()
+
+
+def stale_build_warning(op_name: str) -> None:
+    """Warn once per op that the loaded extension predates ``op_name`` (its reference runs instead)."""
+    if op_name in _stale_warned:
+        return
+    _stale_warned.add(op_name)
+    warnings.warn(f"hf_zero: the compiled extension {_MODULES['cpu']} was built before `hf_zero::{op_name}` "
+                  f"existed; its pure-PyTorch reference runs instead. To get the kernel, {REBUILD_HINT}.",
+                  RuntimeWarning, stacklevel=3)
 
 
 def op_kernels() -> dict[str, list[str]]:

@@ -114,7 +114,9 @@ def plan_from_client(optimizer: torch.optim.Optimizer, *, allow_untested: bool) 
         groups = [(ps, {**extra, **{k: v for k, v in h.items() if k in ("lr", "betas", "eps", "weight_decay")}})
                   for ps, h in groups]
         return OptimizerPlan(inner, defaults, (not amsgrad) and _fused_adam_available(), groups)
-    if not issubclass(cls, known_elementwise) and not allow_untested:
+    # hf_zero's CPUAdagrad / CPULion (DeepSpeedCPUAdagrad / DeepSpeedCPULion) declare themselves element-wise
+    elementwise = issubclass(cls, known_elementwise) or getattr(cls, "hf_zero_elementwise", False)
+    if not elementwise and not allow_untested:
         raise ConfigError("zero_allow_untested_optimizer",
                           f"the client optimizer {cls.__module__}.{cls.__name__} is not known to give the same result "
                           "on a shard as on the full tensor; set \"zero_allow_untested_optimizer\": true to use it "

@@ -1,10 +1,7 @@
-"""``deepspeed.ops``: the optimizers accelerate swaps in for CPU offload.
-
-Only ``adam`` exists: hf_zero has no CPU Adagrad or Lion, so ``deepspeed.ops.adagrad`` and ``deepspeed.ops.lion``
-are absent and accelerate's offload path raises ImportError for an Adagrad/Lion torch optimizer (instead of
-silently training with a different optimizer).
+"""``deepspeed.ops``: the CPU optimizers accelerate swaps in for a torch optimizer when the optimizer states are
+offloaded (``map_pytorch_optim_to_deepspeed``): Adam/AdamW -> ``adam``, Adagrad -> ``adagrad``, Lion -> ``lion``.
 """
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
-_forward(__name__, submodules=["adam"])
+_forward(__name__, submodules=["adagrad", "adam", "lion"])
