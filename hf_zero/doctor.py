@@ -33,6 +33,7 @@ class Report:
     cuda_devices: list[str] = field(default_factory=list)
     deepspeed: str = ""
     deepspeed_pth: list[str] = field(default_factory=list)
+    deepspeed_command: str = ""
     shim_env: str = ""
     threads: str = ""
 
@@ -61,6 +62,25 @@ def _deepspeed_resolution() -> str:
     if hf_zero_root in origin.parents:
         return f"hf_zero compatibility layer ({origin.parent})"
     return f"real DeepSpeed {_version('deepspeed')} ({origin.parent}); hf_zero's layer stands aside"
+
+
+def _deepspeed_command() -> str:
+    """Which ``deepspeed`` command is on PATH and what it runs (hf-zero's defers to a real DeepSpeed's runner)."""
+    import shutil
+
+    path = shutil.which("deepspeed")
+    if path is None:
+        return "not on PATH (use `hf-zero launch` or `python -m deepspeed.launcher.runner`)"
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read(4096)
+    except OSError as exc:
+        return f"{path} (unreadable: {exc})"
+    if "hf_zero.integrations.deepspeed_command" in text:
+        return f"{path}: hf-zero's (runs a real DeepSpeed's launcher if one is installed, else hf_zero's)"
+    if "deepspeed.launcher.runner" in text:
+        return f"{path}: DeepSpeed's own script"
+    return f"{path}: unknown script"
 
 
 def _installed_pth_files() -> list[str]:
@@ -117,6 +137,7 @@ def collect() -> Report:
 
     report.deepspeed = _deepspeed_resolution()
     report.deepspeed_pth = _installed_pth_files()
+    report.deepspeed_command = _deepspeed_command()
     report.shim_env = os.environ.get(SHIM_DISABLE_ENV, "")
     omp = os.environ.get("OMP_NUM_THREADS", "unset")
     report.threads = f"torch intra-op {torch.get_num_threads()}, OMP_NUM_THREADS={omp}, CPUs {os.cpu_count()}"
@@ -148,6 +169,7 @@ def render(report: Report) -> str:
     lines.append(f"  import deepspeed -> {report.deepspeed}")
     lines.append(f"  startup hook  {', '.join(report.deepspeed_pth) if report.deepspeed_pth else PTH_NAME + ' not found'}")
     lines.append(f"  {SHIM_DISABLE_ENV}={report.shim_env or '(unset)'}")
+    lines.append(f"  deepspeed command  {report.deepspeed_command}")
 
     lines += ["", "Threads", f"  {report.threads}"]
     return "\n".join(lines)

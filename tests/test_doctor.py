@@ -35,6 +35,7 @@ def test_doctor_reports_stack_ops_backends_and_deepspeed_layer():
     assert "gloo yes" in out
     assert f"CUDA devices  {torch.cuda.device_count()}" in out
     assert "import deepspeed -> " in out
+    assert "deepspeed command  " in out
     assert f"torch intra-op" in out
 
 

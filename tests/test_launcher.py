@@ -336,3 +336,13 @@ def test_pyproject_declares_both_commands():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["deepspeed"] == "hf_zero.integrations.deepspeed_command:main"
     assert scripts["hf-zero"] == "hf_zero.cli:main"
+
+
+def test_doctor_says_which_deepspeed_command_runs(venv, tmp_path):
+    import os
+
+    env = clean_env(PATH=f"{venv.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    out = subprocess.run([str(venv), "-m", "hf_zero", "doctor"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"deepspeed command  {venv.parent / 'deepspeed'}: hf-zero's" in out.stdout
