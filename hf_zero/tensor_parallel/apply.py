@@ -98,13 +98,18 @@ def _check_sizes(model: nn.Module, matched: dict[str, str], tp: int) -> None:
                              "groups); pick a tensor parallel size dividing it")
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: dict[str, str] | None = None) -> nn.Module:
-    """Shard ``model`` in place over the 1-D ``tp_mesh``; returns it. See the module docstring for what changes."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: dict[str, str] | None = None,
+             vocab_parallel_head: bool = True) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh``; returns it. See the module docstring for what changes.
+
+    ``plan``: ``{module pattern: style}`` replacing the resolved plan (see plans.py). ``vocab_parallel_head=False``
+    gathers full logits on every rank instead of the vocabulary-parallel head and loss.
+    """
     if tp_info(model) is not None:
         raise ValueError("hf_zero: this model is already tensor parallel (apply_tp was called on it before)")
     if tp_mesh.ndim != 1:
         raise ValueError(f"hf_zero: apply_tp needs the 1-D tensor-parallel mesh (mesh['tp']), got {tp_mesh.ndim}-D")
-    resolved, source = resolve_plan(model, plan)
+    resolved, source = resolve_plan(model, plan, vocab_parallel_head=vocab_parallel_head)
     matched = match_modules(model, resolved)
     if not matched:
         raise ValueError(f"hf_zero: the tensor-parallel plan from {source} names no module of "

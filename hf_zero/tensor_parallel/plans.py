@@ -84,8 +84,13 @@ def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
     return None
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, str] | None = None) -> tuple[dict[str, str], str]:
-    """The full plan for ``model`` (patterns relative to ``model``) and where it came from (for logs / errors)."""
+def resolve_plan(model: nn.Module, plan: Mapping[str, str] | None = None, *,
+                 vocab_parallel_head: bool = True) -> tuple[dict[str, str], str]:
+    """The full plan for ``model`` (patterns relative to ``model``) and where it came from (for logs / errors).
+
+    ``vocab_parallel_head=False``: the LM head gathers full logits on every rank (``colwise_gather_output``, what
+    DeepSpeed does unless ``vocab_parallel_lm_head`` is set) and the model keeps its own loss.
+    """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if plan is not None:
@@ -109,7 +114,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str] | None = None) -> tup
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         head_name = _module_name(model, head)
         if head_name is not None and isinstance(head, nn.Linear):
-            resolved[head_name] = "vocab_lm_head"
+            resolved[head_name] = "vocab_lm_head" if vocab_parallel_head else "colwise_gather_output"
     unknown = {k: v for k, v in resolved.items() if v not in SUPPORTED_STYLES}
     if unknown:
         raise ValueError(f"hf_zero: tensor-parallel styles {unknown} (from {source}) are not supported; supported: "

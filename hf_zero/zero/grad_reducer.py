@@ -24,6 +24,7 @@ from torch import nn
 
 from hf_zero.comm import all_reduce_, reduce_scatter_packed
 from hf_zero.profiling.timers import NO_TIMERS
+from hf_zero.zero.local import local_tensor
 from hf_zero.zero.sharded_group import ShardedGroup, bucket_ranges
 
 __all__ = ["GradReducer", "ReduceMode"]
@@ -129,8 +130,8 @@ class GradReducer:
         flats = []
         for i in range(bucket.start, bucket.stop):
             p = g.params[i]
-            flats.append(p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=g.grad.dtype,
-                                                                                  device=g.grad.device))
+            flats.append(local_tensor(p.grad).reshape(-1) if p.grad is not None else
+                         torch.zeros(local_tensor(p).numel(), dtype=g.grad.dtype, device=g.grad.device))
         g.layout.pack(flats, bucket.start, packed, scale=1.0 / self.data_parallel_size)
         for i in range(bucket.start, bucket.stop):
             g.params[i].grad = None  # the full gradient is no longer needed: this is where stage 2 saves memory

@@ -25,6 +25,7 @@ from torch import nn
 
 from hf_zero.comm import all_gather_packed
 from hf_zero.zero.layout import ShardLayout
+from hf_zero.zero.local import local_tensor
 
 __all__ = ["ShardedGroup", "bucket_ranges"]
 
@@ -55,13 +56,14 @@ class ShardedGroup:
         self.world_size = world_size
         self.rank = rank
         self.compute_dtype = compute_dtype
-        self.layout = ShardLayout(tuple(p.numel() for p in self.params), world_size)
+        # sizes and storage are this rank's: a tensor-parallel DTensor parameter contributes its local shard
+        self.layout = ShardLayout(tuple(local_tensor(p).numel() for p in self.params), world_size)
         numel = self.layout.shard_numel
         device = self.params[0].device if self.params else torch.device("cpu")
         # (shard_numel,) fp32: this rank's chunks of every parameter, copied before the model is cast to 16 bit
         self.master = torch.zeros(numel, dtype=torch.float32, device=device)
         for i, p in enumerate(self.params):
-            self.layout.shard_of(p.detach().reshape(-1).float(), i, rank, self.master_chunk(i))
+            self.layout.shard_of(local_tensor(p).detach().reshape(-1).float(), i, rank, self.master_chunk(i))
         self.persistent_grad = persistent_grad
         self._grad_dtype = grad_dtype
         self.grad = torch.zeros(numel if persistent_grad else 0, dtype=grad_dtype, device=device)
@@ -77,7 +79,8 @@ class ShardedGroup:
         """
         for i, p in enumerate(self.params):
             lo = self.layout.offsets[i]
-            p.data = self.param16[lo:lo + p.numel()].view(p.shape)
+            local = local_tensor(p)
+            local.data = self.param16[lo:lo + local.numel()].view(local.shape)
 
     def master_chunk(self, index: int) -> torch.Tensor:
         lo, hi = self.layout.offsets[index], self.layout.offsets[index + 1]
@@ -119,7 +122,7 @@ class ShardedGroup:
             lo, hi = self.layout.span(start, stop)
             packed = torch.empty(self.world_size, hi - lo, dtype=self.param16.dtype, device=self.param16.device)
             all_gather_packed(packed, self.param16[lo:hi], group=group)
-            self.layout.unpack(packed, start, [p.data.view(-1) for p in self.params[start:stop]])
+            self.layout.unpack(packed, start, [local_tensor(p.data).view(-1) for p in self.params[start:stop]])
 
     def load_master(self, master: torch.Tensor) -> None:
         """Replace the master shard (checkpoint load) and refresh the 16-bit copy."""
