@@ -111,7 +111,8 @@ class HfZeroConfig:
     pipeline: Mapping[str, Any] | None = spec(None, help="Pipeline-parallel engine options. " + _RAW_SECTION)
     compression_training: Mapping[str, Any] | None = spec(
         None, help="Quantization / pruning / distillation during training; parsed by hf_zero.compression.")
-    tensor_parallel: Mapping[str, Any] | None = spec(None, help="AutoTP tensor parallelism. " + _RAW_SECTION)
+    tensor_parallel: Mapping[str, Any] | None = spec(
+        None, help="AutoTP tensor parallelism (autotp_size, ...); parsed by the tensor_parallel package.")
     elasticity: Mapping[str, Any] | None = spec(None, help="Elastic batch sizes. " + _RAW_SECTION)
     autotuning: Mapping[str, Any] | None = spec(None, help="DeepSpeed autotuner. " + _RAW_SECTION)
     data_efficiency: Mapping[str, Any] | None = spec(None, help="Data sampling and routing. " + _RAW_SECTION)

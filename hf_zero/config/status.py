@@ -111,14 +111,6 @@ def _reduce_dtype(cfg: "HfZeroConfig") -> str:
     return "bf16" if cfg.bf16.enabled is True else "fp16" if cfg.fp16.enabled is True else "fp32"
 
 
-def _autotp(cfg: "HfZeroConfig") -> bool:
-    tp = cfg.tensor_parallel
-    try:
-        return tp is not None and int(tp.get("autotp_size", 1)) > 1
-    except (TypeError, ValueError):
-        return False
-
-
 _OFFLOAD_POOL = ("hf_zero's swap needs no buffer pool: optimizer tiles use two sets of sub_group_size buffers, and "
                  "parameter reads go straight into the all-gather buffer")
 _PIPELINED = "NVMe reads and writes always overlap the optimizer step (double-buffered tiles)"
@@ -271,7 +263,7 @@ STATUS: dict[str, KeyStatus] = {
     "compression_training": _todo("the engine does not apply it; hf_zero.compression.init_compression(model, config) "
                                   "or the HF CompressionCallback does", active=_switched_on("compression_training")),
     # tensor_parallel (#18) owns this section.
-    "tensor_parallel": _todo("the model is not split across ranks", active=_autotp),
+    "tensor_parallel": HONOURED,  # parsed and checked key by key in hf_zero/tensor_parallel/config.py
     "elasticity": _todo("batch sizes are not adapted to the world size", active=_switched_on("elasticity")),
     "autotuning": _todo("nothing is tuned", active=_switched_on("autotuning")),
     "data_efficiency": _todo("data is not sampled or routed", active=_switched_on("data_efficiency")),

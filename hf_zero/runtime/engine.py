@@ -21,12 +21,15 @@ from torch import nn
 
 from hf_zero import comm
 from hf_zero.config import HfZeroConfig
+from hf_zero.config.errors import ConfigError
 from hf_zero.profiling.step_profile import StepProfiler
 from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.optimizers import OptimizerPlan
+from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.grad_reducer import GradReducer, ReduceMode
 from hf_zero.zero.loss_scaler import LossScaler
 from hf_zero.zero.optimizer import ZeroOptimizer
+from hf_zero.zero.local import local_tensor
 from hf_zero.zero.sharded_group import ShardedGroup
 
 __all__ = ["HfZeroEngine"]
@@ -73,6 +76,11 @@ class HfZeroEngine(nn.Module):
         grad_dtype = _DTYPES[config.data_types.grad_accum_dtype] if config.data_types.grad_accum_dtype \
             else self.compute_dtype
         self.stage3 = None
+        tp = tp_info(module)
+        if tp is not None and self.stage == 3:
+            raise ConfigError("zero_optimization.stage", "3 does not compose with tensor_parallel in hf_zero (ZeRO-3 "
+                                                         "would gather DTensor shards it cannot see into); use stage "
+                                                         "0, 1 or 2 over the data-parallel dimension")
         if self.stage == 3:
             self.groups = self._init_stage3(plan, names, grad_dtype)
             publisher = self.stage3.after_step
@@ -98,6 +106,11 @@ class HfZeroEngine(nn.Module):
                 process_group=process_group)
         else:
             self.reducer = None
+        if tp is not None and tp.mesh.get_local_rank() != 0:
+            # replicated parameters have the same gradient on every TP rank: TP rank 0 alone counts them
+            from hf_zero.runtime.tp_setup import replicated_spans
+
+            self.optimizer.norm_excluded_spans = replicated_spans(self.groups)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         # flops_profiler: counts and reports the step whose global_steps == profile_step (hf_zero/profiling)
         self.step_profiler = StepProfiler(module, config.flops_profiler, rank=self.global_rank,
@@ -143,7 +156,8 @@ class HfZeroEngine(nn.Module):
         if self.compute_dtype != torch.float32:
             for p in self.module.parameters():
                 if p.is_floating_point():
-                    p.data = p.data.to(self.compute_dtype)
+                    local = local_tensor(p)  # a tensor-parallel DTensor casts its own shard
+                    local.data = local.data.to(self.compute_dtype)
         return groups
 
     def _init_stage3(self, plan: OptimizerPlan, names: dict, grad_dtype: torch.dtype) -> list[ShardedGroup]:
@@ -162,7 +176,7 @@ class HfZeroEngine(nn.Module):
         src = torch.distributed.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                comm.broadcast(t.data, src=src, group=self.process_group)
+                comm.broadcast(local_tensor(t.data), src=src, group=self.process_group)
 
     def _build_scheduler(self, client: Any):
         if client is not None:

@@ -10,10 +10,13 @@ from torch import nn
 
 from hf_zero import comm
 from hf_zero.config import load_config
+from hf_zero.config.loader import read_config
 from hf_zero.config.errors import ConfigError
 from hf_zero.runtime.arguments import align_local_rank, config_from_args
 from hf_zero.runtime.engine import HfZeroEngine
 from hf_zero.runtime.optimizers import plan_from_client, plan_from_config
+from hf_zero.runtime.tp_setup import setup_tensor_parallel
+from hf_zero.tensor_parallel.config import parse_tp_config
 
 __all__ = ["initialize"]
 
@@ -59,15 +62,28 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     world_size = comm.get_world_size()
     _default_logging(comm.get_rank())
     pipeline_grid = getattr(model, "grid", None) if hasattr(model, "chunk_modules") else None
+    if model_parameters is not None:
+        model_parameters = list(model_parameters)  # read twice below (an iterator would be spent by the first)
+    raw = read_config(_config_source(args, config, config_params))
+    # tensor parallelism first: it replaces the model's parameters, and the batch arithmetic counts data-parallel
+    # replicas (a TP group of ranks is one replica)
+    tp = setup_tensor_parallel(model, parse_tp_config(raw.get("tensor_parallel")), world_size=world_size)
+    if tp is not None and pipeline_grid is not None:
+        raise ConfigError("tensor_parallel.autotp_size", "tensor parallelism inside pipeline stages (3D) is not "
+                                                         "supported yet; use one of them with ZeRO")
     data_rank = comm.get_rank()
     if pipeline_grid is not None:  # batch sizes count data-parallel replicas, not every rank
         world_size, data_rank = pipeline_grid.data_parallel_size, pipeline_grid.data_parallel_id
-    cfg = load_config(_config_source(args, config, config_params), world_size=world_size, rank=data_rank)
+    elif tp is not None:
+        world_size, data_rank = tp.dp_size, tp.dp_rank
+    cfg = load_config(raw, world_size=world_size, rank=data_rank)
     if cfg.pipeline and pipeline_grid is None:
         raise ConfigError("pipeline", "the config has a pipeline section but the model is not a pipeline model; "
                                       "pass hf_zero.pipe.PipelineModule(...) or hf_zero.pipeline.wrap(model, "
                                       "num_stages) to initialize(), or remove the section (accelerate and the "
                                       "Trainer cannot drive a pipeline: see docs/pipeline.md)")
+    if tp is not None:
+        _check_tp_params(model, model_parameters, optimizer, cfg, raw)
 
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
@@ -90,10 +106,13 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         from hf_zero.runtime.pipe_engine import PipelineEngine
 
         engine = PipelineEngine(model, cfg, plan, lr_scheduler=lr_scheduler)
+    elif tp is not None:
+        engine = HfZeroEngine(model, cfg, plan, lr_scheduler=lr_scheduler, process_group=tp.dp_group,
+                              model_parallel_group=tp.tp_group)
     else:
         engine = HfZeroEngine(model, cfg, plan, lr_scheduler=lr_scheduler)
     dataloader = None
-    if training_data is not None:
+    if training_data is not None:  # by data-parallel rank: the ranks of one TP group / pipeline read one batch
         dataloader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn, world_size,
                                  data_rank)
         if pipeline_grid is not None:  # DeepSpeed: train_batch() without an iterator reads this loader forever
@@ -110,6 +129,27 @@ def _default_logging(rank: int) -> None:
         handler.setFormatter(logging.Formatter("[hf_zero] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+
+
+def _check_tp_params(model: nn.Module, model_parameters, optimizer, cfg, raw: dict) -> None:
+    """Parameters handed in must be the sharded model's (apply_tp replaced every split parameter)."""
+    current = set(model.parameters())
+    given = []
+    for item in model_parameters or ():
+        given += list(item["params"]) if isinstance(item, dict) else [item]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        given += [p for g in optimizer.param_groups for p in g["params"]]
+    if any(p not in current for p in given):
+        raise ValueError("hf_zero.initialize: the optimizer / model_parameters hold parameters of the model before "
+                         "tensor parallelism replaced them; build them after deepspeed.tp_model_init(model, ...) "
+                         "(or pass the optimizer as a config section or a callable)")
+    tp_dtype = (raw.get("tensor_parallel") or {}).get("dtype")
+    if tp_dtype is not None:
+        want = parse_tp_config({"dtype": tp_dtype}).dtype
+        have = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[cfg.compute_dtype]
+        if want != have:
+            raise ConfigError("tensor_parallel.dtype", f"{tp_dtype!r} disagrees with the training dtype {have} "
+                                                       "(set by the fp16 / bf16 sections); make them agree")
 
 
 def _dataloader(dataset, micro_batch: int, collate_fn, world_size: int, rank: int):

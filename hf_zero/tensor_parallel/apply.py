@@ -15,16 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hf_zero.tensor_parallel.loss import VocabParallelCausalLMLoss
+from hf_zero.tensor_parallel.mesh import TPMesh
 from hf_zero.tensor_parallel.plans import match_modules, resolve_plan
 from hf_zero.tensor_parallel.styles import Conv1DColwise, Conv1DRowwise, ReplicatedGradAllReduce
 
-__all__ = ["apply_tp", "TPInfo", "tp_info"]
+__all__ = ["apply_tp", "TPInfo", "tp_info", "is_tp_sharded"]
 
 
 @dataclass
@@ -35,6 +37,7 @@ class TPInfo:
     plan: dict[str, str]                   # module name -> style, as applied
     plan_source: str
     fused: dict[str, tuple[int, int]] = field(default_factory=dict)  # param name -> (parts, dim) permuted
+    layout: TPMesh | None = None           # the (dp, tp) mesh when apply_tp got one (data-parallel groups)
 
     @property
     def size(self) -> int:
@@ -52,6 +55,11 @@ def tp_info(model: nn.Module) -> TPInfo | None:
         if isinstance(info, TPInfo):
             return info
     return None
+
+
+def is_tp_sharded(t: torch.Tensor) -> bool:
+    """Whether each TP rank holds a different part of ``t`` (False: a whole copy on every rank)."""
+    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -98,13 +106,19 @@ def _check_sizes(model: nn.Module, matched: dict[str, str], tp: int) -> None:
                              "groups); pick a tensor parallel size dividing it")
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: dict[str, str] | None = None,
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, str] | None = None,
              vocab_parallel_head: bool = True) -> nn.Module:
-    """Shard ``model`` in place over the 1-D ``tp_mesh``; returns it. See the module docstring for what changes.
+    """Shard ``model`` in place over ``tp_mesh``; returns it. See the module docstring for what changes.
+
+    ``tp_mesh``: the :class:`TPMesh` from :func:`~hf_zero.tensor_parallel.build_mesh` (the engine then knows the
+    data-parallel groups too), or a 1-D device mesh of the TP ranks.
 
     ``plan``: ``{module pattern: style}`` replacing the resolved plan (see plans.py). ``vocab_parallel_head=False``
     gathers full logits on every rank instead of the vocabulary-parallel head and loss.
     """
+    layout = tp_mesh if isinstance(tp_mesh, TPMesh) else None
+    if layout is not None:
+        tp_mesh = layout.tp_mesh
     if tp_info(model) is not None:
         raise ValueError("hf_zero: this model is already tensor parallel (apply_tp was called on it before)")
     if tp_mesh.ndim != 1:
@@ -132,7 +146,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: dict[str, str] | No
         head.weight = emb.weight  # both vocabulary-sharded (Shard(0)): one DTensor, as before
     if matched.get(_name_of(model, head)) == "vocab_lm_head" and hasattr(type(model), "loss_function"):
         model.loss_function = VocabParallelCausalLMLoss()
-    model.hf_zero_tp = TPInfo(mesh=tp_mesh, plan=matched, plan_source=source, fused=fused)
+    model.hf_zero_tp = TPInfo(mesh=tp_mesh, plan=matched, plan_source=source, fused=fused, layout=layout)
     return model
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from hf_zero.comm import all_reduce_, reduce_scatter_packed
 from hf_zero.profiling.timers import NO_TIMERS
-from hf_zero.zero.local import local_tensor
+from hf_zero.zero.local import local_grad, local_tensor
 from hf_zero.zero.sharded_group import ShardedGroup, bucket_ranges
 
 __all__ = ["GradReducer", "ReduceMode"]
@@ -130,7 +130,7 @@ class GradReducer:
         flats = []
         for i in range(bucket.start, bucket.stop):
             p = g.params[i]
-            flats.append(local_tensor(p.grad).reshape(-1) if p.grad is not None else
+            flats.append(local_grad(p).reshape(-1) if p.grad is not None else
                          torch.zeros(local_tensor(p).numel(), dtype=g.grad.dtype, device=g.grad.device))
         g.layout.pack(flats, bucket.start, packed, scale=1.0 / self.data_parallel_size)
         for i in range(bucket.start, bucket.stop):

@@ -64,6 +64,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # indices into ``groups`` whose gradients duplicate a group counted on another rank of the model-parallel
         # group (a tied embedding's second copy): left out of the norm so each element is counted once
         self.norm_excluded_groups: set[int] = set()
+        # {group index: sorted [(lo, hi)] ranges of its shard} duplicated the same way (tensor-parallel replicated
+        # parameters inside a group of sharded ones): left out of the norm on every TP rank but one
+        self.norm_excluded_spans: dict[int, list[tuple[int, int]]] = {}
         self._publisher = publisher
         self.overflow = False  # read by accelerate (step_was_skipped)
         self.global_grad_norm: float | None = None
@@ -131,8 +134,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         sq = torch.zeros((), dtype=torch.float32)
         for i, g in enumerate(self.groups):
-            if g.grad.numel() and i not in self.norm_excluded_groups:
-                sq += sum_of_squares(g.grad)
+            if not g.grad.numel() or i in self.norm_excluded_groups:
+                continue
+            start = 0
+            for lo, hi in self.norm_excluded_spans.get(i, ()):
+                if lo > start:
+                    sq += sum_of_squares(g.grad[start:lo])
+                start = hi
+            if start < g.grad.numel():
+                sq += sum_of_squares(g.grad[start:])
         if any(g.world_size > 1 for g in self.groups):
             all_reduce_(sq, group=self.process_group, what="the gradient-norm all-reduce of the optimizer step")
         if self.model_parallel_group is not None:

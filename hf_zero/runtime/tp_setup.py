@@ -1,0 +1,77 @@
+"""Tensor parallelism as the engine sees it: which groups ZeRO runs over, and which gradients the norm skips.
+
+``initialize`` calls :func:`setup_tensor_parallel` before anything looks at the model's parameters: it shards the
+model (``tensor_parallel.autotp_size`` in the config) unless ``deepspeed.tp_model_init`` / ``apply_tp`` already did,
+and returns the ``(dp, tp)`` layout. The engine then runs ZeRO over the data-parallel group (ranks holding the same
+shard) and adds the norms of the TP group's other shards (``model_parallel_group``).
+
+Gradient norm with TP: a sharded parameter's elements are spread over the TP ranks (sum the squares over the
+group), but a replicated one (norms, row-parallel biases, position embeddings) has the same gradient on every TP
+rank. :func:`replicated_spans` names those elements in each ZeRO shard so the ranks other than TP rank 0 leave
+them out: each element of the unsplit model is counted exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from hf_zero.config.errors import ConfigError
+from hf_zero.tensor_parallel import apply_tp, build_mesh, tp_info
+from hf_zero.tensor_parallel.apply import is_tp_sharded
+from hf_zero.tensor_parallel.config import TPConfig
+
+__all__ = ["TPLayout", "setup_tensor_parallel", "replicated_spans"]
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    tp_size: int
+    tp_rank: int
+    tp_group: object
+    dp_size: int
+    dp_rank: int
+    dp_group: object
+
+
+def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int) -> TPLayout | None:
+    """Shard ``model`` if the config asks and it is not yet; the layout, or None without tensor parallelism."""
+    info = tp_info(model)
+    if info is None and not tp_cfg.enabled:
+        return None
+    if info is None:
+        mesh = build_mesh(tp_cfg.size)
+        apply_tp(model, mesh, vocab_parallel_head=tp_cfg.vocab_parallel_lm_head)
+        info = tp_info(model)
+    elif tp_cfg.enabled and tp_cfg.size != info.size:
+        raise ConfigError("tensor_parallel.autotp_size", f"{tp_cfg.size}, but the model was sharded over "
+                                                         f"{info.size} ranks (tp_model_init / apply_tp)")
+    layout = info.layout
+    if layout is None:
+        if info.size != world_size:
+            raise ValueError("hf_zero: the model was sharded with apply_tp over a 1-D mesh smaller than the world; "
+                             "pass the TPMesh from hf_zero.tensor_parallel.build_mesh so the engine knows the "
+                             "data-parallel groups")
+        layout = build_mesh(info.size)  # the same ranks; gives the (size 1) data-parallel group
+    # the dp group even when it holds one rank: None would mean the whole world to the engine
+    return TPLayout(layout.tp_size, layout.tp_rank, layout.tp_group, layout.dp_size, layout.dp_rank,
+                    layout.dp_group)
+
+
+def replicated_spans(groups) -> dict[int, list[tuple[int, int]]]:
+    """``{group index: [(lo, hi), ...]}``: the ranges of each ZeRO shard holding TP-replicated parameters."""
+    out = {}
+    for gi, g in enumerate(groups):
+        spans: list[tuple[int, int]] = []
+        for i, p in enumerate(g.params):
+            if is_tp_sharded(p):
+                continue
+            lo, hi = g.layout.offsets[i], g.layout.offsets[i + 1]
+            if spans and spans[-1][1] == lo:
+                spans[-1] = (spans[-1][0], hi)
+            else:
+                spans.append((lo, hi))
+        if spans:
+            out[gi] = spans
+    return out
