@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_zero import comm
 from hf_zero.offload.swapper import wait_all
+from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.layout import ShardLayout
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "read_latest_tag"]
@@ -274,7 +275,8 @@ def _check_groups(engine, meta: dict, path: Path) -> None:
 def save_16bit_model(engine, save_dir, save_filename: str, exclude_frozen_parameters: bool) -> bool:
     """Rank 0 writes the whole model's weights in the training dtype, atomically, as safetensors."""
     sd = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
-    if engine.global_rank == 0:
+    tp = tp_info(engine.module)  # every TP rank of the first replica holds the gathered weights: one writes
+    if engine.global_rank == 0 and (tp is None or tp.mesh.get_local_rank() == 0):
         root = Path(save_dir)
         root.mkdir(parents=True, exist_ok=True)
         sd, aliases = _dedupe_shared(sd)

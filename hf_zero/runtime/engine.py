@@ -340,8 +340,14 @@ class HfZeroEngine(nn.Module):
                                load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
 
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """The full model state dict on every rank (stages 0-2: parameters are whole everywhere)."""
-        sd = self.module.state_dict()
+        """The full model state dict on every rank (stages 0-2: parameters are whole everywhere). A tensor-parallel
+        model's shards are gathered into the unsplit tensors (a collective over the TP group: call on every rank)."""
+        if tp_info(self.module) is not None:
+            from hf_zero.tensor_parallel.state import full_state_dict
+
+            sd = full_state_dict(self.module)
+        else:
+            sd = self.module.state_dict()
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             sd = {k: v for k, v in sd.items() if k not in frozen}
@@ -355,6 +361,11 @@ class HfZeroEngine(nn.Module):
         from hf_zero.zero.stage3.consolidate import consolidated_state_dict
 
         return consolidated_state_dict(self.module, exclude_frozen=exclude_frozen_parameters)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """What accelerate's ``get_state_dict`` asks a tensor-parallel DeepSpeed engine for: the full weights on the
+        first data-parallel replica (None elsewhere); called on every rank."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -16,6 +16,7 @@ from hf_zero.runtime.arguments import align_local_rank, config_from_args
 from hf_zero.runtime.engine import HfZeroEngine
 from hf_zero.runtime.optimizers import plan_from_client, plan_from_config
 from hf_zero.runtime.tp_setup import setup_tensor_parallel
+from hf_zero.tensor_parallel import tp_info
 from hf_zero.tensor_parallel.config import parse_tp_config
 
 __all__ = ["initialize"]
@@ -143,13 +144,16 @@ def _check_tp_params(model: nn.Module, model_parameters, optimizer, cfg, raw: di
         raise ValueError("hf_zero.initialize: the optimizer / model_parameters hold parameters of the model before "
                          "tensor parallelism replaced them; build them after deepspeed.tp_model_init(model, ...) "
                          "(or pass the optimizer as a config section or a callable)")
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    have = names[cfg.compute_dtype]
     tp_dtype = (raw.get("tensor_parallel") or {}).get("dtype")
-    if tp_dtype is not None:
-        want = parse_tp_config({"dtype": tp_dtype}).dtype
-        have = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[cfg.compute_dtype]
-        if want != have:
-            raise ConfigError("tensor_parallel.dtype", f"{tp_dtype!r} disagrees with the training dtype {have} "
-                                                       "(set by the fp16 / bf16 sections); make them agree")
+    if tp_dtype is not None and parse_tp_config({"dtype": tp_dtype}).dtype != have:
+        raise ConfigError("tensor_parallel.dtype", f"{tp_dtype!r} disagrees with the training dtype {have} "
+                                                   "(set by the fp16 / bf16 sections); make them agree")
+    init_dtype = tp_info(model).dtype
+    if init_dtype is not None and names.get(init_dtype) != have:
+        raise ConfigError("bf16.enabled / fp16.enabled", f"tp_model_init(dtype={init_dtype}) disagrees with the "
+                                                         f"training dtype {have} these sections select")
 
 
 def _dataloader(dataset, micro_batch: int, collate_fn, world_size: int, rank: int):

@@ -12,7 +12,8 @@ Layering: this package depends on torch and hf_zero's lower layers only; the eng
 from hf_zero.tensor_parallel.apply import TPInfo, apply_tp, tp_info
 from hf_zero.tensor_parallel.loss import VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
 from hf_zero.tensor_parallel.mesh import TPMesh, build_mesh
+from hf_zero.tensor_parallel.model_init import tp_model_init
 from hf_zero.tensor_parallel.plans import OWN_PLANS, resolve_plan
 
-__all__ = ["apply_tp", "tp_info", "TPInfo", "build_mesh", "TPMesh", "vocab_parallel_cross_entropy",
+__all__ = ["apply_tp", "tp_model_init", "tp_info", "TPInfo", "build_mesh", "TPMesh", "vocab_parallel_cross_entropy",
            "VocabParallelCausalLMLoss", "OWN_PLANS", "resolve_plan"]

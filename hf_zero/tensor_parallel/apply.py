@@ -38,6 +38,7 @@ class TPInfo:
     plan_source: str
     fused: dict[str, tuple[int, int]] = field(default_factory=dict)  # param name -> (parts, dim) permuted
     layout: TPMesh | None = None           # the (dp, tp) mesh when apply_tp got one (data-parallel groups)
+    dtype: torch.dtype | None = None       # tp_model_init(dtype=...): checked against the engine's dtype
 
     @property
     def size(self) -> int:

@@ -47,8 +47,14 @@ def _strip(name: str) -> str:
 
 def full_state_dict(model: nn.Module, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every DTensor gathered into its ordinary full tensor (see the module docstring)."""
-    return {name: full_tensor(model, name, t.detach() if not keep_vars else t)
-            for name, t in model.state_dict(keep_vars=keep_vars).items()}
+    out, seen = {}, {}
+    for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: tied weights keep one identity
+        if id(t) in seen:  # a tied weight (GPT-2's LM head is the embedding): one tensor under both names
+            out[name] = out[seen[id(t)]]
+            continue
+        seen[id(t)] = name
+        out[name] = full_tensor(model, name, t if keep_vars else t.detach())
+    return out
 
 
 @torch.no_grad()

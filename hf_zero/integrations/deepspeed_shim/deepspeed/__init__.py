@@ -13,6 +13,7 @@ _forward(__name__, {
     "add_config_arguments": "hf_zero.runtime.arguments:add_config_arguments",
     "init_distributed": "hf_zero.comm:init_distributed",
     "DeepSpeedEngine": "hf_zero.runtime.engine:HfZeroEngine",
+    "tp_model_init": "hf_zero.tensor_parallel:tp_model_init",
     "zero": "deepspeed.runtime.zero",  # as in DeepSpeed, deepspeed.zero is deepspeed.runtime.zero
     "PipelineModule": "hf_zero.pipeline:PipelineModule",
 }, submodules=["accelerator", "checkpoint", "comm", "launcher", "moe", "ops", "pipe", "profiling", "runtime",

@@ -1,0 +1,41 @@
+"""Run by tests/test_tp_trainer.py under torchrun: the HF Trainer with a DeepSpeed config carrying
+``tensor_parallel.autotp_size`` (answered by hf_zero), recording the batches each rank trains on."""
+
+import json
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+sys.path.insert(0, sys.argv[4])
+from hf_tiny import synthetic_lm_dataset  # noqa: E402
+
+model_dir, out_dir, record = sys.argv[1], sys.argv[2], sys.argv[3]
+
+
+class RecordingTrainer(Trainer):
+    seen: list = []
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.seen.append(inputs["input_ids"].tolist())
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+
+ds_config = {
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": "auto", "eps": "auto"}},
+    "zero_optimization": {"stage": 1, "stage3_gather_16bit_weights_on_model_save": True},
+    "tensor_parallel": {"autotp_size": 2},
+}
+args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+                         weight_decay=0.0, max_grad_norm=0.5, lr_scheduler_type="constant", logging_steps=1,
+                         save_strategy="no", report_to=[], seed=0, deepspeed=ds_config, dataloader_drop_last=True)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+trainer = RecordingTrainer(model=model, args=args, train_dataset=synthetic_lm_dataset(32))
+trainer.train()
+trainer.save_model(out_dir)
+rank = torch.distributed.get_rank()
+with open(f"{record}.{rank}.json", "w") as f:
+    json.dump({"seen": trainer.seen, "tp_size": trainer.get_tp_size(),
+               "train_batch_size": trainer.deepspeed.train_batch_size()}, f)
