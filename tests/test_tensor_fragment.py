@@ -148,3 +148,24 @@ def test_safe_get_set_at_every_stage(per_stage, stage):
             torch.testing.assert_close(out["local_set"], expected)
     else:
         assert all("use safe_set_full_fp32_param" in out["local_set_refused"] for out in results)
+
+
+def test_registry_does_not_keep_a_dropped_engine_alive(monkeypatch):
+    """The parameter -> shard registry holds neither the engine's optimizer nor its parameters."""
+    import gc
+    import weakref
+
+    import hf_zero
+    from hf_zero.zero.tensor_fragment import safe_get_full_fp32_param
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    model = nn.Linear(4, 2)
+    engine = hf_zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                     "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})[0]
+    torch.testing.assert_close(safe_get_full_fp32_param(model.weight), model.weight.detach())
+    optimizer, weight = weakref.ref(engine.optimizer), weakref.ref(model.weight)
+    engine.destroy()
+    del engine, model
+    gc.collect()
+    assert optimizer() is None and weight() is None

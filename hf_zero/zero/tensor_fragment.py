@@ -25,7 +25,7 @@ its end). Stage 0 is a world of one whose ``grad`` is already averaged over ever
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,11 +43,27 @@ __all__ = ["track", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_
            "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"]
 
 
-@dataclass(frozen=True)
 class _Fragment:
-    optimizer: "ZeroOptimizer"
-    group: "ShardedGroup"
-    index: int  # the parameter's position in group.params / group.layout
+    """Where one parameter lives: its optimizer (weakly: the registry must not keep a dropped engine alive, and
+    the optimizer's groups hold the parameter itself), the group and the parameter's position in it."""
+
+    __slots__ = ("_optimizer", "group_index", "index")
+
+    def __init__(self, optimizer: "ZeroOptimizer", group_index: int, index: int):
+        self._optimizer = weakref.ref(optimizer)
+        self.group_index = group_index
+        self.index = index  # the parameter's position in group.params / group.layout
+
+    @property
+    def optimizer(self) -> "ZeroOptimizer":
+        optimizer = self._optimizer()
+        if optimizer is None:
+            raise RuntimeError("hf_zero: the engine that trained this parameter no longer exists")
+        return optimizer
+
+    @property
+    def group(self) -> "ShardedGroup":
+        return self.optimizer.groups[self.group_index]
 
     @property
     def span(self) -> tuple[int, int]:
@@ -55,19 +71,21 @@ class _Fragment:
         return layout.offsets[self.index], layout.offsets[self.index + 1]
 
 
-# parameter -> its place in the optimizer that owns it; weak, so a dropped engine frees its parameters
+# parameter -> its place in the optimizer that owns it; weak both ways, so a dropped engine frees its parameters
 _FRAGMENTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def track(optimizer: "ZeroOptimizer") -> None:
     """Make the parameters of ``optimizer`` reachable by the safe_* functions (the engine's optimizer calls this)."""
-    for group in optimizer.groups:
+    for group_index, group in enumerate(optimizer.groups):
         for index, param in enumerate(group.params):
-            _FRAGMENTS[param] = _Fragment(optimizer, group, index)
+            _FRAGMENTS[param] = _Fragment(optimizer, group_index, index)
 
 
 def _fragment(param: torch.Tensor, what: str) -> _Fragment | None:
     frag = _FRAGMENTS.get(param)
+    if frag is not None and frag._optimizer() is None:
+        return None  # its engine is gone: the parameter is an ordinary tensor again
     if frag is not None and frag.group.master.numel() == 0 and frag.group.shard_numel > 0:
         raise NotImplementedError(f"hf_zero {what}: the fp32 weights and optimizer states are offloaded "
                                   "(zero_optimization.offload_optimizer); read them before enabling the offload "
