@@ -30,6 +30,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hf_zero import comm
+from hf_zero.comm import faults
+from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, clean_stale, fsync_dir,
+                                              fsync_file, read_json, read_manifest, resolve_checkpoint, sha256_file,
+                                              torch_load, verify_files, write_manifest)
 from hf_zero.offload.swapper import wait_all
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.layout import ShardLayout
@@ -38,7 +42,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "read_lates
 
 logger = logging.getLogger("hf_zero")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest.json with every file's size and sha256
 
 
 def _rank_file(rank: int) -> str:
@@ -65,7 +69,17 @@ def _dedupe_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     return out, aliases
 
 
-def _write_rank_files(engine, tmp: Path, exclude_frozen: bool) -> None:
+def _write_rank_files(engine, tmp: Path, exclude_frozen: bool, client_state: dict) -> dict[str, dict[str, Any]]:
+    """Write this rank's files into ``tmp``, fsynced; returns their manifest entries (size, sha256)."""
+    names = _write_rank_files_unsynced(engine, tmp, exclude_frozen, client_state)
+    out = {}
+    for name in names:
+        fsync_file(tmp / name)
+        out[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+    return out
+
+
+def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_state: dict) -> list[str]:
     rank = engine.global_rank
     tensors: dict[str, torch.Tensor] = {"rng.cpu": torch.get_rng_state()}
     for gi, g in enumerate(engine.groups):
@@ -88,10 +102,12 @@ def _write_rank_files(engine, tmp: Path, exclude_frozen: bool) -> None:
         tensors.update(engine.stage3.checkpoint_tensors(exclude_frozen=exclude_frozen))
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / _rank_file(rank)))
     if rank != 0:
-        return
+        return [_rank_file(rank)]
+    written = [_rank_file(rank), "meta.json", "engine_state.pt"]
     if engine.stage3 is None:
         sd, aliases = _dedupe_shared(engine.module_state_dict(exclude_frozen))
         save_file(sd, str(tmp / "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
+        written.append("model.safetensors")
     scalar_state = []
     for g in engine.groups:
         st = engine.optimizer.state.get(g.master, {})
@@ -113,9 +129,10 @@ def _write_rank_files(engine, tmp: Path, exclude_frozen: bool) -> None:
         "micro_steps": engine.micro_steps, "skipped_steps": engine.optimizer.skipped_steps,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "client_state": engine._pending_client_state,
+        "client_state": client_state,
         "config": dict(engine.config),
     }, tmp / "engine_state.pt")
+    return written
 
 
 def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_latest: bool,
@@ -124,46 +141,69 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_late
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if "/" in tag or tag.startswith("."):
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
+    check_client_state(client_state)  # refused here, not at resume time after the weights were overwritten
     root = Path(save_dir)
     tmp, final = root / f".tmp-{tag}", root / tag
     group = engine.process_group
     if engine.global_rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        clean_stale(root)
         tmp.mkdir()
-    comm.barrier(group)
+    comm.barrier(group, what=f"the start of save_checkpoint(tag={tag!r})")
     error: BaseException | None = None
-    engine._pending_client_state = client_state
+    entries: dict[str, dict[str, Any]] = {}
     try:
-        _write_rank_files(engine, tmp, exclude_frozen_parameters)
+        entries = _write_rank_files(engine, tmp, exclude_frozen_parameters, client_state)
     except Exception as exc:  # every rank must reach the agreement below, or the others would hang
         error = exc
-    finally:
-        engine._pending_client_state = None
-    ok = torch.tensor([0.0 if error is not None else 1.0])
-    failed = torch.tensor([float(engine.global_rank) if error is not None else -1.0])
-    if comm.is_initialized() and engine.world_size > 1:
-        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=group)
-        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
-    if ok.item() < 1:
+    reports = _agree(engine, (None if error is None else f"{type(error).__name__}: {error}", entries),
+                     f"the agreement of save_checkpoint(tag={tag!r})")
+    failed = [r for r, (err, _) in enumerate(reports) if err is not None]
+    if failed:
         if engine.global_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        comm.barrier(group)
-        raise RuntimeError(f"hf_zero: save_checkpoint({str(root)!r}, tag={tag!r}) failed on rank "
-                           f"{int(failed.item())}; the previous checkpoint is untouched") from error
+        comm.barrier(group, what=f"the clean-up of a failed save_checkpoint(tag={tag!r})")
+        raise RuntimeError(f"hf_zero: save_checkpoint({str(root)!r}, tag={tag!r}) failed on rank {failed[0]} "
+                           f"({reports[failed[0]][0]}); the previous checkpoint is untouched") from error
     if engine.global_rank == 0:
-        old = root / f".old-{tag}"
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            latest_tmp = root / ".latest.tmp"
-            latest_tmp.write_text(tag)
-            os.replace(latest_tmp, root / "latest")
-    comm.barrier(group)
+        manifest = {name: e for _, files in reports for name, e in files.items()}
+        write_manifest(tmp, manifest)
+        fsync_dir(tmp)
+        _publish(root, tmp, final, tag, save_latest)
+    comm.barrier(group, what=f"the end of save_checkpoint(tag={tag!r})")
     return True
+
+
+def _publish(root: Path, tmp: Path, final: Path, tag: str, save_latest: bool) -> None:
+    """Rank 0: rename the complete, fsynced ``tmp`` into place, then point ``latest`` at it. A same-tag save keeps
+    the previous copy as ``.old-<tag>`` until the new one is in place (a load falls back to it after a crash)."""
+    old = root / f".old-{tag}"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        _rename(final, old)
+    _rename(tmp, final)
+    fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+    if save_latest:
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(tag)
+        fsync_file(latest_tmp)
+        os.replace(latest_tmp, root / "latest")
+        fsync_dir(root)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    src.rename(dst)
+
+
+def _agree(engine, mine: Any, what: str) -> list[Any]:
+    """Every rank's ``mine`` (a small picklable value), gathered on every rank within comms_timeout_s."""
+    if not comm.is_initialized() or engine.world_size == 1:
+        return [mine]
+    out: list[Any] = [None] * engine.world_size
+    with faults.bounded(what, engine.process_group):
+        torch.distributed.all_gather_object(out, mine, group=engine.process_group)
+    return out
 
 
 def _full_param_from_shards(files: list, key: str, layout: ShardLayout, index: int) -> torch.Tensor:
@@ -181,27 +221,24 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     if tag is None:
         logger.warning("hf_zero: load_checkpoint(%r): no 'latest' file and no tag given; nothing loaded", str(root))
         return None, None
-    path = root / str(tag)
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"hf_zero: checkpoint {str(path)!r} is missing or incomplete (no meta.json); "
-                                f"tags present: {sorted(p.name for p in root.iterdir() if p.is_dir())}")
-    meta = json.loads((path / "meta.json").read_text())
-    _check_groups(engine, meta, path)
-
-    if engine.stage3 is None and (path / "model.safetensors").is_file():
-        sd = load_file(str(path / "model.safetensors"), device="cpu")
-        with safe_open(str(path / "model.safetensors"), "pt") as f:
-            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-        for alias, src in aliases.items():
-            sd[alias] = sd[src]
-        missing, unexpected = engine.module.load_state_dict(sd, strict=load_module_strict)
-        if missing or unexpected:
-            logger.info("hf_zero: non-strict module load: %d missing, %d unexpected keys", len(missing),
-                        len(unexpected))
-
+    # 1. validate everything on every rank; 2. agree; 3. only then change tensors and counters
+    error: Exception | None = None
+    try:
+        path, meta, engine_state, sd, handles = _validate(engine, root, str(tag), load_module_strict)
+    except (CheckpointError, ValueError) as exc:
+        error = exc
+    reports = _agree(engine, None if error is None else str(error), f"the agreement of load_checkpoint({tag!r})")
+    if error is not None:
+        raise error
+    failed = [r for r, msg in enumerate(reports) if msg is not None]
+    if failed:
+        raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
+                              f"{reports[failed[0]]}")
+    if sd is not None:
+        engine.module.load_state_dict(sd, strict=load_module_strict)
+    if engine.stage3 is None and meta.get("stage") == 3:
+        _restore_stage3_extras(engine, handles)
     saved_shard_world = meta["shard_world_size"]
-    rank_files = [path / _rank_file(r) for r in range(saved_shard_world)]
-    handles = [safe_open(str(p), "pt") for p in rank_files]
     try:
         if engine.stage3 is not None:
             engine.stage3.load_checkpoint_tensors(handles, meta)
@@ -244,19 +281,123 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
         with safe_open(str(own_file), "pt") as f:
             if "rng.cpu" in f.keys():
                 torch.set_rng_state(f.get_tensor("rng.cpu"))
-
-    state = torch.load(path / "engine_state.pt", map_location="cpu", weights_only=True)
-    engine.global_steps = state["global_steps"]
-    engine.global_samples = state["global_samples"]
-    engine.micro_steps = state["micro_steps"]
+    engine.global_steps = engine_state["global_steps"]
+    engine.global_samples = engine_state["global_samples"]
+    engine.micro_steps = engine_state["micro_steps"]
     if load_optimizer_states:
-        engine.optimizer.skipped_steps = state["skipped_steps"]
-        if engine.loss_scaler is not None and state["loss_scaler"] is not None:
-            engine.loss_scaler.load_state_dict(state["loss_scaler"])
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    comm.barrier(engine.process_group)
-    return str(path), state["client_state"]
+        engine.optimizer.skipped_steps = engine_state["skipped_steps"]
+        if engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:
+            engine.loss_scaler.load_state_dict(engine_state["loss_scaler"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
+    comm.barrier(engine.process_group, what="the end of load_checkpoint")
+    return str(path), engine_state["client_state"]
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), "pt")
+    except Exception as exc:
+        raise CheckpointError(f"hf_zero: checkpoint file {str(path)!r} cannot be read: {exc}") from exc
+
+
+def _validate(engine, root: Path, tag: str, strict: bool):
+    """Everything a load reads, checked before anything changes: files present and matching their checksums,
+    groups, shapes and dtypes; returns ``(path, meta, engine_state, model_state_dict | None, handles)``."""
+    path = resolve_checkpoint(root, tag)
+    if not (path / "meta.json").is_file():
+        present = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        raise CheckpointError(f"hf_zero: checkpoint {str(path)!r} is missing or incomplete (no meta.json); "
+                              f"tags present: {present}")
+    manifest = read_manifest(path)
+    meta = read_json(path / "meta.json")
+    saved_world = int(meta.get("shard_world_size", 0))
+    rank_names = [_rank_file(r) for r in range(saved_world)]
+    if manifest is not None:
+        verify_files(path, manifest, ["meta.json", "engine_state.pt", *rank_names] +
+                     (["model.safetensors"] if "model.safetensors" in manifest else []))
+    else:
+        logger.warning("hf_zero: checkpoint %r has no %s (saved before checksums); loading it unverified",
+                       str(path), MANIFEST)
+    _check_groups(engine, meta, path)
+    state = torch_load(path / "engine_state.pt")
+    handles = [_open(path / name) for name in rank_names]
+    for gi, g in enumerate(engine.groups):
+        saved_layout = ShardLayout(tuple(meta["groups"][gi]["numels"]), saved_world)
+        for r, h in enumerate(handles):
+            for key in (k for k in h.keys() if k.startswith(f"group{gi}.")):
+                sl = h.get_slice(key)
+                if list(sl.get_shape()) != [saved_layout.shard_numel] or sl.get_dtype() != _ST_DTYPES[g.master.dtype]:
+                    raise CheckpointError(
+                        f"hf_zero: checkpoint file {str(path / rank_names[r])!r}: {key} has shape {sl.get_shape()} "
+                        f"and dtype {sl.get_dtype()}; the saved layout needs [{saved_layout.shard_numel}] "
+                        f"{_ST_DTYPES[g.master.dtype]}")
+    sd = None
+    buffers = [n for n, _ in _persistent_buffers(engine.module)]
+    frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
+    saved_stage = int(meta.get("stage", 0))
+    if engine.stage3 is None and saved_stage < 3:
+        model_file = path / "model.safetensors"
+        if model_file.is_file():
+            sd = _read_model_file(model_file, engine, strict)
+        elif buffers or frozen:
+            raise CheckpointError(f"hf_zero: checkpoint file {str(model_file)!r} is missing; it holds the model's "
+                                  f"buffers and frozen parameters ({(buffers + frozen)[:5]} ...)")
+    elif engine.stage3 is None:  # a ZeRO-3 checkpoint into a stage 0-2 engine: buffers and frozen from the shards
+        keys = set(handles[0].keys()) if handles else set()
+        missing = [n for n in buffers if f"stage3.buffer.{n}" not in keys] + \
+                  [n for n in frozen if f"stage3.frozen.{n}" not in keys]
+        if missing:
+            raise CheckpointError(f"hf_zero: checkpoint file {str(path / rank_names[0])!r} (ZeRO-3) has no saved "
+                                  f"values for {missing[:5]} (buffers / frozen parameters of this model)")
+    elif saved_stage < 3 and (buffers or frozen):
+        raise CheckpointError(
+            f"hf_zero: checkpoint {str(path)!r} was saved at ZeRO stage {saved_stage}: its buffers and frozen "
+            f"parameters ({(buffers + frozen)[:5]}) are in model.safetensors, which a ZeRO-3 engine does not read. "
+            f"Load it with a stage 0-2 engine and save again, or load the weights with from_pretrained first.")
+    return path, meta, state, sd, handles
+
+
+def _read_model_file(model_file: Path, engine, strict: bool) -> dict[str, torch.Tensor]:
+    try:
+        sd = load_file(str(model_file), device="cpu")
+        with safe_open(str(model_file), "pt") as f:
+            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    except Exception as exc:
+        raise CheckpointError(f"hf_zero: checkpoint file {str(model_file)!r} cannot be read: {exc}") from exc
+    for alias, src in aliases.items():
+        sd[alias] = sd[src]
+    current = engine.module.state_dict()
+    missing = [k for k in current if k not in sd]
+    unexpected = [k for k in sd if k not in current]
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"hf_zero: checkpoint file {str(model_file)!r} does not match the model: missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]} (load_module_strict=False to allow)")
+    bad = [f"{k} (saved {tuple(v.shape)}, model {tuple(current[k].shape)})" for k, v in sd.items()
+           if k in current and tuple(v.shape) != tuple(current[k].shape)]
+    if bad:
+        raise CheckpointError(f"hf_zero: checkpoint file {str(model_file)!r}: shapes differ from the model: {bad[:5]}")
+    return sd
+
+
+def _persistent_buffers(module):
+    non_persistent = {f"{mn}.{b}" if mn else b for mn, m in module.named_modules()
+                      for b in getattr(m, "_non_persistent_buffers_set", ())}
+    return [(n, b) for n, b in module.named_buffers() if n not in non_persistent]
+
+
+def _restore_stage3_extras(engine, handles) -> None:
+    """Buffers and frozen parameters of a ZeRO-3 checkpoint into a stage 0-2 engine (whole parameters)."""
+    with torch.no_grad():
+        for name, buf in _persistent_buffers(engine.module):
+            buf.copy_(handles[0].get_tensor(f"stage3.buffer.{name}"))
+        for name, p in engine.module.named_parameters():
+            if not p.requires_grad:
+                full = torch.cat([h.get_tensor(f"stage3.frozen.{name}") for h in handles])[:p.numel()]
+                p.copy_(full.view_as(p))
 
 
 def _check_groups(engine, meta: dict, path: Path) -> None:

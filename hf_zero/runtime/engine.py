@@ -63,7 +63,6 @@ class HfZeroEngine(nn.Module):
         self.micro_steps = 0
         self._boundary_override: bool | None = None
         self._last_loss: float | None = None
-        self._pending_client_state: dict | None = None  # set only while save_checkpoint runs
         self.loss_scaler = LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled is True else None
         # every hf_zero collective from here on is bounded and checked (hf_zero/comm/faults.py)
         comm.faults.configure_from(config, process_group)
