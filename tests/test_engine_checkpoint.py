@@ -43,7 +43,7 @@ def test_resume_matches_uninterrupted_run_and_reshards(stage, tmp_path):
     assert (Path(save_dir) / "latest").read_text() == "global_step4"
     files = sorted(os.listdir(Path(save_dir) / "global_step4"))
     model_file = ["model.safetensors"] if stage < 3 else []  # stage 3: every rank's file holds its shards
-    assert files == ["engine_state.pt", "meta.json", *model_file, "zero_rank00000.safetensors",
+    assert files == ["engine_state.pt", "manifest.json", "meta.json", *model_file, "zero_rank00000.safetensors",
                      "zero_rank00001.safetensors"]
 
     resumed = run_distributed(_load_then_continue, 2, args=(stage, save_dir, 5))
