@@ -69,3 +69,24 @@ def test_killed_rank_is_named_by_the_survivor(stage):
     assert killed.returncode == -9
     assert survivor.returncode == 1 and "rank 1 died" in survivor.output, survivor.output
     assert times[0] < BOUND_S + SLACK_S
+
+
+def test_nvme_space_for_one_rank_only_fails_every_rank_before_partitioning(tmp_path):
+    """Rank 1 may not write files as large as its optimizer swap file (RLIMIT_FSIZE, as a full or quota'd disk
+    would refuse them): every rank refuses the config, naming rank 1 and its path, before touching the model."""
+    import resource
+    import signal
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
+
+    run = launch("nvme", 2, TIMEOUT_S, env={"FAULT_NVME_PATH": str(tmp_path / "nvme")}, preexec={1: small_files})
+    for end in run.ranks:
+        assert end.returncode == 1, end.output
+        text = end.output
+        assert "ConfigError: zero_optimization.offload_optimizer.nvme_path:" in text, text
+        assert f"rank 1: zero_optimization.offload_optimizer.nvme_path={str(tmp_path / 'nvme')!r}" in text
+        assert "RLIMIT_FSIZE" in text and "rank 0:" not in text.split("ConfigError:")[-1]
+        assert "Nothing was partitioned" in text
+        assert "FAULT_AT" not in text  # ended inside initialize(), before the first step

@@ -71,6 +71,10 @@ class HfZeroEngine(nn.Module):
         from hf_zero.offload import check_offload_config
 
         check_offload_config(config.zero, stage=self.stage, param_device=self.device, fused_adam=plan.fused_adam)
+        from hf_zero.runtime.preflight import check_nvme_paths
+
+        check_nvme_paths(config, module, stage=self.stage, world_size=self.world_size, rank=self.global_rank,
+                         group=process_group)
         names = {p: n for n, p in module.named_parameters(remove_duplicate=False)}
         grad_dtype = _DTYPES[config.data_types.grad_accum_dtype] if config.data_types.grad_accum_dtype \
             else self.compute_dtype
