@@ -157,6 +157,9 @@ def _client_states(save_dir):
     engine.save_checkpoint(save_dir, tag="ok", client_state=ok)
     _, client = _engine(2).load_checkpoint(save_dir, tag="ok")
     assert client["epoch"] == 3 and torch.equal(client["rng"], ok["rng"]) and client["name"] == "x"
+    with pytest.raises(NotImplementedError) as info:
+        engine.load_checkpoint(save_dir, tag="ok", custom_load_fn=lambda src, dst: None)
+    refused["custom_load_fn"] = str(info.value)
     return refused
 
 
@@ -167,6 +170,7 @@ def test_client_state_that_cannot_load_is_refused_at_save_with_key_path_and_type
     assert "client_state['run']['v'][1] is a numpy.ndarray" in refused["numpy rng"]
     assert "client_state['run']['v'] is a " in refused["dataclass"] and "_Point" in refused["dataclass"]
     assert "client_state['run']['v'] is a pathlib" in refused["path"]
+    assert "custom_load_fn" in refused["custom_load_fn"]
 
 
 def _same_tag_crash(save_dir):
