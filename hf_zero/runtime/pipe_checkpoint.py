@@ -3,8 +3,9 @@
     <dir>/latest                                  the tag
     <dir>/<tag>/pipeline.json                     stages, data-parallel size, layer boundaries at save time
     <dir>/<tag>/layer_05-model_states.pt          DeepSpeed's per-layer module files (the weights of layer 5)
-    <dir>/<tag>/pipe/stage01/...                  stage 1's ordinary hf_zero checkpoint (masters, optimizer state
-                                                  shards, counters, scheduler), written by its replicas
+    <dir>/<tag>/pipe/stage01/zero/...             stage 1's ordinary hf_zero checkpoint (masters, optimizer state
+                                                  shards, counters, scheduler), written by its replicas (each stage
+                                                  under its own root: the saver cleans stale files in its root)
 
 Parameters are named by the model, not by the stage (``3.weight``: layer 3 wherever it runs; HF names for a
 wrapped HF model), so a stage of a different cut finds each of its parameters in whichever saved stage held it.
@@ -26,9 +27,13 @@ from safetensors.torch import save_file
 
 from hf_zero.runtime.checkpoint import (_full_param_from_shards, _rank_file, load_checkpoint, read_latest_tag,
                                         save_checkpoint)
+from hf_zero.runtime.checkpoint_files import sha256_file, write_manifest
 from hf_zero.zero.layout import ShardLayout
 
 __all__ = ["save_pipeline_checkpoint", "load_pipeline_checkpoint"]
+
+
+_ZERO_TAG = "zero"
 
 
 def _stage_tag(stage: int) -> str:
@@ -40,8 +45,8 @@ def save_pipeline_checkpoint(engine, save_dir, *, tag=None, client_state=None, s
     root = Path(save_dir) / tag
     grid = engine.grid
     # every stage's replicas write their own ordinary checkpoint, side by side
-    save_checkpoint(engine, root / "pipe", tag=_stage_tag(engine.stage_id), client_state=client_state or {},
-                    save_latest=False, exclude_frozen_parameters=False)
+    save_checkpoint(engine, root / "pipe" / _stage_tag(engine.stage_id), tag=_ZERO_TAG,
+                    client_state=client_state or {}, save_latest=False, exclude_frozen_parameters=False)
     if grid.data_parallel_id == 0:
         layers = engine.module.layer_state_dicts()
         if engine.stage3 is not None:
@@ -79,11 +84,11 @@ def load_pipeline_checkpoint(engine, load_dir, *, tag=None, load_optimizer_state
         raise FileNotFoundError(f"hf_zero: {str(root)!r} is not a pipeline checkpoint (no pipeline.json)")
     info = json.loads(info_path.read_text())
     if info["num_stages"] == engine.num_stages:
-        return load_checkpoint(engine, root / "pipe", tag=_stage_tag(engine.stage_id),
+        return load_checkpoint(engine, root / "pipe" / _stage_tag(engine.stage_id), tag=_ZERO_TAG,
                                load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states)
     grid = engine.grid
-    merged = root / "pipe" / f".restage-{engine.stage_id:02d}-of-{engine.num_stages:02d}"
+    merged = root / "pipe" / f"restage{engine.stage_id:02d}-of-{engine.num_stages:02d}" / _ZERO_TAG
     if grid.data_parallel_id == 0:
         _assemble(engine, root / "pipe", info["num_stages"], merged)
     dist.barrier()
@@ -94,7 +99,7 @@ def load_pipeline_checkpoint(engine, load_dir, *, tag=None, load_optimizer_state
     finally:
         dist.barrier()
         if grid.data_parallel_id == 0:
-            shutil.rmtree(merged, ignore_errors=True)
+            shutil.rmtree(merged.parent, ignore_errors=True)
 
 
 def _assemble(engine, pipe_root: Path, saved_stages: int, out: Path) -> None:
@@ -102,7 +107,7 @@ def _assemble(engine, pipe_root: Path, saved_stages: int, out: Path) -> None:
     where: dict[str, tuple] = {}  # parameter name -> (saved stage, group, index)
     sources = []
     for s in range(saved_stages):
-        path = pipe_root / _stage_tag(s)
+        path = pipe_root / _stage_tag(s) / _ZERO_TAG
         meta = json.loads((path / "meta.json").read_text())
         handles = [safe_open(str(path / _rank_file(r)), "pt") for r in range(meta["shard_world_size"])]
         sources.append((path, meta, handles))
@@ -140,3 +145,5 @@ def _assemble(engine, pipe_root: Path, saved_stages: int, out: Path) -> None:
         "groups": [{"names": g.names, "numels": list(g.layout.numels)} for g in engine.groups],
         "optimizer_scalar_state": scalar_state, "param_groups": param_groups}))
     shutil.copy(sources[0][0] / "engine_state.pt", out / "engine_state.pt")
+    write_manifest(out, {name: {"bytes": (out / name).stat().st_size, "sha256": sha256_file(out / name)}
+                         for name in ("meta.json", "engine_state.pt", _rank_file(0))})
