@@ -15,6 +15,9 @@ def _build_parser() -> argparse.ArgumentParser:
     commands.add_parser("doctor", help="report versions, compiled ops, distributed backends and the deepspeed layer")
     commands.add_parser("launch", add_help=False,
                         help="run a training script on every rank (DeepSpeed's launcher flags; see 'launch -h')")
+    from hf_zero.profiling.estimate_cli import add_parser as add_estimate
+
+    add_estimate(commands)
     return parser
 
 
@@ -31,5 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hf_zero.doctor import main as doctor_main
 
         return doctor_main()
+    if args.command == "estimate":
+        from hf_zero.profiling.estimate_cli import run
+
+        return run(args)
     parser.print_help()
     return 2

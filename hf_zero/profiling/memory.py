@@ -174,7 +174,7 @@ def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compu
     # master + optimizer moments, where offload_optimizer puts them
     master_in_weights = c == _FP32 and (stage < 3 or offload_param != "nvme")
     if offload_optimizer == "none":
-        add("master (fp32 shard)", "accelerator", shard * _FP32, "= the weights for fp32" if c == _FP32 else "")
+        add("master (fp32 shard)", "accelerator", shard * _FP32, "fp32: it is also the 16-bit shard" if c == _FP32 else "")
         add(f"optimizer states ({optimizer})", "accelerator", shard * opt_per_elem)
     elif offload_optimizer == "cpu":
         if accelerator == "cpu":

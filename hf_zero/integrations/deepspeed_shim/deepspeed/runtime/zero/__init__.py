@@ -6,4 +6,4 @@ _forward(__name__, {
     "Init": "hf_zero.zero:Init",
     "GatheredParameters": "hf_zero.zero:GatheredParameters",
     "register_external_parameter": "hf_zero.zero:register_external_parameter",
-}, submodules=["offload_config", "partition_parameters"])
+}, submodules=["offload_config", "partition_parameters", "stage3", "stage_1_and_2"])

@@ -1,0 +1,10 @@
+"""``deepspeed.runtime.zero.stage3``: the ZeRO-3 model-state estimators, with hf_zero's numbers."""
+
+from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
+
+_forward(__name__, {
+    "estimate_zero3_model_states_mem_needs_all_live":
+        "hf_zero.profiling.ds_estimators:estimate_zero3_model_states_mem_needs_all_live",
+    "estimate_zero3_model_states_mem_needs_all_cold":
+        "hf_zero.profiling.ds_estimators:estimate_zero3_model_states_mem_needs_all_cold",
+})
