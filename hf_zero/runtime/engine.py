@@ -24,6 +24,7 @@ from hf_zero.config import HfZeroConfig
 from hf_zero.config.errors import ConfigError
 from hf_zero.profiling.step_profile import StepProfiler
 from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
+from hf_zero.runtime.backward import BackwardSessions
 from hf_zero.runtime.optimizers import OptimizerPlan
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.grad_reducer import GradReducer, ReduceMode
@@ -62,10 +63,13 @@ class HfZeroEngine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._boundary_override: bool | None = None
-        self._last_loss: float | None = None
         self.loss_scaler = LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled is True else None
         # every hf_zero collective from here on is bounded and checked (hf_zero/comm/faults.py)
         comm.faults.configure_from(config, process_group)
+        self._backward = BackwardSessions(
+            begin=self._begin_backward, end=self._end_backward, gas=self.gradient_accumulation_steps,
+            loss_scale=lambda: self.loss_scaler.scale if self.loss_scaler is not None else None,
+            timers=lambda: self.timers)
 
         # offload sections the engine cannot honour are refused here, before the model is partitioned or cast
         from hf_zero.offload import check_offload_config
@@ -86,6 +90,7 @@ class HfZeroEngine(nn.Module):
                                                          "0, 1 or 2 over the data-parallel dimension")
         if self.stage == 3:
             self.groups = self._init_stage3(plan, names, grad_dtype)
+            self.stage3.grad_guard = self._backward.guard
             publisher = self.stage3.after_step
         else:
             self.groups = self._init_stages_0_to_2(plan, names, grad_dtype)
@@ -106,7 +111,7 @@ class HfZeroEngine(nn.Module):
             self.reducer = GradReducer(
                 self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,
                 bucket_numel=int(zero.reduce_bucket_size), overlap=bool(zero.overlap_comm),
-                process_group=process_group)
+                process_group=process_group, guard=self._backward.guard)
         else:
             self.reducer = None
         if tp is not None and tp.mesh.get_local_rank() != 0:
@@ -202,7 +207,15 @@ class HfZeroEngine(nn.Module):
 
     def forward(self, *args, **kwargs):
         with self.timers.phase("forward"), self.step_profiler.forward(self.global_steps, args, kwargs):
-            return self.module(*args, **kwargs)
+            try:
+                out = self.module(*args, **kwargs)
+            except Exception as error:
+                if self.stage3 is not None:
+                    self.stage3.annotate_forward_error(error)  # names a module using partitioned parameters
+                raise
+        if torch.is_grad_enabled():
+            self._backward.watch(out)  # loss.backward() on this output then does what engine.backward(loss) does
+        return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
@@ -214,26 +227,39 @@ class HfZeroEngine(nn.Module):
         self._boundary_override = bool(is_boundary)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """Backward of ``loss`` (divided by the accumulation steps when ``scale_wrt_gas``; times the fp16 scale)."""
+        """Backward of ``loss`` (divided by the accumulation steps when ``scale_wrt_gas``; times the fp16 scale).
+        ``loss.backward()`` on a loss computed from ``engine(...)``'s output does the same (runtime/backward.py)."""
         if not loss.requires_grad:
             raise RuntimeError("hf_zero: engine.backward(loss) got a loss that does not require grad; was the "
                                "forward run under torch.no_grad(), or are all parameters frozen?")
-        self._last_loss = float(loss.detach().float().item())
+        self._backward.last_loss = float(loss.detach().float().item())
+        self._backward.scale_wrt_gas = scale_wrt_gas
         scaled = loss
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        reducing = self.stage == 2 or self.is_gradient_accumulation_boundary()
-        with self.timers.phase("backward"), self.step_profiler.backward(self.global_steps):
-            if self.reducer is not None:
-                self.reducer.begin(reducing)
-            scaled.backward(retain_graph=retain_graph)
-            if self.reducer is not None:
-                self.reducer.finish()
-            else:
-                self.stage3.finish_backward()
+        # (a direct loss.backward() is not inside the profiler's backward window: its FLOPs are not counted)
+        with self.step_profiler.backward(self.global_steps):
+            self._backward.run_engine_backward(scaled, retain_graph)
         return loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale, for ``engine.scale(loss).backward()`` (DeepSpeed's manual backward);
+        the accumulation-steps division is applied on the engine's outputs as for any direct backward."""
+        self._backward.mark_user_scaled()
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
+    def _begin_backward(self) -> None:
+        """Prologue of every backward pass (engine.backward or a direct one): does this micro-step reduce?"""
+        if self.reducer is not None:
+            self.reducer.begin(self.stage == 2 or self.is_gradient_accumulation_boundary())
+
+    def _end_backward(self) -> None:
+        if self.reducer is not None:
+            self.reducer.finish()
+        else:
+            self.stage3.finish_backward()
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At the accumulation boundary: optimizer step, scheduler step, counters, logging."""
@@ -391,7 +417,7 @@ class HfZeroEngine(nn.Module):
                 self.timers.reset()
             return
         norm = self.optimizer.global_grad_norm
-        msg = (f"step={self.global_steps} loss={self._last_loss if self._last_loss is not None else float('nan'):.4f} "
+        msg = (f"step={self.global_steps} loss={self._backward.last_loss if self._backward.last_loss is not None else float('nan'):.4f} "
                f"lr={','.join(f'{lr:.3g}' for lr in self.get_lr())} grad_norm={norm if norm is not None else 0:.4g} "
                f"loss_scale={self.get_loss_scale():g} skipped={self.skipped_steps}")
         if self._config.wall_clock_breakdown:

@@ -17,6 +17,12 @@ _LAZY = {
     "GatheredParameters": "hf_zero.zero.gathered",
     "register_external_parameter": "hf_zero.zero.gathered",
     "unregister_external_parameter": "hf_zero.zero.gathered",
+    "set_z3_leaf_modules": "hf_zero.zero.leaf",
+    "unset_z3_leaf_modules": "hf_zero.zero.leaf",
+    "get_z3_leaf_modules": "hf_zero.zero.leaf",
+    "set_z3_leaf_module": "hf_zero.zero.leaf",
+    "z3_leaf_module": "hf_zero.zero.leaf",
+    "z3_leaf_parameter": "hf_zero.zero.leaf",
 }
 
 __all__ = list(_LAZY)
@@ -24,6 +30,8 @@ __all__ = list(_LAZY)
 if TYPE_CHECKING:
     from hf_zero.zero.gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
     from hf_zero.zero.init import Init
+    from hf_zero.zero.leaf import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
+                                   unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 
 
 def __getattr__(name: str) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -55,8 +56,11 @@ class GradReducer:
     """Owns the gradient hooks of one engine. ``begin(reducing)`` before backward, ``finish()`` after it."""
 
     def __init__(self, groups: list[ShardedGroup], *, mode: ReduceMode, bucket_numel: int, overlap: bool,
-                 process_group=None, max_in_flight: int = 2):
+                 process_group=None, max_in_flight: int = 2, guard: Callable[[str], None] | None = None):
+        """``guard(param_name)`` runs as each gradient arrives, before anything else (the engine refuses
+        gradients of backward passes it did not see there)."""
         self.groups = groups
+        self.guard = guard
         self.mode = mode
         self.overlap = overlap
         self.process_group = process_group
@@ -110,9 +114,11 @@ class GradReducer:
 
     # ---- hooks ------------------------------------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket, index = self._where[param]
+        if self.guard is not None:
+            self.guard(bucket.group.names[index])
         if not self._reducing:
             return
-        bucket, index = self._where[param]
         if bucket.launched:
             return  # a late gradient: left in param.grad, picked up by _reduce_late_gradients
         bucket.ready.add(index)

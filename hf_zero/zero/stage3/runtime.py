@@ -20,20 +20,25 @@ Order of a training micro-step, as the engine drives it::
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from hf_zero.comm import get_rank, get_world_size
+from hf_zero.zero.leaf import z3_leaf_module
 
 from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
 from .hooks import (ModuleCall, install_module_hooks, queue_end_of_backward, register_output_grad_hooks,
                     wrap_inputs_for_post_backward)
-from .param import ParamState, ShardedParam, sharded_param_of
+from .param import ParamState, ShardedParam, ZeroParamStatus, sharded_param_of
 from .prefetch import GatherTrace
 from .reduce import GradReducer
 
-__all__ = ["Stage3Runtime", "external_parameters", "EXTERNAL_PARAMS_ATTR"]
+__all__ = ["Stage3Runtime", "external_parameters", "EXTERNAL_PARAMS_ATTR", "WatchedParameters"]
+
+_AVAILABLE = ZeroParamStatus.AVAILABLE
 
 EXTERNAL_PARAMS_ATTR = "_hf_zero_external_params"  # set on a module by register_external_parameter
 
@@ -83,13 +88,19 @@ class Stage3Runtime:
         self._build_groups()
         self.trace = GatherTrace({g.gid: g.numel for g in self._groups.values()})
         self._calls: dict[int, list[ModuleCall]] = {}  # id(module) -> stack of forward calls in progress
+        # forward calls in progress, innermost last; call None: a module without a group (only tracked)
+        self._fwd_stack: list[tuple[nn.Module, ModuleCall | None]] = []
+        self._read_holds: list[ShardedParam] = []  # see _on_param_read
         self._awaiting_grad: set[int] = set()  # ds_ids holding a "gradient not accumulated yet" reference
         self._calls_awaiting_grad: dict[int, list[ModuleCall]] = {}  # ds_id -> calls ended by its gradient
         self._end_of_backward_queued = False
         self._deferred: set[ShardedParam] = set()  # frozen params kept whole after a recomputation, see _post_forward
         self._handles = []
+        self._module_handles: dict[nn.Module, tuple[str, list]] = {}  # module -> ("group" | "track", hooks)
         self._install_hooks()
         self._stepped = False
+        # the engine's check on each arriving gradient (refuses backward passes it did not see); None: no check
+        self.grad_guard: Callable[[str], None] | None = None
         self.prefetched_numel = 0  # statistics: elements gathered ahead of need
 
     # ------------------------------------------------------------------ set-up
@@ -140,10 +151,21 @@ class Stage3Runtime:
     def _build_groups(self) -> None:
         self._groups.clear()
         self._groups_of_sp.clear()
+        leaf_prefixes: list[str] = []
         for fqn, mod in self.module.named_modules():
+            if any(fqn.startswith(prefix) for prefix in leaf_prefixes):
+                continue  # inside a leaf module: gathered with it
+            leaf = z3_leaf_module(mod)
+            if leaf:
+                leaf_prefixes.append(f"{fqn}." if fqn else "")
+                own = list(mod.parameters()) + [p for m in mod.modules() for p in external_parameters(m)]
+            else:
+                own = list(mod._parameters.values()) + external_parameters(mod)
             members: list[ShardedParam] = []
-            for p in list(mod._parameters.values()) + external_parameters(mod):
+            for p in own:
                 sp = sharded_param_of(p) if p is not None else None
+                if sp is not None and leaf:
+                    p.ds_z3_leaf_module = mod
                 if sp is not None and not sp.persistent and sp not in members:
                     members.append(sp)
             if members:
@@ -156,15 +178,53 @@ class Stage3Runtime:
         self._external_version = _external_version()
 
     def _install_hooks(self) -> None:
-        for mod in self._groups:
-            self._handles += install_module_hooks(mod, self._pre_forward, self._post_forward)
-        # Registered last: the iteration boundary runs before the root's own gather (prepend) and after its
-        # release (append).
+        # Registered after the root's group hooks: the iteration boundary runs before the root's own gather
+        # (prepend) and after its release (append). These and the gradient hooks live as long as the runtime.
+        self._sync_module_hooks()
         self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self._handles.append(self.module.register_forward_hook(self._root_post_forward))
         for sp in self._sps:
             if sp.requires_grad:
                 self._handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    def _sync_module_hooks(self) -> None:
+        """Hooks on exactly the modules that have a group now. A module keeping its group keeps its hooks (they
+        look the group up at each call): a rebuild runs inside the root's forward pre-hooks, whose list torch has
+        already taken, so re-registering the root's hooks there would call the old ones with the wrong arguments."""
+        for mod in self.module.modules():
+            if type(mod._parameters) is dict and any(sharded_param_of(p) is not None
+                                                     for p in mod._parameters.values() if p is not None):
+                mod._parameters = WatchedParameters(mod._parameters, self._on_param_read)
+        wanted = {mod: "group" for mod in self._groups}
+        leaves = [m for m in self.module.modules() if z3_leaf_module(m)]
+        for mod in self.module.modules():
+            # modules without a group but with partitioned parameters below them only record that their forward
+            # runs: the innermost module in forward is then known for error messages and attribute reads
+            if mod not in wanted and not any(mod is not leaf and _is_within(mod, leaf) for leaf in leaves) and \
+                    any((sp := sharded_param_of(p)) is not None and not sp.persistent for p in mod.parameters()):
+                wanted[mod] = "track"
+        for mod in [m for m, (kind, _) in self._module_handles.items() if wanted.get(m) != kind]:
+            for h in self._module_handles.pop(mod)[1]:
+                h.remove()
+        for mod, kind in wanted.items():
+            if mod in self._module_handles:
+                continue
+            if kind == "group":
+                handles = install_module_hooks(mod, self._pre_forward, self._post_forward)
+            else:
+                handles = install_module_hooks(mod, self._track_pre_forward, self._track_post_forward)
+            self._module_handles[mod] = (kind, handles)
+
+    def _track_pre_forward(self, module, args, kwargs):
+        self._fwd_stack.append((module, None))
+        return None
+
+    def _track_post_forward(self, module, args, output):
+        for i in range(len(self._fwd_stack) - 1, -1, -1):
+            if self._fwd_stack[i][0] is module and self._fwd_stack[i][1] is None:
+                del self._fwd_stack[i]
+                break
+        return None
 
     # ------------------------------------------------------------------ engine contract
     def set_timers(self, timers) -> None:
@@ -253,9 +313,11 @@ class Stage3Runtime:
                 f"({swapped / 2**30:.2f} GiB) on every rank for the parameters in offload_param's swap files, and "
                 f"{available} bytes ({available / 2**30:.2f} GiB) are available. Save it instead with engine.save_16bit_model() or save_checkpoint() (both stream "
                 "module by module); the swap files are removed when the process exits")
-        for h in self._handles:
+        for h in self._handles + [h for _, hs in self._module_handles.values() for h in hs]:
             h.remove()
         self._handles.clear()
+        self._module_handles.clear()
+        _unwatch(self.module)
         self.reducer.finish()
         self._reset_gathered()
         todo = [sp for sp in self._sps if sp.state is ParamState.PARTITIONED]
@@ -284,22 +346,21 @@ class Stage3Runtime:
 
     def _root_post_forward(self, module, args, output):
         if not torch.is_grad_enabled() and not self._calls:
+            self._drop_read_holds()
             self._release_unheld(park=True)
         return None
 
     def _rebuild_after_external_change(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
         self._build_groups()
         self.trace = GatherTrace({g.gid: g.numel for g in self._groups.values()})
-        self._install_hooks()
+        self._sync_module_hooks()
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module, args, kwargs):
         group = self._groups[module]
         call = ModuleCall(group, recompute=_in_backward())
         self._calls.setdefault(id(module), []).append(call)
+        self._fwd_stack.append((module, call))
         self._acquire(group)
         if torch.is_grad_enabled():
             wrapped = wrap_inputs_for_post_backward(args, kwargs, self._post_backward, call)
@@ -314,6 +375,7 @@ class Stage3Runtime:
         call = stack.pop()
         if not stack:
             del self._calls[id(module)]
+        self._pop_fwd(call)
         if call.recompute:
             # Recomputation under activation checkpointing. Non-reentrant checkpointing saves *frozen* parameters
             # by reference (trainable ones as detached aliases) and compares their shapes with the original
@@ -361,6 +423,8 @@ class Stage3Runtime:
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         sp = sharded_param_of(param)
+        if self.grad_guard is not None:
+            self.grad_guard(sp.name)
         grad = param.grad
         param.grad = None
         self._settle_recomputation()
@@ -386,7 +450,66 @@ class Stage3Runtime:
         self._end_of_backward_queued = False
         self._settle_recomputation()
         self.reducer.flush()
+        self._drop_read_holds()
         self._release_unheld()
+
+    def _drop_read_holds(self) -> None:
+        holds, self._read_holds = self._read_holds, []
+        for sp in holds:
+            sp.holders -= 1
+
+    def _pop_fwd(self, call: ModuleCall) -> None:
+        for i in range(len(self._fwd_stack) - 1, -1, -1):
+            if self._fwd_stack[i][1] is call:
+                del self._fwd_stack[i]
+                return
+
+    # ------------------------------------------------------------------ parameters read without calling their module
+    def _on_param_read(self, param: nn.Parameter) -> None:
+        """``module.weight`` read while partitioned. Inside a forward (``nn.MultiheadAttention`` reading
+        ``out_proj.weight``, fused projections) it is gathered now and held as part of the innermost module in
+        forward, for this forward and its backward; it is also registered as that module's external parameter, so
+        from the next iteration on it is gathered with the module's group (DeepSpeed does the same)."""
+        sp = sharded_param_of(param)
+        if sp is None or sp.persistent or sp.state is ParamState.AVAILABLE or not self._fwd_stack:
+            return
+        grouped = [(m, c) for m, c in self._fwd_stack if c is not None]
+        if grouped:
+            module, call = grouped[-1]  # the innermost module in forward that has a group
+            group = call.group
+            if sp not in group.sps:
+                group.sps.append(sp)
+                group.numel += sp.numel
+                self._groups_of_sp.setdefault(sp.ds_id, set()).add(group.gid)
+                sp.holders += 1  # dropped by this call's release like the group's own parameters
+        else:
+            # only modules without a group of their own are in forward: hold it until this backward ends (the
+            # next iteration gathers it with the module it is registered on below)
+            module = self._fwd_stack[-1][0]
+            sp.holders += 1
+            self._read_holds.append(sp)
+        _register_external(module, param)
+        if sp.state is ParamState.PARTITIONED:
+            self.gatherer.gather([sp], f"{sp.name} (read in the forward of {type(module).__name__})")
+        self.gatherer.wait_available(sp)
+
+    def annotate_forward_error(self, error: BaseException) -> None:
+        """A forward failed: if the innermost module in forward has partitioned parameters it did not gather, say
+        which module and what to do (they were used through a reference hf_zero cannot see)."""
+        if not self._fwd_stack or not hasattr(error, "add_note"):
+            return
+        module, _ = self._fwd_stack[-1]
+        partitioned = [sp.name for p in module.parameters() if (sp := sharded_param_of(p)) is not None
+                       and sp.state is ParamState.PARTITIONED]
+        if partitioned:
+            fqn = next((n for n, m in self.module.named_modules() if m is module), "?") or "<root>"
+            shown = ", ".join(partitioned[:4]) + (" ..." if len(partitioned) > 4 else "")
+            error.add_note(
+                f"hf_zero ZeRO-3: this was raised in the forward of module {fqn!r} "
+                f"({type(module).__name__}), whose sub-modules' parameters [{shown}] were still partitioned "
+                f"(1-D placeholders). If {type(module).__name__} uses them without calling their modules, mark it "
+                f"as a leaf: hf_zero.zero.set_z3_leaf_modules(model, [{type(module).__name__}]) "
+                f"(deepspeed.utils.set_z3_leaf_modules), before or after initialize")
 
     # ------------------------------------------------------------------ gather / release policy
     def _acquire(self, group: _Group) -> None:
@@ -440,6 +563,7 @@ class Stage3Runtime:
                 stack = self._calls[key]
                 for call in [c for c in stack if c.recompute]:
                     stack.remove(call)
+                    self._pop_fwd(call)
                     self._release_group(call.group)
                 if not stack:
                     del self._calls[key]
@@ -478,6 +602,8 @@ class Stage3Runtime:
         """Between iterations: forget every hold (leaks from early-stopped recomputation, unused backward
         paths) and partition everything that is not persistent."""
         self._calls.clear()
+        self._fwd_stack.clear()
+        self._read_holds.clear()
         self._awaiting_grad.clear()
         self._calls_awaiting_grad.clear()
         self._deferred = set()
@@ -530,3 +656,42 @@ def _forget(sp: ShardedParam) -> None:
     for attr in (_SP_ATTR, "ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist"):
         if attr in sp.param.__dict__:
             delattr(sp.param, attr)
+
+
+class WatchedParameters(dict):
+    """A module's ``_parameters`` that reports reads of partitioned parameters (``module.weight`` goes through
+    ``__getitem__``); iteration, ``state_dict`` and assignment are a plain dict's. Copies and pickles are plain
+    dicts, so a deep-copied model carries no reference to the runtime."""
+
+    __slots__ = ("_on_read",)
+
+    def __init__(self, params: dict, on_read) -> None:
+        super().__init__(params)
+        self._on_read = on_read
+
+    def __getitem__(self, key):
+        param = dict.__getitem__(self, key)
+        status = param.__dict__.get("ds_status") if param is not None else None
+        if status is not None and status is not _AVAILABLE and not torch.compiler.is_compiling():
+            self._on_read(param)
+        return param
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+
+def _unwatch(root: nn.Module) -> None:
+    for mod in root.modules():
+        if type(mod._parameters) is WatchedParameters:
+            mod._parameters = dict(mod._parameters)
+
+
+def _register_external(module: nn.Module, param: nn.Parameter) -> None:
+    params = module.__dict__.setdefault(EXTERNAL_PARAMS_ATTR, [])
+    if not any(p is param for p in params):
+        params.append(param)
+        bump_external_version()
+
+
+def _is_within(module: nn.Module, ancestor: nn.Module) -> bool:
+    return any(m is module for m in ancestor.modules())

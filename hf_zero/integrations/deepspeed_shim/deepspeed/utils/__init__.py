@@ -6,6 +6,11 @@ from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 _forward(__name__, {
     "logger": "hf_zero.integrations.compat:logger",
     "set_z3_leaf_modules": "hf_zero.zero:set_z3_leaf_modules",
+    "unset_z3_leaf_modules": "hf_zero.zero:unset_z3_leaf_modules",
+    "get_z3_leaf_modules": "hf_zero.zero:get_z3_leaf_modules",
+    "set_z3_leaf_module": "hf_zero.zero:set_z3_leaf_module",
+    "z3_leaf_module": "hf_zero.zero:z3_leaf_module",
+    "z3_leaf_parameter": "hf_zero.zero:z3_leaf_parameter",
     "is_initialized": "hf_zero.comm:is_initialized",
     "RepeatingLoader": "hf_zero.pipeline.data:RepeatingLoader",
     **{name: f"hf_zero.zero.tensor_fragment:{name}" for name in (

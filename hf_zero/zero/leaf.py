@@ -1,0 +1,83 @@
+"""ZeRO-3 leaf modules (DeepSpeed's ``set_z3_leaf_modules`` and friends).
+
+A leaf module's whole subtree is one gather group: every parameter below it is gathered when its forward (or
+backward) starts and its descendants get no hooks of their own. Use it where a module uses its sub-modules'
+parameters without calling them in a way hf_zero cannot see (``torch.stack(list(experts.parameters()))``), or calls
+a data-dependent subset of them (mixture-of-experts routing: ranks would otherwise gather different experts).
+Parameters read through ``module.weight`` inside another module's forward are gathered automatically (see
+``Stage3Runtime``), leaf or not.
+
+Same names, arguments and return values as ``deepspeed.utils``; changing leaves after the engine was built takes
+effect at the next forward.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+
+__all__ = ["set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
+           "z3_leaf_parameter", "set_z3_leaf_module", "LEAF_ATTR"]
+
+LEAF_ATTR = "_z3_leaf"  # DeepSpeed's attribute name: code that sets it directly keeps working
+
+
+def z3_leaf_module(module: nn.Module) -> bool:
+    return bool(getattr(module, LEAF_ATTR, False))
+
+
+def z3_leaf_parameter(param) -> bool:
+    """Whether ``param`` belongs to a leaf module of a running ZeRO-3 engine (``param.ds_z3_leaf_module``)."""
+    return hasattr(param, "ds_z3_leaf_module")
+
+
+def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if z3_leaf_module(m)]
+
+
+def set_z3_leaf_module(module: nn.Module, flag: bool) -> None:
+    setattr(module, LEAF_ATTR, bool(flag))
+    _changed()
+
+
+def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str],
+                        raise_if_not_found: bool = True) -> list[nn.Module]:
+    """Flag every module of ``model`` that is an instance of one of ``leaf_module_classes`` (classes, or class
+    names: ``"MixtralSparseMoeBlock"`` or ``"pkg.module.MixtralSparseMoeBlock"``); returns the flagged modules."""
+    return _set(model, leaf_module_classes, True, raise_if_not_found)
+
+
+def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str],
+                          raise_if_not_found: bool = True) -> list[nn.Module]:
+    return _set(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def _matches(module: nn.Module, spec: type | str) -> bool:
+    if isinstance(spec, type):
+        return isinstance(module, spec)
+    cls = type(module)
+    return spec in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _set(model: nn.Module, classes: Sequence[type | str], flag: bool, raise_if_not_found: bool) -> list[nn.Module]:
+    classes = list(classes)
+    bad = [c for c in classes if not isinstance(c, (type, str))]
+    if bad:
+        raise TypeError(f"hf_zero: leaf_module_classes must be classes or class names, got {bad!r}")
+    found = [m for m in model.modules() if any(_matches(m, c) for c in classes)]
+    if not found and raise_if_not_found:
+        names = [c if isinstance(c, str) else c.__name__ for c in classes]
+        raise ValueError(f"hf_zero: no module of the classes {names} in {type(model).__name__}; check the class "
+                         f"names (pass raise_if_not_found=False to allow this)")
+    for m in found:
+        setattr(m, LEAF_ATTR, flag)
+    _changed()
+    return found
+
+
+def _changed() -> None:
+    """A running ZeRO-3 engine rebuilds its gather groups at its next forward."""
+    from hf_zero.zero.stage3.runtime import bump_external_version
+
+    bump_external_version()

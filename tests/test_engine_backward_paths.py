@@ -1,0 +1,85 @@
+"""``loss.backward()`` on the engine's output trains exactly as ``engine.backward(loss)`` (DeepSpeed's behaviour);
+fp16 without ``engine.scale`` and gradients from a backward the engine never saw are refused before they count."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hf_zero
+from hf_zero.testing import run_distributed
+
+from _parity import GAS, base_config, clone_state, make_data, make_model
+
+STEPS = 3
+
+
+def _train(stage: int, how: str, precision: str = "fp32"):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    extra = {}
+    dtype = torch.float32
+    if precision == "fp16":
+        extra["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        dtype = torch.float16
+    engine, *_ = hf_zero.initialize(model=make_model(), config=base_config(stage, **extra))
+    x, y = make_data(world, STEPS)
+    losses = []
+    for s in range(STEPS):
+        for m in range(GAS):
+            loss = nn.functional.mse_loss(engine(x[s, m, rank].to(dtype)).float(), y[s, m, rank])
+            if how == "engine":
+                engine.backward(loss)
+            elif how == "direct":
+                loss.backward()
+            else:  # DeepSpeed's manual backward with loss scaling
+                engine.scale(loss).backward()
+            engine.step()
+            losses.append(loss.item())
+    state = clone_state(engine)
+    engine.destroy()
+    return losses, state
+
+
+def _both_ways(stages):
+    return {stage: (_train(stage, "engine"), _train(stage, "direct")) for stage in stages}
+
+
+def test_direct_backward_identical_to_engine_backward_stages_0_to_3():
+    results = run_distributed(_both_ways, 2, args=((0, 1, 2, 3),))
+    for rank in range(2):
+        for stage, ((losses_e, state_e), (losses_d, state_d)) in results[rank].items():
+            assert len(losses_e) == STEPS * GAS
+            assert losses_d == losses_e, f"stage {stage} rank {rank}: {losses_d} != {losses_e}"
+            if rank == 0 or stage < 3:
+                assert state_e.keys() == state_d.keys() and state_e
+                for name in state_e:
+                    assert torch.equal(state_e[name], state_d[name]), f"stage {stage} {name}"
+    # the runs did train: the weights moved away from the initial ones
+    init = make_model().state_dict()
+    assert not torch.equal(results[0][2][0][1]["0.weight"], init["0.weight"])
+
+
+def _fp16_paths_and_bypass():
+    out = {"scaled": _train(1, "scaled", "fp16"), "engine": _train(1, "engine", "fp16")}
+    try:
+        _train(1, "direct", "fp16")
+    except RuntimeError as e:
+        out["direct_error"] = str(e)
+    for stage in (0, 3):
+        engine, *_ = hf_zero.initialize(model=make_model(), config=base_config(stage))
+        try:
+            engine.module(torch.randn(2, 13)).sum().backward()  # the engine never sees this backward
+        except RuntimeError as e:
+            out[f"bypass_error_{stage}"] = str(e)
+    return out
+
+
+def test_fp16_needs_engine_scale_and_bypassing_backward_is_refused():
+    results = run_distributed(_fp16_paths_and_bypass, 2)
+    for r in results:
+        assert r["scaled"][0] == r["engine"][0]
+        assert "engine.scale(loss).backward()" in r["direct_error"]
+        for stage in (0, 3):
+            msg = r.get(f"bypass_error_{stage}", "")
+            assert "engine.module(...)" in msg and "engine.backward(loss)" in msg, (stage, msg)
+    for name, t in results[0]["engine"][1].items():
+        assert torch.equal(results[0]["scaled"][1][name], t), name
