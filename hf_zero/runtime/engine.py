@@ -14,7 +14,7 @@ gradient hooks), the stage-3 runtime (parameter gather/release), :class:`ZeroOpt
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -42,6 +42,10 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 class HfZeroEngine(nn.Module):
     """A ``torch.nn.Module`` wrapping the user's model; see the module docstring for the loop."""
+
+    # Refuse parameter gradients from backward passes the engine did not see (runtime/backward.py). An engine that
+    # runs backward through its own schedule rather than engine.backward (PipelineEngine) turns this off.
+    _guards_backward: ClassVar[bool] = True
 
     def __init__(self, module: nn.Module, config: HfZeroConfig, plan: OptimizerPlan,
                  lr_scheduler: Any = None, process_group=None, model_parallel_group=None):
@@ -90,7 +94,8 @@ class HfZeroEngine(nn.Module):
                                                          "0, 1 or 2 over the data-parallel dimension")
         if self.stage == 3:
             self.groups = self._init_stage3(plan, names, grad_dtype)
-            self.stage3.grad_guard = self._backward.guard
+            if self._guards_backward:
+                self.stage3.grad_guard = self._backward.guard
             publisher = self.stage3.after_step
         else:
             self.groups = self._init_stages_0_to_2(plan, names, grad_dtype)
@@ -111,7 +116,7 @@ class HfZeroEngine(nn.Module):
             self.reducer = GradReducer(
                 self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,
                 bucket_numel=int(zero.reduce_bucket_size), overlap=bool(zero.overlap_comm),
-                process_group=process_group, guard=self._backward.guard)
+                process_group=process_group, guard=self._backward.guard if self._guards_backward else None)
         else:
             self.reducer = None
         if tp is not None and tp.mesh.get_local_rank() != 0:

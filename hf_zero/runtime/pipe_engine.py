@@ -61,6 +61,8 @@ def _split_tied(plan: OptimizerPlan, tied_groups) -> tuple[OptimizerPlan, dict[i
 class PipelineEngine(HfZeroEngine):
     """``train_batch``/``eval_batch`` only: ``forward``, ``backward`` and ``step`` raise :class:`PipelineError`."""
 
+    _guards_backward = False  # backward runs inside the pipeline schedule, never through engine.backward
+
     def __init__(self, module, config: HfZeroConfig, plan: OptimizerPlan, lr_scheduler: Any = None):
         grid = module.grid
         pcfg = parse_pipeline_config(config.pipeline, model_parallel_size=grid.model_parallel_size)
