@@ -27,6 +27,7 @@ from .sections import (
     FlopsProfilerConfig,
     FP16Config,
     MonitorConfig,
+    TorchAutocastConfig,
     WandbConfig,
     ZeroConfig,
 )
@@ -52,7 +53,6 @@ class HfZeroConfig:
         "weight_quantization": "Post-training weight quantization for inference",
         "nebula": "Nebula checkpointing service",
         "compile": "DeepCompile",
-        "torch_autocast": "DeepSpeed's torch.autocast mode (use fp16 or bf16)",
         "seq_parallel_communication_data_type": "Sequence-parallel communication dtype",
         "use_data_before_expert_parallelism": "Expert-parallel data ordering",
         "dataloader_drop_last": "DeepSpeed's own dataloader option",
@@ -90,6 +90,11 @@ class HfZeroConfig:
         True, help="With optimizer offload, require hf_zero's CPU optimizer rather than a client one.")
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = spec(
         None, help="Dtype gradients are reduced in; default: the training dtype.")
+    data_parallel_size: int | None = spec(
+        None, help="Data-parallel ranks (DeepSpeed reads it with sequence_parallel_size); must be the world size.")
+    sequence_parallel_size: int = spec(1, help="Ulysses sequence parallelism; hf_zero runs 1 only.")
+    torch_autocast: TorchAutocastConfig = spec(default_factory=TorchAutocastConfig,
+                                               help="torch.autocast forward with fp32 parameters.")
     fp16: FP16Config = spec(default_factory=FP16Config, help="float16 mixed precision with loss scaling.")
     bf16: BF16Config = spec(default_factory=BF16Config, aliases=("bfloat16",), help="bfloat16 mixed precision.")
     amp: Mapping[str, Any] | None = spec(None, help="NVIDIA apex AMP. " + _RAW_SECTION)
@@ -132,6 +137,13 @@ class HfZeroConfig:
              "arithmetic) or 'default' (a batch key nothing determined).")
 
     def __post_init__(self) -> None:
+        if self.torch_autocast.enabled and (self.fp16.enabled is True or self.bf16.enabled is True):
+            raise ConfigError("torch_autocast.enabled", "true together with fp16/bf16 enabled: torch_autocast keeps "
+                                                        "fp32 parameters, bf16/fp16 cast the model; enable one")
+        if self.sequence_parallel_size != 1:
+            raise ConfigError("sequence_parallel_size", f"{self.sequence_parallel_size}: hf_zero shards over data "
+                                                        "parallelism only; for model parallelism see "
+                                                        "hf_zero.tensor_parallel (apply_tp) and hf_zero.pipe")
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ConfigError("bf16.enabled",
                               "true together with fp16.enabled true; enable at most one of fp16 and bf16")

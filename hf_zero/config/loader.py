@@ -95,6 +95,11 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
             sources[key] = "auto, default" if was_auto else "default"
     values = {key: getattr(batch, key) for key in BATCH_KEYS}
     cfg = dataclasses.replace(parsed, **values, world_size=world_size, sources=sources)
+    if cfg.data_parallel_size is not None and cfg.data_parallel_size != world_size:
+        raise ConfigError("data_parallel_size", f"{cfg.data_parallel_size}, but {world_size} ranks train data-parallel "
+                                                "here; hf_zero shards over every rank. Set it to the world size (or "
+                                                "remove it); to split the model over ranks see "
+                                                "hf_zero.tensor_parallel (apply_tp) and hf_zero.pipe")
     raw = _normalise(resolved, cfg)
     raw.update(values)
     zero_raw = raw.setdefault("zero_optimization", {})

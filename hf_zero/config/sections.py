@@ -26,6 +26,7 @@ __all__ = [
     "MonitorConfig",
     "OffloadConfig",
     "ParamOffloadConfig",
+    "TorchAutocastConfig",
     "WandbConfig",
     "ZeroConfig",
 ]
@@ -66,6 +67,27 @@ class BF16Config:
     check_grad_overflow: bool = spec(False, help="Check bfloat16 gradients for overflow and skip such steps.")
     bf16_master_weights_and_grads: bool = spec(False, help="Keep master weights and gradients in bf16 (ZeRO).")
     bf16_optimizer_states: bool = spec(False, help="Keep optimizer states in bf16 (needs bf16 master weights).")
+
+
+AUTOCAST_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+                   "float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchAutocastConfig:
+    """``torch_autocast``: the forward runs under ``torch.autocast``; parameters and master weights stay fp32
+    (DeepSpeed's alternative to the ``bf16`` / ``fp16`` sections, which cast the model)."""
+
+    enabled: bool = spec(False, help="Run the forward under torch.autocast.")
+    dtype: str | None = spec(None, help="bfloat16 or float16; default: the device's autocast dtype (CPU: "
+                                        "bfloat16, CUDA: float16). float16 adds dynamic loss scaling (fp16 "
+                                        "section's settings).")
+    lower_precision_safe_modules: tuple[str, ...] | None = spec(
+        None, help="Module classes (package.Class) whose gradients DeepSpeed reduces in the autocast dtype.")
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in AUTOCAST_DTYPES:
+            raise ConfigError("dtype", f"{self.dtype!r} is not an autocast dtype; use bfloat16 or float16")
 
 
 @dataclass(frozen=True, kw_only=True)

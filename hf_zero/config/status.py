@@ -140,6 +140,13 @@ STATUS: dict[str, KeyStatus] = {
     "communication_data_type": _refused(
         "gradients are reduced in the dtype they are accumulated in; set data_types.grad_accum_dtype to choose it",
         active=lambda cfg: cfg.communication_data_type not in (None, _reduce_dtype(cfg))),
+    "data_parallel_size": HONOURED,  # must equal the world size (checked by the loader)
+    "sequence_parallel_size": HONOURED,  # must be 1 (checked by the schema)
+    "torch_autocast.enabled": HONOURED,
+    "torch_autocast.dtype": HONOURED,
+    "torch_autocast.lower_precision_safe_modules": _todo(
+        "gradients of every parameter are reduced in fp32 (the parameters' dtype), as without the list",
+        active=lambda cfg: cfg.torch_autocast.enabled),
     "fp16.enabled": HONOURED,
     "fp16.auto_cast": _todo("the model's inputs are passed as given; cast floating-point inputs to float16 yourself"),
     "fp16.loss_scale": HONOURED,

@@ -47,7 +47,7 @@ class HfZeroEngine(nn.Module):
     # runs backward through its own schedule rather than engine.backward (PipelineEngine) turns this off.
     _guards_backward: ClassVar[bool] = True
 
-    def __init__(self, module: nn.Module, config: HfZeroConfig, plan: OptimizerPlan,
+    def __init__(self, module: nn.Module, config: HfZeroConfig, plan: OptimizerPlan | None,
                  lr_scheduler: Any = None, process_group=None, model_parallel_group=None):
         """``process_group``: the data-parallel group ZeRO shards over (None: the whole world); it need not contain
         global rank 0. ``model_parallel_group``: the ranks holding *other parts* of the same model replica
@@ -67,7 +67,12 @@ class HfZeroEngine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._boundary_override: bool | None = None
-        self.loss_scaler = LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled is True else None
+        # torch_autocast: the forward runs under torch.autocast, parameters stay fp32; float16 gets loss scaling
+        # with the fp16 section's settings (DeepSpeed uses a GradScaler there)
+        self._autocast = config.torch_autocast if config.torch_autocast.enabled else None
+        self._autocast_dtype = _autocast_dtype(self._autocast, self.device) if self._autocast else None
+        fp16_scaling = config.fp16.enabled is True or self._autocast_dtype == torch.float16
+        self.loss_scaler = LossScaler.from_fp16_config(config.fp16) if fp16_scaling else None
         # every hf_zero collective from here on is bounded and checked (hf_zero/comm/faults.py)
         comm.faults.configure_from(config, process_group)
         self._backward = BackwardSessions(
@@ -78,7 +83,8 @@ class HfZeroEngine(nn.Module):
         # offload sections the engine cannot honour are refused here, before the model is partitioned or cast
         from hf_zero.offload import check_offload_config
 
-        check_offload_config(config.zero, stage=self.stage, param_device=self.device, fused_adam=plan.fused_adam)
+        fused_adam = plan.fused_adam if plan is not None else False
+        check_offload_config(config.zero, stage=self.stage, param_device=self.device, fused_adam=fused_adam)
         from hf_zero.runtime.preflight import check_nvme_paths
 
         check_nvme_paths(config, module, stage=self.stage, world_size=self.world_size, rank=self.global_rank,
@@ -94,13 +100,24 @@ class HfZeroEngine(nn.Module):
                                                          "0, 1 or 2 over the data-parallel dimension")
         if self.stage == 3:
             self.groups = self._init_stage3(plan, names, grad_dtype)
-            if self._guards_backward:
+            if plan is None:
+                self.stage3.grad_guard = self._no_optimizer
+            elif self._guards_backward:
                 self.stage3.grad_guard = self._backward.guard
             publisher = self.stage3.after_step
         else:
             self.groups = self._init_stages_0_to_2(plan, names, grad_dtype)
             publisher = None
         zero = config.zero
+        if plan is None:
+            # An evaluation engine (initialize got no optimizer and the config has none, as DeepSpeed allows):
+            # parameters placed as for training -- ZeRO-3 partitioned, gathered module by module in forward --
+            # and no optimizer, gradient reduction or scheduler (DeepSpeed builds no scheduler without one either).
+            self.optimizer = None
+            self.reducer = None
+            self.lr_scheduler = None
+            self._finish_init(module, config)
+            return
         # offload_optimizer (hf_zero/offload): moves each group's master and Adam moments to CPU memory / NVMe
         from hf_zero.offload import build_optimizer_offload
 
@@ -125,11 +142,19 @@ class HfZeroEngine(nn.Module):
 
             self.optimizer.norm_excluded_spans = replicated_spans(self.groups)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self._finish_init(module, config)
+
+    def _finish_init(self, module: nn.Module, config: HfZeroConfig) -> None:
         # flops_profiler: counts and reports the step whose global_steps == profile_step (hf_zero/profiling)
         self.step_profiler = StepProfiler(module, config.flops_profiler, rank=self.global_rank,
                                           world_size=self.world_size, micro_batch=self.train_micro_batch_size_per_gpu(),
                                           compute_dtype=self.compute_dtype, device=self.device)
         self.timers = self._timers  # hand the timers to the reducer / stage-3 runtime / offload (see the setter)
+
+    def _no_optimizer(self, what: str = "") -> None:
+        raise RuntimeError("hf_zero: this engine has no optimizer (initialize() got none and the config has no "
+                           "\"optimizer\" section), so it is for evaluation only: run forward under torch.no_grad() "
+                           "or pass an optimizer to train (DeepSpeed refuses backward and step the same way)")
 
     def _checks_overflow(self, config: HfZeroConfig) -> bool:
         """fp16 always skips a step whose gradients overflowed; bf16 only with ``bf16.check_grad_overflow``."""
@@ -159,7 +184,7 @@ class HfZeroEngine(nn.Module):
         self._broadcast_module_from_rank0()
         groups = []
         seen: set[nn.Parameter] = set()
-        for params, _ in plan.groups:
+        for params, _ in (plan.groups if plan is not None else ()):  # no plan: an evaluation engine
             trainable = [p for p in params if p.requires_grad and p not in seen]
             seen.update(trainable)
             groups.append(ShardedGroup(trainable, [names.get(p, "?") for p in trainable], world_size=shard_world,
@@ -213,12 +238,16 @@ class HfZeroEngine(nn.Module):
     def forward(self, *args, **kwargs):
         with self.timers.phase("forward"), self.step_profiler.forward(self.global_steps, args, kwargs):
             try:
-                out = self.module(*args, **kwargs)
+                if self._autocast is not None:
+                    with torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype):
+                        out = self.module(*args, **kwargs)
+                else:
+                    out = self.module(*args, **kwargs)
             except Exception as error:
                 if self.stage3 is not None:
                     self.stage3.annotate_forward_error(error)  # names a module using partitioned parameters
                 raise
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.optimizer is not None:
             self._backward.watch(out)  # loss.backward() on this output then does what engine.backward(loss) does
         return out
 
@@ -234,6 +263,8 @@ class HfZeroEngine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of ``loss`` (divided by the accumulation steps when ``scale_wrt_gas``; times the fp16 scale).
         ``loss.backward()`` on a loss computed from ``engine(...)``'s output does the same (runtime/backward.py)."""
+        if self.optimizer is None:
+            self._no_optimizer()
         if not loss.requires_grad:
             raise RuntimeError("hf_zero: engine.backward(loss) got a loss that does not require grad; was the "
                                "forward run under torch.no_grad(), or are all parameters frozen?")
@@ -268,6 +299,8 @@ class HfZeroEngine(nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At the accumulation boundary: optimizer step, scheduler step, counters, logging."""
+        if self.optimizer is None:
+            self._no_optimizer()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             with self.timers.phase("step"), self.step_profiler.step(self.global_steps):
@@ -282,21 +315,22 @@ class HfZeroEngine(nn.Module):
         self._boundary_override = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def get_global_grad_norm(self) -> float | None:
         """The true norm of the full gradient at the last step (before clipping, after unscaling)."""
-        return self.optimizer.global_grad_norm
+        return self.optimizer.global_grad_norm if self.optimizer is not None else None
 
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     @property
     def skipped_steps(self) -> int:
-        return self.optimizer.skipped_steps
+        return self.optimizer.skipped_steps if self.optimizer is not None else 0
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return int(self._config.train_micro_batch_size_per_gpu)
@@ -315,6 +349,12 @@ class HfZeroEngine(nn.Module):
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return bool(self._config.zero.gather_16bit_weights_on_model_save)
+
+    def torch_autocast_enabled(self) -> bool:
+        return self._autocast is not None
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        return self._autocast_dtype
 
     def bfloat16_enabled(self) -> bool:
         return self.compute_dtype == torch.bfloat16
@@ -359,6 +399,8 @@ class HfZeroEngine(nn.Module):
     # ---- checkpoints (hf_zero/runtime/checkpoint.py does the work) --------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
+        if self.optimizer is None:
+            self._no_optimizer()
         from hf_zero.runtime.checkpoint import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
@@ -367,6 +409,8 @@ class HfZeroEngine(nn.Module):
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         custom_load_fn: Callable | None = None):
+        if self.optimizer is None:
+            self._no_optimizer()
         from hf_zero.runtime.checkpoint import load_checkpoint
 
         if custom_load_fn is not None:  # refused, not silently dropped: the load would not be what the caller asked
@@ -436,7 +480,7 @@ class HfZeroEngine(nn.Module):
             self.reducer.remove()
         if self.stage3 is not None:
             self.stage3.remove()
-        if self.optimizer.offload is not None:  # waits for swap I/O, deletes this rank's NVMe swap files
+        if self.optimizer is not None and self.optimizer.offload is not None:  # waits for swap I/O, deletes this rank's NVMe swap files
             self.optimizer.offload.close()
 
     # ---- Hugging Face integration surface (owned by the HF integration) ----
@@ -461,3 +505,12 @@ class HfZeroEngine(nn.Module):
         if not isinstance(self.timers, TotalingTimers):
             self.timers = TotalingTimers.replacing(self.timers)
         return self.timers.totals()
+
+
+def _autocast_dtype(section, device: torch.device) -> torch.dtype:
+    """The ``torch_autocast.dtype`` as a torch dtype; unset: the device's autocast default, as DeepSpeed."""
+    from hf_zero.config.sections import AUTOCAST_DTYPES
+
+    if section.dtype is None:
+        return torch.get_autocast_dtype(device.type)
+    return getattr(torch, AUTOCAST_DTYPES[section.dtype])

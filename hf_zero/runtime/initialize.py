@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from hf_zero.config import load_config
 from hf_zero.config.loader import read_config
 from hf_zero.config.errors import ConfigError
 from hf_zero.runtime.arguments import align_local_rank, config_from_args
+from hf_zero.config.status import ConfigKeyIgnored
 from hf_zero.runtime.engine import HfZeroEngine
 from hf_zero.runtime.optimizers import plan_from_client, plan_from_config
 from hf_zero.runtime.tp_setup import setup_tensor_parallel
@@ -55,12 +57,10 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if mesh_param is not None:
         raise ValueError("hf_zero.initialize: mesh_param (a device mesh for sequence / data parallelism) is not "
                          "supported; hf_zero shards over the data-parallel world only, so leave mesh_param unset")
-    if mpu is not None:
-        raise ValueError("hf_zero.initialize: model parallelism (mpu=...) is not supported; hf_zero shards over the "
-                         "data-parallel world only")
     comm.init_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
     align_local_rank(args)
-    world_size = comm.get_world_size()
+    process_group = _data_parallel_group(mpu) if mpu is not None else None
+    world_size = comm.get_world_size(process_group)
     _default_logging(comm.get_rank())
     pipeline_grid = getattr(model, "grid", None) if hasattr(model, "chunk_modules") else None
     if model_parameters is not None:
@@ -72,7 +72,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if tp is not None and pipeline_grid is not None:
         raise ConfigError("tensor_parallel.autotp_size", "tensor parallelism inside pipeline stages (3D) is not "
                                                          "supported yet; use one of them with ZeRO")
-    data_rank = comm.get_rank()
+    data_rank = comm.get_rank(process_group)
     if pipeline_grid is not None:  # batch sizes count data-parallel replicas, not every rank
         world_size, data_rank = pipeline_grid.data_parallel_size, pipeline_grid.data_parallel_id
     elif tp is not None:
@@ -90,9 +90,12 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
     if isinstance(optimizer, torch.optim.Optimizer):
-        if cfg.optimizer is not None:
-            raise ConfigError("optimizer", "the config has an optimizer section and initialize() also got an "
-                                           "optimizer object; remove one of them")
+        if cfg.optimizer is not None and comm.get_rank() == 0:
+            # DeepSpeed uses the client's optimizer and builds nothing from the section (it only logs "Using
+            # client Optimizer as basic optimizer"); hf_zero does the same and says which key it ignores.
+            warnings.warn(f"hf_zero: the config's \"optimizer\" section (type {cfg.optimizer.type!r}) is ignored: "
+                          f"initialize() also got an optimizer ({type(optimizer).__name__}), which is used, as in "
+                          "DeepSpeed. Remove one of them to silence this", ConfigKeyIgnored, stacklevel=2)
         plan = plan_from_client(optimizer, allow_untested=cfg.zero_allow_untested_optimizer)
     elif optimizer is not None:
         raise TypeError(f"hf_zero.initialize: optimizer must be a torch.optim.Optimizer or a callable, "
@@ -100,8 +103,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     elif cfg.optimizer is not None:
         plan = plan_from_config(cfg.optimizer, params)
     else:
-        raise ConfigError("optimizer", "no optimizer: add an \"optimizer\" section to the config (e.g. "
-                                       "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=...")
+        plan = None  # DeepSpeed builds an engine for evaluation: forward only (backward/step raise)
 
     if pipeline_grid is not None:
         from hf_zero.runtime.pipe_engine import PipelineEngine
@@ -111,7 +113,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         engine = HfZeroEngine(model, cfg, plan, lr_scheduler=lr_scheduler, process_group=tp.dp_group,
                               model_parallel_group=tp.tp_group)
     else:
-        engine = HfZeroEngine(model, cfg, plan, lr_scheduler=lr_scheduler)
+        engine = HfZeroEngine(model, cfg, plan, lr_scheduler=lr_scheduler, process_group=process_group)
     dataloader = None
     if training_data is not None:  # by data-parallel rank: the ranks of one TP group / pipeline read one batch
         dataloader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn, world_size,
@@ -121,6 +123,34 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
 
             engine.set_dataiterator(RepeatingLoader(dataloader))
     return engine, engine.optimizer, dataloader, engine.lr_scheduler
+
+
+def _data_parallel_group(mpu):
+    """DeepSpeed's ``mpu`` (Megatron's parallel-state interface) where it means plain data parallelism: every
+    model-parallel size is 1, and ZeRO shards over ``mpu.get_data_parallel_group()``. A model split over ranks by
+    the caller is refused: hf_zero's engine cannot know which of its parameters are split or duplicated."""
+    def size(*getters: str) -> int:
+        for name in getters:
+            fn = getattr(mpu, name, None)
+            if callable(fn):
+                return int(fn())
+        return 1
+
+    sizes = {"tensor": size("get_tensor_model_parallel_world_size", "get_model_parallel_world_size"),
+             "pipeline": size("get_pipeline_model_parallel_world_size"),
+             "sequence": size("get_sequence_parallel_world_size")}
+    split = {k: v for k, v in sizes.items() if v > 1}
+    if split:
+        raise ValueError(
+            f"hf_zero.initialize(mpu=...): the mpu splits the model ({', '.join(f'{k} parallel size {v}' for k, v in split.items())}); "
+            "hf_zero takes only data parallelism from an mpu. For tensor parallelism use hf_zero.tensor_parallel."
+            "apply_tp (docs: tensor parallelism, issue 18), for pipeline parallelism hf_zero.pipe.PipelineModule; "
+            "or pass an mpu whose model-parallel sizes are 1")
+    get_group = getattr(mpu, "get_data_parallel_group", None)
+    if not callable(get_group):
+        raise TypeError(f"hf_zero.initialize(mpu=...): {type(mpu).__name__} has no get_data_parallel_group(); "
+                        "DeepSpeed's mpu interface needs it")
+    return get_group()
 
 
 def _default_logging(rank: int) -> None:

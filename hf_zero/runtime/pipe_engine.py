@@ -157,7 +157,7 @@ class PipelineEngine(HfZeroEngine):
             with self.timers.phase("step"):
                 HfZeroEngine.step(self)
             loss = self._aggregate_loss(losses)
-        self._last_loss = float(loss.item())
+        self._backward.last_loss = float(loss.item())  # what the step log prints
         return loss
 
     def eval_batch(self, data_iter: Iterable, return_logits: bool = False, compute_loss: bool = True,

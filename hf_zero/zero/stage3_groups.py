@@ -120,7 +120,7 @@ def build_stage3_groups(module, plan, config, grad_dtype: torch.dtype, process_g
         grad_scale=1.0 / world, divergence_timeout_s=float(zero.stage3_divergence_timeout_s), swapper=swapper)
     sp_of = {id(sp.param): sp for sp in runtime.sharded_params()}
     groups, seen = [], set()
-    for params, _ in plan.groups:
+    for params, _ in (plan.groups if plan is not None else ()):  # no plan: an evaluation engine, no groups
         sps = []
         for p in params:
             sp = sp_of.get(id(p))
