@@ -160,9 +160,8 @@ STATUS: dict[str, KeyStatus] = {
     "bf16.immediate_grad_update": _todo("gradients accumulate in data_types.grad_accum_dtype (default: the training "
                                         "dtype) and are added to the fp32 master weights at the step"),
     "bf16.check_grad_overflow": HONOURED,
-    # dsengine (#13) is implementing these two.
-    "bf16.bf16_master_weights_and_grads": _todo("master weights and gradients stay in fp32"),
-    "bf16.bf16_optimizer_states": _todo("optimizer states stay in fp32"),
+    "bf16.bf16_master_weights_and_grads": HONOURED,
+    "bf16.bf16_optimizer_states": HONOURED,
     "amp": _todo("NVIDIA apex AMP is not run; use fp16 or bf16", active=_switched_on("amp")),
     "optimizer.type": _todo("1-bit communication compression is not run: it trains as the uncompressed optimizer",
                             active=_one_bit, label=_optimizer_label),

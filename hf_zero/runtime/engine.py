@@ -92,6 +92,7 @@ class HfZeroEngine(nn.Module):
         names = {p: n for n, p in module.named_parameters(remove_duplicate=False)}
         grad_dtype = _DTYPES[config.data_types.grad_accum_dtype] if config.data_types.grad_accum_dtype \
             else self.compute_dtype
+        self._master_dtype, self._state_dtype = _bf16_state_dtypes(config, self.stage, grad_dtype, plan)
         self.stage3 = None
         tp = tp_info(module)
         if tp is not None and self.stage == 3:
@@ -128,7 +129,7 @@ class HfZeroEngine(nn.Module):
             fused_adam=plan.fused_adam, loss_scaler=self.loss_scaler, clip_norm=float(config.gradient_clipping),
             publish_bucket_numel=int(zero.allgather_bucket_size), check_overflow=self._checks_overflow(config),
             process_group=process_group, model_parallel_group=model_parallel_group, publisher=publisher,
-            offload=offload)
+            offload=offload, state_dtype=self._state_dtype)
         if self.stage < 3:
             self.reducer = GradReducer(
                 self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,
@@ -189,7 +190,7 @@ class HfZeroEngine(nn.Module):
             seen.update(trainable)
             groups.append(ShardedGroup(trainable, [names.get(p, "?") for p in trainable], world_size=shard_world,
                                        rank=shard_rank, compute_dtype=self.compute_dtype, grad_dtype=grad_dtype,
-                                       persistent_grad=self.stage == 2))
+                                       persistent_grad=self.stage == 2, master_dtype=self._master_dtype))
         # masters were taken in fp32 before this cast; the model computes in 16 bit from here on
         if self.compute_dtype != torch.float32:
             for p in self.module.parameters():
@@ -202,7 +203,7 @@ class HfZeroEngine(nn.Module):
         from hf_zero.zero.stage3_groups import build_stage3_groups
 
         self.stage3, groups = build_stage3_groups(self.module, plan, self._config, grad_dtype,
-                                                  process_group=self.process_group)
+                                                  process_group=self.process_group, master_dtype=self._master_dtype)
         return groups
 
     def _broadcast_module_from_rank0(self) -> None:
@@ -514,3 +515,29 @@ def _autocast_dtype(section, device: torch.device) -> torch.dtype:
     if section.dtype is None:
         return torch.get_autocast_dtype(device.type)
     return getattr(torch, AUTOCAST_DTYPES[section.dtype])
+
+
+def _bf16_state_dtypes(config: HfZeroConfig, stage: int, grad_dtype: torch.dtype, plan) -> tuple:
+    """(master dtype, optimizer-state dtype) from ``bf16.bf16_master_weights_and_grads`` / ``bf16_optimizer_states``,
+    refusing what DeepSpeed refuses (stage 0, states without master) and what hf_zero cannot do yet."""
+    bf16 = config.bf16
+    if not bf16.bf16_master_weights_and_grads:
+        if bf16.bf16_optimizer_states:
+            raise ConfigError("bf16.bf16_optimizer_states", "true needs bf16.bf16_master_weights_and_grads true "
+                                                            "(as in DeepSpeed)")
+        return torch.float32, torch.float32
+    key = "bf16.bf16_master_weights_and_grads"
+    if bf16.enabled is not True:
+        raise ConfigError(key, "true needs bf16.enabled true")
+    if stage == 0:
+        raise ConfigError(key, "true needs ZeRO stage 1, 2 or 3 (as in DeepSpeed)")
+    if grad_dtype != torch.bfloat16:
+        raise ConfigError(key, "true keeps gradients in bf16; remove data_types.grad_accum_dtype")
+    if config.zero.offload_optimizer.enabled:
+        raise ConfigError(key, "true with offload_optimizer is not implemented in hf_zero; keep the states on the "
+                               "device or drop the offload section")
+    states = torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32
+    if plan is not None and not plan.fused_adam and states != torch.bfloat16:
+        raise ConfigError(key, f"true with the {plan.inner_cls.__name__} optimizer keeps its states in bf16 too: set "
+                               "bf16.bf16_optimizer_states true (or use Adam/AdamW, whose fp32 moments hf_zero keeps)")
+    return torch.bfloat16, states

@@ -41,7 +41,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  inner_cls: type[torch.optim.Optimizer], inner_defaults: dict, fused_adam: bool,
                  loss_scaler: LossScaler | None, clip_norm: float, publish_bucket_numel: int,
                  check_overflow: bool, process_group=None, model_parallel_group=None,
-                 publisher: Callable[[], None] | None = None, offload=None):
+                 publisher: Callable[[], None] | None = None, offload=None,
+                 state_dtype: torch.dtype = torch.float32):
         self.groups = list(groups)
         # Optimizer offload (hf_zero.offload.OptimizerOffload), or None: when set it has already moved each group's
         # master and moments out (g.master is an empty placeholder, still the key of self.state) and runs the step.
@@ -68,6 +69,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # parameters inside a group of sharded ones): left out of the norm on every TP rank but one
         self.norm_excluded_spans: dict[int, list[tuple[int, int]]] = {}
         self._publisher = publisher
+        self.state_dtype = state_dtype  # Adam moments: fp32, or bf16 with bf16.bf16_optimizer_states
         self.overflow = False  # read by accelerate (step_was_skipped)
         self.global_grad_norm: float | None = None
         self.skipped_steps = 0
@@ -157,7 +159,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _inner_step(self, divisor: float) -> None:
         for g in self.groups:
-            grad = g.grad if g.grad.dtype == torch.float32 else g.grad.float()
+            grad = g.grad if g.grad.dtype == g.master.dtype else g.grad.to(g.master.dtype)
             if divisor != 1.0:
                 grad.div_(divisor)
             g.master.grad = grad
@@ -172,8 +174,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             state = self.state[g.master]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(g.master)
-                state["exp_avg_sq"] = torch.zeros_like(g.master)
+                state["exp_avg"] = torch.zeros_like(g.master, dtype=self.state_dtype)
+                state["exp_avg_sq"] = torch.zeros_like(g.master, dtype=self.state_dtype)
             state["step"] += 1
             beta1, beta2 = group["betas"]
             # The 16-bit weights are written in the same pass: into param16, or (swapped ZeRO-3 partitions,
@@ -181,6 +183,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             out16 = g.param16
             if out16 is None and g.compute_dtype != torch.float32:
                 out16 = torch.empty(g.shard_numel, dtype=g.compute_dtype, device=g.master.device)
+            if g.master.dtype != torch.float32 or self.state_dtype != torch.float32:
+                _adam_step_low_precision(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"],
+                                         step=int(state["step"].item()), lr=group["lr"], beta1=beta1, beta2=beta2,
+                                         eps=group["eps"], weight_decay=group["weight_decay"],
+                                         adamw_mode=group.get("adamw_mode", True),
+                                         bias_correction=group.get("bias_correction", True), grad_scale=divisor)
+                if g.param16 is None:  # swapped ZeRO-3 partitions: the updated bf16 master goes to their files
+                    wait_all(g.write_param16(0, g.shard_numel, g.master))
+                continue
             adam_step_(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()),
                        lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=group["weight_decay"], adamw_mode=group.get("adamw_mode", True),
@@ -210,3 +221,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sd["hf_zero"] = {"skipped_steps": self.skipped_steps,
                          "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
         return sd
+
+
+_SLICE = 1 << 20  # elements per fp32 working slice of the low-precision Adam step
+
+
+def _adam_step_low_precision(master, grad, exp_avg, exp_avg_sq, **kwargs) -> None:
+    """Adam on bf16 master weights and/or bf16 moments (bf16.bf16_master_weights_and_grads /
+    bf16_optimizer_states): the math in fp32 on slices of at most ``_SLICE`` elements, results rounded back into
+    the storage dtypes, so no full fp32 copy of the shard ever exists."""
+    from hf_zero.ops.adam import adam_step_
+
+    for lo in range(0, master.numel(), _SLICE):
+        hi = min(lo + _SLICE, master.numel())
+        p32, m32, v32 = master[lo:hi].float(), exp_avg[lo:hi].float(), exp_avg_sq[lo:hi].float()
+        adam_step_(p32, grad[lo:hi], m32, v32, **kwargs)
+        for dst, src in ((master, p32), (exp_avg, m32), (exp_avg_sq, v32)):
+            if dst.dtype != torch.float32:
+                dst[lo:hi].copy_(src)

@@ -50,7 +50,8 @@ class ShardedGroup:
     """The shard of one parameter group held by ``rank`` of ``world_size``."""
 
     def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], *, world_size: int, rank: int,
-                 compute_dtype: torch.dtype, grad_dtype: torch.dtype, persistent_grad: bool):
+                 compute_dtype: torch.dtype, grad_dtype: torch.dtype, persistent_grad: bool,
+                 master_dtype: torch.dtype = torch.float32):
         self.params = list(params)
         self.names = list(names)
         self.world_size = world_size
@@ -61,13 +62,14 @@ class ShardedGroup:
         numel = self.layout.shard_numel
         device = self.params[0].device if self.params else torch.device("cpu")
         # (shard_numel,) fp32: this rank's chunks of every parameter, copied before the model is cast to 16 bit
-        self.master = torch.zeros(numel, dtype=torch.float32, device=device)
+        # fp32, or bf16 with bf16.bf16_master_weights_and_grads (then it is also the 16-bit shard: one copy)
+        self.master = torch.zeros(numel, dtype=master_dtype, device=device)
         for i, p in enumerate(self.params):
             self.layout.shard_of(local_tensor(p).detach().reshape(-1).float(), i, rank, self.master_chunk(i))
         self.persistent_grad = persistent_grad
         self._grad_dtype = grad_dtype
         self.grad = torch.zeros(numel if persistent_grad else 0, dtype=grad_dtype, device=device)
-        self.param16 = self.master if compute_dtype == torch.float32 else self.master.to(compute_dtype)
+        self.param16 = self.master if compute_dtype == master_dtype else self.master.to(compute_dtype)
         if world_size == 1:
             self._bind_params()
 

@@ -32,7 +32,7 @@ class Stage3Group(ShardedGroup):
     """
 
     def __init__(self, sps, *, world_size: int, rank: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 master_offloaded: bool = False):
+                 master_offloaded: bool = False, master_dtype: torch.dtype = torch.float32):
         self.sps = list(sps)
         self.params = [sp.param for sp in self.sps]
         self.names = [sp.name for sp in self.sps]
@@ -52,9 +52,9 @@ class Stage3Group(ShardedGroup):
             if not master_offloaded:
                 self.initial_master(0, numel, self.master)
         else:
-            self.master = torch.zeros(numel, dtype=torch.float32, device=device)
+            self.master = torch.zeros(numel, dtype=master_dtype, device=device)
             self.initial_master(0, numel, self.master)
-            self.param16 = self.master if compute_dtype == torch.float32 else self.master.to(compute_dtype)
+            self.param16 = self.master if compute_dtype == master_dtype else self.master.to(compute_dtype)
         for i, sp in enumerate(self.sps):
             lo, hi = self.layout.offsets[i], self.layout.offsets[i + 1]
             assert hi - lo == sp.chunk_numel, (sp.name, hi - lo, sp.chunk_numel)
@@ -99,7 +99,8 @@ class Stage3Group(ShardedGroup):
         pass
 
 
-def build_stage3_groups(module, plan, config, grad_dtype: torch.dtype, process_group=None):
+def build_stage3_groups(module, plan, config, grad_dtype: torch.dtype, process_group=None,
+                        master_dtype: torch.dtype = torch.float32):
     """Partition ``module`` (if zero.Init did not already) and build one Stage3Group per optimizer group."""
     from hf_zero.offload.param_swap import param_swapper_for
     from hf_zero.offload.swapper import AioParams
@@ -131,5 +132,6 @@ def build_stage3_groups(module, plan, config, grad_dtype: torch.dtype, process_g
                 seen.add(id(p))
                 sps.append(sp)
         groups.append(Stage3Group(sps, world_size=world, rank=rank, compute_dtype=config.compute_dtype,
-                                  grad_dtype=grad_dtype, master_offloaded=zero.offload_optimizer.enabled))
+                                  grad_dtype=grad_dtype, master_offloaded=zero.offload_optimizer.enabled,
+                                  master_dtype=master_dtype))
     return runtime, groups
