@@ -2,7 +2,7 @@
 
 SGD with gradient_clipping 1.0 (the clip is active every step), so a norm taken over one stage only -- DeepSpeed's
 ZeRO-0 pipeline bug -- would change every update. Tied and untied; 2 stages (1F1B, GPipe, interleaved with 2
-virtual stages), 4 stages, and 2 stages x 2 replicas at ZeRO 0-3.
+virtual stages, looped BFS, interleaved zero-bubble), 4 stages, and 2 stages x 2 replicas at ZeRO 0-3.
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ CASES_2 = [
     ("1f1b-tied", 2, True, 3, 0, "1f1b", 1, "uniform"),
     ("gpipe-tied", 2, True, 1, 1, "gpipe", 1, "type:linear"),
     ("interleaved-tied", 2, True, 4, 0, "interleaved_1f1b", 2, "uniform"),
+    ("looped-bfs-tied", 2, True, 4, 0, "looped_bfs", 2, "uniform"),
+    ("zero-bubble-tied", 2, True, 4, 1, "interleaved_zero_bubble", 2, "uniform"),
 ]
 CASES_4 = [
     ("pp4-tied", 4, True, 4, 0, "1f1b", 1, "parameters"),
