@@ -179,3 +179,14 @@ def test_walk_sees_function_level_relative_and_string_imports(tmp_path, monkeypa
     assert found == {("hf_zero.runtime", 3), ("hf_zero.profiling.timers", 5), ("hf_zero.integrations", 6),
                      ("hf_zero.zero", 7)}
     assert lazy == [("hf_zero.offload.swapper", 2)]
+
+
+# zero/ and offload/ act on the frozen policies config/policies.py translates the schema into, never on the schema.
+SCHEMA_FREE = ("zero", "offload")
+CONFIG_MODULES_THEY_MAY_USE = {"hf_zero.config.policies", "hf_zero.config.errors", "hf_zero.config.loader"}
+
+
+def test_zero_and_offload_never_see_the_schema():
+    reads = [where for src, dst, where in _edges()
+             if src in SCHEMA_FREE and dst == "config" and where.split(" -> ")[1] not in CONFIG_MODULES_THEY_MAY_USE]
+    assert not reads, "zero/offload reading the config schema instead of a policy:\n" + "\n".join(reads)

@@ -225,18 +225,18 @@ def test_zero_init_swaps_out_while_building_and_trains_the_same(launched):
 
 
 def test_offload_param_errors_name_the_key(tmp_path):
-    from hf_zero.config import load_config
+    from hf_zero.config import load_config, zero_policy
     from hf_zero.offload import check_param_offload
     from hf_zero.offload.param_swap import ParamSwapper
     from hf_zero.offload.swapper import AioParams
 
     cfg = _config("param_nvme", str(tmp_path))
-    zero = load_config(cfg, world_size=2).zero
-    check_param_offload(zero, stage=3, param_device=torch.device("cpu"))  # supported: nothing raised
+    zero = zero_policy(load_config(cfg, world_size=2))
+    check_param_offload(zero, param_device=torch.device("cpu"))  # supported: nothing raised
     for mode in ("param_nvme", "param_cpu"):
-        zero = load_config(_config(mode, str(tmp_path)), world_size=2).zero
+        zero = zero_policy(load_config(_config(mode, str(tmp_path)), world_size=2))
         with pytest.raises(ValueError, match=r"offload_param.device='(nvme|cpu)' with parameters on cuda"):
-            check_param_offload(zero, stage=3, param_device=torch.device("cuda", 0))
+            check_param_offload(zero, param_device=torch.device("cuda", 0))
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     with pytest.raises(OSError, match=r"zero_optimization.offload_param.nvme_path=.*a_file.* is not a writable"):

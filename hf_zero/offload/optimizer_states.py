@@ -33,8 +33,9 @@ from typing import Sequence
 
 import torch
 
+from hf_zero.config.policies import AioParams, NVMeOffloadPolicy, ZeroPolicy
 from hf_zero.offload.params import check_optimizer_offload
-from hf_zero.offload.swapper import AioParams, SwapDir, wait_all
+from hf_zero.offload.swapper import SwapDir, wait_all
 from hf_zero.ops.adam import adam_step_
 from hf_zero.profiling.timers import NO_TIMERS
 
@@ -260,14 +261,14 @@ class OptimizerOffload:
             self.swap.close()
 
 
-def build_optimizer_offload(groups: Sequence, zero_config, aio_config, *, rank: int,
+def build_optimizer_offload(groups: Sequence, zero: ZeroPolicy, *, rank: int,
                             fused_adam: bool) -> OptimizerOffload | None:
     """The offload object for ``zero_optimization.offload_optimizer``, or None when it is off."""
-    off = zero_config.offload_optimizer
-    if not off.enabled:
+    off = zero.offload_optimizer
+    if off is None:
         return None
-    check_optimizer_offload(zero_config, stage=int(zero_config.stage), fused_adam=fused_adam)
-    nvme_path = os.fspath(off.nvme_path) if off.nvme_path is not None else None
-    return OptimizerOffload(groups, device=str(off.device), nvme_path=nvme_path, pin_memory=bool(off.pin_memory),
-                            ratio=float(off.ratio), sub_group_size=int(zero_config.sub_group_size),
-                            aio=AioParams.from_config(aio_config), rank=rank)
+    check_optimizer_offload(zero, fused_adam=fused_adam)
+    nvme = off if isinstance(off, NVMeOffloadPolicy) else None
+    return OptimizerOffload(groups, device=off.device, nvme_path=nvme.nvme_path if nvme else None,
+                            pin_memory=off.pin_memory, ratio=zero.offload_ratio, sub_group_size=zero.sub_group_size,
+                            aio=nvme.aio if nvme else AioParams(), rank=rank)

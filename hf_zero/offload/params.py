@@ -19,15 +19,17 @@ import logging
 
 import torch
 
+from hf_zero.config.policies import ZeroPolicy
+
 __all__ = ["check_offload_config", "check_optimizer_offload", "check_param_offload"]
 
 logger = logging.getLogger("hf_zero")
 
 
-def check_param_offload(zero_config, *, stage: int, param_device: torch.device) -> None:
+def check_param_offload(zero: ZeroPolicy, *, param_device: torch.device) -> None:
     """Validate ``offload_param`` against what the engine can honour; see the module docstring."""
-    off = zero_config.offload_param
-    if not off.enabled:
+    off, stage = zero.offload_param, zero.stage
+    if off is None:
         return
     if stage != 3:
         logger.warning("hf_zero: zero_optimization.offload_param (device %r) only applies to ZeRO stage 3; "
@@ -42,18 +44,18 @@ def check_param_offload(zero_config, *, stage: int, param_device: torch.device) 
         logger.info("hf_zero: offload_param.device='cpu': the ZeRO-3 partitions are in CPU memory (CPU training)")
 
 
-def check_offload_config(zero_config, *, stage: int, param_device: torch.device, fused_adam: bool) -> None:
+def check_offload_config(zero: ZeroPolicy, *, param_device: torch.device, fused_adam: bool) -> None:
     """Refuse, before the model is partitioned or cast, offload sections the engine cannot honour."""
-    check_param_offload(zero_config, stage=stage, param_device=param_device)
-    check_optimizer_offload(zero_config, stage=stage, fused_adam=fused_adam)
+    check_param_offload(zero, param_device=param_device)
+    check_optimizer_offload(zero, fused_adam=fused_adam)
 
 
-def check_optimizer_offload(zero_config, *, stage: int, fused_adam: bool) -> None:
+def check_optimizer_offload(zero: ZeroPolicy, *, fused_adam: bool) -> None:
     """``offload_optimizer`` needs a partitioned optimizer (stage >= 1) and hf_zero's fused Adam."""
-    off = zero_config.offload_optimizer
-    if not off.enabled:
+    off = zero.offload_optimizer
+    if off is None:
         return
-    if stage == 0:
+    if zero.stage == 0:
         raise ValueError("hf_zero: zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 "
                          "(stage is 0); set zero_optimization.stage")
     if not fused_adam:

@@ -16,12 +16,12 @@ import os
 import shutil
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
+from hf_zero.config.policies import AioParams
 from hf_zero.ops.aio import aio_read_, aio_write
 
 __all__ = ["AioParams", "SwapDir", "wait_all"]
@@ -33,24 +33,6 @@ def wait_all(futures: Iterable[Future]) -> None:
     wait(futures)
     for f in futures:
         f.result()
-
-
-@dataclass(frozen=True)
-class AioParams:
-    """The ``aio`` config section as plain numbers (see :class:`hf_zero.config.sections.AioConfig`)."""
-
-    block_size: int = 1 << 20
-    queue_depth: int = 8
-    thread_count: int = 1
-    # Concurrent operations (one per tensor moved); 2 lets a tile's reads run while the previous tile is written.
-    # single_submit in the config turns this down to 1 (one operation at a time).
-    max_concurrent_ops: int = 2
-
-    @classmethod
-    def from_config(cls, aio) -> "AioParams":
-        return cls(block_size=int(aio.block_size), queue_depth=int(aio.queue_depth),
-                   thread_count=int(aio.intra_op_parallelism),
-                   max_concurrent_ops=1 if aio.single_submit else 2)
 
 
 def _remove(path: Path, pool: ThreadPoolExecutor) -> None:

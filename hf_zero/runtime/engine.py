@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hf_zero import comm
-from hf_zero.config import HfZeroConfig
+from hf_zero.config import HfZeroConfig, loss_scale_policy, precision_policy, zero_policy
 from hf_zero.config.errors import ConfigError
 from hf_zero.profiling.step_profile import StepProfiler
 from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
@@ -36,9 +36,6 @@ from hf_zero.zero.sharded_group import ShardedGroup
 __all__ = ["HfZeroEngine"]
 
 logger = logging.getLogger("hf_zero")
-
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
 
 class HfZeroEngine(nn.Module):
     """A ``torch.nn.Module`` wrapping the user's model; see the module docstring for the loop."""
@@ -60,8 +57,11 @@ class HfZeroEngine(nn.Module):
         self.model_parallel_group = model_parallel_group
         self.world_size = comm.get_world_size(process_group)
         self.global_rank = comm.get_rank(process_group)
-        self.stage = int(config.zero.stage)
-        self.compute_dtype = config.compute_dtype
+        # the schema translated once: zero/ and offload/ only ever see these policies
+        self.zero_policy = zero_policy(config)
+        precision = precision_policy(config)
+        self.stage = self.zero_policy.stage
+        self.compute_dtype = precision.compute_dtype
         self.timers = PhaseTimers(config.wall_clock_breakdown)
         self.global_steps = 0
         self.global_samples = 0
@@ -72,7 +72,7 @@ class HfZeroEngine(nn.Module):
         self._autocast = config.torch_autocast if config.torch_autocast.enabled else None
         self._autocast_dtype = _autocast_dtype(self._autocast, self.device) if self._autocast else None
         fp16_scaling = config.fp16.enabled is True or self._autocast_dtype == torch.float16
-        self.loss_scaler = LossScaler.from_fp16_config(config.fp16) if fp16_scaling else None
+        self.loss_scaler = LossScaler.from_policy(loss_scale_policy(config.fp16)) if fp16_scaling else None
         # every hf_zero collective from here on is bounded and checked (hf_zero/comm/faults.py)
         comm.faults.configure_from(config, process_group)
         self._backward = BackwardSessions(
@@ -84,14 +84,13 @@ class HfZeroEngine(nn.Module):
         from hf_zero.offload import check_offload_config
 
         fused_adam = plan.fused_adam if plan is not None else False
-        check_offload_config(config.zero, stage=self.stage, param_device=self.device, fused_adam=fused_adam)
+        check_offload_config(self.zero_policy, param_device=self.device, fused_adam=fused_adam)
         from hf_zero.runtime.preflight import check_nvme_paths
 
         check_nvme_paths(config, module, stage=self.stage, world_size=self.world_size, rank=self.global_rank,
                          group=process_group)
         names = {p: n for n, p in module.named_parameters(remove_duplicate=False)}
-        grad_dtype = _DTYPES[config.data_types.grad_accum_dtype] if config.data_types.grad_accum_dtype \
-            else self.compute_dtype
+        grad_dtype = precision.grad_dtype
         self._master_dtype, self._state_dtype = _bf16_state_dtypes(config, self.stage, grad_dtype, plan)
         self.stage3 = None
         tp = tp_info(module)
@@ -109,7 +108,7 @@ class HfZeroEngine(nn.Module):
         else:
             self.groups = self._init_stages_0_to_2(plan, names, grad_dtype)
             publisher = None
-        zero = config.zero
+        zero = self.zero_policy
         if plan is None:
             # An evaluation engine (initialize got no optimizer and the config has none, as DeepSpeed allows):
             # parameters placed as for training -- ZeRO-3 partitioned, gathered module by module in forward --
@@ -122,18 +121,18 @@ class HfZeroEngine(nn.Module):
         # offload_optimizer (hf_zero/offload): moves each group's master and Adam moments to CPU memory / NVMe
         from hf_zero.offload import build_optimizer_offload
 
-        offload = build_optimizer_offload(self.groups, zero, config.aio, rank=self.global_rank,
+        offload = build_optimizer_offload(self.groups, zero, rank=self.global_rank,
                                           fused_adam=plan.fused_adam)
         self.optimizer = ZeroOptimizer(
             self.groups, [h for _, h in plan.groups], inner_cls=plan.inner_cls, inner_defaults=plan.defaults,
             fused_adam=plan.fused_adam, loss_scaler=self.loss_scaler, clip_norm=float(config.gradient_clipping),
-            publish_bucket_numel=int(zero.allgather_bucket_size), check_overflow=self._checks_overflow(config),
+            publish_bucket_numel=zero.allgather_bucket_numel, check_overflow=self._checks_overflow(config),
             process_group=process_group, model_parallel_group=model_parallel_group, publisher=publisher,
             offload=offload, state_dtype=self._state_dtype)
         if self.stage < 3:
             self.reducer = GradReducer(
                 self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,
-                bucket_numel=int(zero.reduce_bucket_size), overlap=bool(zero.overlap_comm),
+                bucket_numel=zero.reduce_bucket_numel, overlap=zero.overlap_comm,
                 process_group=process_group, guard=self._backward.guard if self._guards_backward else None)
         else:
             self.reducer = None
@@ -202,7 +201,7 @@ class HfZeroEngine(nn.Module):
     def _init_stage3(self, plan: OptimizerPlan, names: dict, grad_dtype: torch.dtype) -> list[ShardedGroup]:
         from hf_zero.zero.stage3_groups import build_stage3_groups
 
-        self.stage3, groups = build_stage3_groups(self.module, plan, self._config, grad_dtype,
+        self.stage3, groups = build_stage3_groups(self.module, plan, self.zero_policy, self.compute_dtype, grad_dtype,
                                                   process_group=self.process_group, master_dtype=self._master_dtype)
         return groups
 

@@ -24,7 +24,6 @@ explicit dtypes of RoPE buffers stay what the model code asked for.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Callable
 
@@ -33,6 +32,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
+
+from hf_zero.config.loader import read_config
+from hf_zero.config.policies import param_offload_policy
 
 from .stage3.gather import gatherer_for
 from .stage3.param import ShardedParam, sharded_param_of
@@ -78,11 +80,8 @@ def _read_config(config_dict_or_path, config) -> dict:
     cfg = config_dict_or_path if config_dict_or_path is not None else config
     if cfg is None:
         return {}
-    if isinstance(cfg, (str, os.PathLike)):
-        with open(cfg) as f:
-            return json.load(f)
-    if isinstance(cfg, dict):
-        return cfg
+    if isinstance(cfg, (str, os.PathLike, dict)):
+        return read_config(cfg)
     return dict(getattr(cfg, "config", {}) or {})  # transformers' HfDeepSpeedConfig and similar wrappers
 
 
@@ -117,23 +116,13 @@ def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int
 
 
 def _param_swapper(raw: dict, remote_device, rank: int):
-    """The ParamSwapper zero.Init swaps partitions into, or None: ``remote_device`` when given, else the config's
-    ``zero_optimization.offload_param.device`` (DeepSpeed's rule)."""
-    from hf_zero.config.schema import parse
-    from hf_zero.config.sections import AioConfig, OffloadConfig
+    """The ParamSwapper zero.Init swaps partitions into, or None (see :func:`hf_zero.config.param_offload_policy`)."""
     from hf_zero.offload.param_swap import param_swapper_for
-    from hf_zero.offload.swapper import AioParams
 
-    section = (raw.get("zero_optimization") or {}).get("offload_param")
-    off = parse(OffloadConfig, section, "zero_optimization.offload_param") if section else None
-    device = remote_device if remote_device is not None else (off.device if off is not None else "none")
-    if device != "nvme":
+    policy = param_offload_policy(raw, remote_device)
+    if policy is None:
         return None
-    if off is None or not isinstance(off.nvme_path, str):
-        raise ValueError("zero.Init(remote_device='nvme') needs zero_optimization.offload_param.nvme_path in the "
-                         "config passed as config_dict_or_path: the directory for the swap files")
-    aio = AioParams.from_config(parse(AioConfig, raw.get("aio"), "aio"))
-    return param_swapper_for(off.nvme_path, rank=rank, aio=aio)
+    return param_swapper_for(policy.nvme_path, rank=rank, aio=policy.aio)
 
 
 class Init:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hf_zero.config.policies import LossScalePolicy
+
 __all__ = ["LossScaler"]
 
 
@@ -27,12 +29,12 @@ class LossScaler:
     hysteresis_left: int = 2
 
     @classmethod
-    def from_fp16_config(cls, fp16) -> "LossScaler":
-        if fp16.loss_scale and fp16.loss_scale > 0:
-            return cls(scale=float(fp16.loss_scale), dynamic=False)
-        return cls(scale=2.0 ** fp16.initial_scale_power, dynamic=True, window=fp16.loss_scale_window,
-                   hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
-                   min_scale=float(fp16.min_loss_scale), hysteresis_left=fp16.hysteresis)
+    def from_policy(cls, policy: LossScalePolicy) -> "LossScaler":
+        if policy.static_scale > 0:
+            return cls(scale=policy.static_scale, dynamic=False)
+        return cls(scale=2.0 ** policy.initial_scale_power, dynamic=True, window=policy.window,
+                   hysteresis=policy.hysteresis, consecutive_hysteresis=policy.consecutive_hysteresis,
+                   min_scale=policy.min_scale, hysteresis_left=policy.hysteresis)
 
     def update(self, overflow: bool) -> None:
         """Record one optimizer step's outcome (skipped on overflow) and adapt the scale."""

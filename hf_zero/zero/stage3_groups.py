@@ -16,6 +16,7 @@ from concurrent.futures import Future
 import torch
 
 from hf_zero import comm
+from hf_zero.config.policies import NVMeOffloadPolicy, ZeroPolicy
 from hf_zero.zero.layout import ShardLayout
 from hf_zero.zero.sharded_group import ShardedGroup
 
@@ -99,26 +100,23 @@ class Stage3Group(ShardedGroup):
         pass
 
 
-def build_stage3_groups(module, plan, config, grad_dtype: torch.dtype, process_group=None,
-                        master_dtype: torch.dtype = torch.float32):
+def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
+                        process_group=None, master_dtype: torch.dtype = torch.float32):
     """Partition ``module`` (if zero.Init did not already) and build one Stage3Group per optimizer group."""
     from hf_zero.offload.param_swap import param_swapper_for
-    from hf_zero.offload.swapper import AioParams
     from hf_zero.zero.stage3 import Stage3Runtime
 
-    zero = config.zero
     world, rank = comm.get_world_size(process_group), comm.get_rank(process_group)
     swapper = None
-    if zero.offload_param.enabled and zero.offload_param.device == "nvme":
-        swapper = param_swapper_for(zero.offload_param.nvme_path, rank=rank, aio=AioParams.from_config(config.aio))
+    if isinstance(zero.offload_param, NVMeOffloadPolicy):
+        swapper = param_swapper_for(zero.offload_param.nvme_path, rank=rank, aio=zero.offload_param.aio)
+    s3 = zero.stage3
     runtime = Stage3Runtime(
-        module, group=process_group, compute_dtype=config.compute_dtype,
-        reduce_bucket_size=int(zero.reduce_bucket_size), prefetch_bucket_size=int(zero.stage3_prefetch_bucket_size),
-        max_live_parameters=int(zero.stage3_max_live_parameters),
-        max_reuse_distance=int(zero.stage3_max_reuse_distance),
-        param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
-        overlap_comm=bool(zero.overlap_comm) if zero.overlap_comm is not None else True,
-        grad_scale=1.0 / world, divergence_timeout_s=float(zero.stage3_divergence_timeout_s), swapper=swapper)
+        module, group=process_group, compute_dtype=compute_dtype,
+        reduce_bucket_size=zero.reduce_bucket_numel, prefetch_bucket_size=s3.prefetch_bucket_numel,
+        max_live_parameters=s3.max_live_numel, max_reuse_distance=s3.max_reuse_distance,
+        param_persistence_threshold=s3.persistence_threshold, overlap_comm=zero.overlap_comm,
+        grad_scale=1.0 / world, divergence_timeout_s=s3.divergence_timeout_s, swapper=swapper)
     sp_of = {id(sp.param): sp for sp in runtime.sharded_params()}
     groups, seen = [], set()
     for params, _ in (plan.groups if plan is not None else ()):  # no plan: an evaluation engine, no groups
@@ -131,7 +129,7 @@ def build_stage3_groups(module, plan, config, grad_dtype: torch.dtype, process_g
             if sp.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 sps.append(sp)
-        groups.append(Stage3Group(sps, world_size=world, rank=rank, compute_dtype=config.compute_dtype,
-                                  grad_dtype=grad_dtype, master_offloaded=zero.offload_optimizer.enabled,
+        groups.append(Stage3Group(sps, world_size=world, rank=rank, compute_dtype=compute_dtype,
+                                  grad_dtype=grad_dtype, master_offloaded=zero.offload_optimizer is not None,
                                   master_dtype=master_dtype))
     return runtime, groups

@@ -1,0 +1,177 @@
+"""The DeepSpeed schema translated once into what the engine's parts act on: small frozen policies.
+
+``zero/`` and ``offload/`` take these (or plain numbers), never a schema section or a dict, so a DeepSpeed key
+reaches behaviour through exactly one translation: :func:`zero_policy`, :func:`precision_policy` and, for
+``zero.Init`` (which reads a raw config before any engine exists), :func:`param_offload_policy`.
+
+Offload variants are subclasses, tested with ``isinstance`` (FSDP2's ``OffloadPolicy``/``CPUOffloadPolicy``): a
+section with ``device: none`` becomes ``None``, ``cpu`` a :class:`CPUOffloadPolicy`, ``nvme`` an
+:class:`NVMeOffloadPolicy` that carries its directory and the ``aio`` numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .hf_zero_config import HfZeroConfig
+    from .sections import AioConfig, FP16Config, OffloadConfig
+
+__all__ = ["AioParams", "OffloadPolicy", "CPUOffloadPolicy", "NVMeOffloadPolicy", "Stage3Policy", "ZeroPolicy",
+           "LossScalePolicy", "PrecisionPolicy", "zero_policy", "precision_policy", "loss_scale_policy",
+           "param_offload_policy"]
+
+
+@dataclass(frozen=True)
+class AioParams:
+    """The ``aio`` section as plain numbers: how swap files are read and written."""
+
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    thread_count: int = 1
+    # Concurrent operations (one per tensor moved); 2 lets a tile's reads run while the previous tile is written.
+    # single_submit in the config turns this down to 1 (one operation at a time).
+    max_concurrent_ops: int = 2
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where a state lives when it is not on the compute device; use a subclass."""
+
+    pin_memory: bool = False
+
+    @property
+    def device(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    @property
+    def device(self) -> str:
+        return "cpu"
+
+
+@dataclass(frozen=True)
+class NVMeOffloadPolicy(OffloadPolicy):
+    nvme_path: str = ""
+    aio: AioParams = AioParams()
+
+    @property
+    def device(self) -> str:
+        return "nvme"
+
+
+@dataclass(frozen=True)
+class Stage3Policy:
+    """ZeRO-3's gather schedule (all in elements, as DeepSpeed's keys)."""
+
+    prefetch_bucket_numel: int
+    max_live_numel: int
+    max_reuse_distance: int
+    persistence_threshold: int
+    divergence_timeout_s: float
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    stage: int
+    reduce_bucket_numel: int
+    allgather_bucket_numel: int
+    overlap_comm: bool
+    offload_optimizer: OffloadPolicy | None
+    offload_ratio: float        # fraction of each optimizer shard offloaded (offload_optimizer.ratio)
+    sub_group_size: int         # elements per offloaded optimizer tile
+    offload_param: OffloadPolicy | None
+    stage3: Stage3Policy
+
+
+@dataclass(frozen=True)
+class LossScalePolicy:
+    """fp16 loss scaling: ``static_scale`` > 0 fixes the scale, else dynamic from ``2**initial_scale_power``."""
+
+    static_scale: float
+    initial_scale_power: int
+    window: int
+    hysteresis: int
+    consecutive_hysteresis: bool
+    min_scale: float
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    compute_dtype: "torch.dtype"
+    grad_dtype: "torch.dtype"            # the dtype gradients are accumulated and reduced in
+
+
+def _aio(aio: "AioConfig") -> AioParams:
+    return AioParams(block_size=int(aio.block_size), queue_depth=int(aio.queue_depth),
+                     thread_count=int(aio.intra_op_parallelism), max_concurrent_ops=1 if aio.single_submit else 2)
+
+
+def _offload(section: "OffloadConfig", aio: "AioConfig") -> OffloadPolicy | None:
+    if section.device == "cpu":
+        return CPUOffloadPolicy(pin_memory=bool(section.pin_memory))
+    if section.device == "nvme":
+        return NVMeOffloadPolicy(pin_memory=bool(section.pin_memory), nvme_path=os.fspath(section.nvme_path),
+                                 aio=_aio(aio))
+    return None
+
+
+def zero_policy(cfg: "HfZeroConfig") -> ZeroPolicy:
+    zero = cfg.zero
+    return ZeroPolicy(
+        stage=int(zero.stage), reduce_bucket_numel=int(zero.reduce_bucket_size),
+        allgather_bucket_numel=int(zero.allgather_bucket_size),
+        overlap_comm=bool(zero.overlap_comm) if zero.overlap_comm is not None else True,
+        offload_optimizer=_offload(zero.offload_optimizer, cfg.aio), offload_ratio=float(zero.offload_optimizer.ratio),
+        sub_group_size=int(zero.sub_group_size), offload_param=_offload(zero.offload_param, cfg.aio),
+        stage3=Stage3Policy(
+            prefetch_bucket_numel=int(zero.stage3_prefetch_bucket_size),
+            max_live_numel=int(zero.stage3_max_live_parameters),
+            max_reuse_distance=int(zero.stage3_max_reuse_distance),
+            persistence_threshold=int(zero.stage3_param_persistence_threshold),
+            divergence_timeout_s=float(zero.stage3_divergence_timeout_s)))
+
+
+def precision_policy(cfg: "HfZeroConfig") -> PrecisionPolicy:
+    import torch  # lazy: importing the config must stay cheap
+
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    accum = cfg.data_types.grad_accum_dtype
+    return PrecisionPolicy(compute_dtype=cfg.compute_dtype, grad_dtype=dtypes[accum] if accum else cfg.compute_dtype)
+
+
+def loss_scale_policy(fp16: "FP16Config") -> LossScalePolicy:
+    """The ``fp16`` section's loss scaling (used by fp16 training and by float16 ``torch_autocast``)."""
+    return LossScalePolicy(
+        static_scale=float(fp16.loss_scale), initial_scale_power=int(fp16.initial_scale_power),
+        window=int(fp16.loss_scale_window), hysteresis=int(fp16.hysteresis),
+        consecutive_hysteresis=bool(fp16.consecutive_hysteresis), min_scale=float(fp16.min_loss_scale))
+
+
+def param_offload_policy(raw: Mapping[str, Any], remote_device: str | None = None) -> OffloadPolicy | None:
+    """``zero.Init``'s parameter placement from a raw DeepSpeed dict: ``remote_device`` when given, else
+    ``zero_optimization.offload_param.device`` (DeepSpeed's rule). Only ``offload_param`` and ``aio`` are read."""
+    from .schema import parse
+    from .sections import AioConfig, ParamOffloadConfig
+
+    zero = raw.get("zero_optimization")
+    section = zero.get("offload_param") if isinstance(zero, Mapping) else None
+    off = parse(ParamOffloadConfig, section, "zero_optimization.offload_param")
+    device = remote_device if remote_device is not None else off.device
+    if device != "nvme":
+        return None
+    if not isinstance(off.nvme_path, str):
+        raise ConfigError("zero_optimization.offload_param.nvme_path",
+                          "zero.Init(remote_device='nvme') needs it in the config passed as config_dict_or_path: "
+                          "the directory for the swap files")
+    return NVMeOffloadPolicy(pin_memory=bool(off.pin_memory), nvme_path=off.nvme_path,
+                             aio=_aio(parse(AioConfig, raw.get("aio"), "aio")))
