@@ -40,10 +40,7 @@ LAYERS = {
 
 # Back edges still to be removed, each with the reason it exists; the test fails when one disappears (so the entry
 # is deleted with the fix) and on any edge not listed.
-KNOWN_BACK_EDGES = {
-    "hf_zero/offload/param_swap.py -> hf_zero.zero.stage3.param":
-        "ParamSwapper edits ShardedParam's fields; goes away when ShardedParam owns its storage (issue 12, item 2)",
-}
+KNOWN_BACK_EDGES: dict[str, str] = {}
 
 ROOT = Path(hf_zero.__file__).resolve().parent
 _MODULE_STRING = re.compile(r"hf_zero(\.\w+)+(:\w+)?")

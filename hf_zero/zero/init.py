@@ -109,7 +109,7 @@ def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int
     label = f"{prefix}.{name}" if prefix else f"{type(mod).__name__}.{name}"
     sp = ShardedParam(p, label, rank=rank, world_size=world, group=group, dtype=dtype)
     if swapper is not None:
-        swapper.swap_out(sp)
+        sp.to_swapped(swapper)
     elif pin_memory and torch.cuda.is_available() and sp.local_shard.device.type == "cpu":
         sp.use_shard_storage(torch.empty_like(sp.local_shard).pin_memory())
     return sp

@@ -44,7 +44,7 @@ class Stage3Group(ShardedGroup):
         self._grad_dtype = grad_dtype
         self.layout = ShardLayout(tuple(sp.numel for sp in self.sps), world_size)
         numel = self.layout.shard_numel
-        device = self.sps[0].local_shard.device if self.sps else torch.device("cpu")
+        device = self.sps[0].storage.device if self.sps else torch.device("cpu")
         swapped = any(sp.swapped for sp in self.sps)
         self.grad = torch.zeros(numel, dtype=grad_dtype, device=device)
         if swapped:
@@ -83,11 +83,7 @@ class Stage3Group(ShardedGroup):
             return super().write_param16(lo, hi, values)
         futures = []
         for sp, a, b, off in self._pieces(lo, hi):
-            piece = values[off:off + b - a]
-            if sp.swapper is not None:
-                futures.append(sp.swapper.write_async(sp, piece, a))
-            else:
-                sp.local_shard[a:b].copy_(piece)
+            futures.append(sp.storage.write_async(values[off:off + b - a], a))
         return futures
 
     def ensure_grad(self) -> None:  # always allocated: the ShardedParams hold views into it

@@ -2,6 +2,7 @@
 
 =============== =====================================================================
 param.py        one partitioned parameter (:class:`ShardedParam`) and its state enum
+storage.py      where a shard's bytes live (resident / swapped) and who may free them
 gather.py       packed all-gathers of parameters, live-memory accounting
 divergence.py   making a diverged gather an error that names modules and ranks
 hooks.py        forward/backward hook plumbing (public PyTorch APIs only)

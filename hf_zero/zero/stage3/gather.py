@@ -121,15 +121,11 @@ class Gatherer:
         force = header_check if header_check is not None else self.header_checks
         if self.world_size > 1 and (force or faults.checks_enabled()):
             self.header_check_count += 1  # all_gather_packed runs it, before the payload
-        dtype, device = sps[0].dtype, sps[0].local_shard.device
+        dtype, device = sps[0].dtype, sps[0].storage.device
         send = torch.empty(span + TRAILER_NUMEL, dtype=dtype, device=device)
-        reads = []
-        for i, sp in enumerate(sps):
-            dst = send[layout.offsets[i]:layout.offsets[i + 1]]
-            if sp.swapper is not None:  # offload_param nvme: read the partition straight into the send buffer
-                reads.append(sp.swapper.read_async(sp, dst))
-            else:
-                dst.copy_(sp.local_shard)
+        # each partition straight into the send buffer, from memory or (offload_param nvme) from its swap file
+        reads = [sp.storage.read_async(send[layout.offsets[i]:layout.offsets[i + 1]]) for i, sp in enumerate(sps)]
+        reads = [f for f in reads if not f.done() or f.exception() is not None]  # resident copies are done
         if reads:
             with self.timers.phase("offload_io"):
                 wait_all(reads)
@@ -159,7 +155,7 @@ class Gatherer:
 
     def count_live(self, sp: ShardedParam, sign: int) -> None:
         self.live_numel += sign * sp.numel
-        self.live_bytes += sign * sp.numel * sp.local_shard.element_size()
+        self.live_bytes += sign * sp.numel * sp.dtype.itemsize
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
     def reset_peak(self) -> None:

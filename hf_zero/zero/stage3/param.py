@@ -3,16 +3,18 @@
 The visible ``nn.Parameter`` stays registered on its module(s), so FQNs, ``named_parameters()`` and optimizer
 param groups keep working. What changes is its ``.data``::
 
-    PARTITIONED  param.data = placeholder (0,)        local_shard (chunk_numel,) is the only copy of the values
+    PARTITIONED  param.data = placeholder (0,)        the shard (chunk_numel,) in ``storage`` is the only copy
     GATHERING    param.data = placeholder (0,)        an all-gather into a packed buffer is in flight
     AVAILABLE    param.data = full (shape) view       of a flat (numel,) buffer unpacked from the all-gather
 
 A *persistent* parameter (``numel <= param_persistence_threshold``) is AVAILABLE for its whole life: every rank
-keeps the full tensor, and its local shard is only what the optimizer updates (the runtime re-publishes it).
+keeps the full tensor, and its shard is only what the optimizer updates (the runtime re-publishes it).
 
-With ``offload_param: nvme`` the shard's values live in a swap file (``swapper`` is set, ``local_shard`` is an
-empty tensor of the shard's dtype): read them with :meth:`ShardedParam.shard_values` / ``swapper.read_async`` and
-store them with :meth:`ShardedParam.store_shard`, never through ``local_shard``. See hf_zero/offload/param_swap.py.
+Where the shard's bytes live is the parameter's ``storage`` (:mod:`.storage`): resident in memory, or in this
+rank's swap files (``offload_param: nvme``). Every read and write goes through it (:meth:`ShardedParam.shard_values`,
+:meth:`~ShardedParam.store_shard`, ``storage.read_async``), so no caller asks where the values are; only
+:meth:`~ShardedParam.to_swapped` and :meth:`~ShardedParam.to_resident` move them. ``local_shard`` is the resident
+tensor (an empty one of the shard's dtype while swapped), kept for what transformers reads as ``ds_tensor``.
 
 Only the ``to_<state>()`` methods change ``state``, and each asserts the state it leaves. The ``ds_*`` attributes
 that transformers and peft read (``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_tensor``, ``ds_status``) are written
@@ -30,6 +32,8 @@ import torch
 import torch.nn as nn
 
 from hf_zero.zero.layout import ShardLayout, chunk_numel
+
+from .storage import ResidentStorage, ShardStorage, ShardStore
 
 if TYPE_CHECKING:
     from .gather import PendingGather
@@ -70,8 +74,8 @@ class ShardedParam:
     """Rank ``rank``'s chunk of one parameter and the state of its full copy. See the module docstring."""
 
     param: nn.Parameter          # ND when AVAILABLE, (0,) otherwise; registered on its module(s)
-    local_shard: torch.Tensor    # 1D (chunk_numel,), zero-padded past the parameter's end on the last ranks;
-                                 # (0,) while the values are in a swap file (``swapper`` set)
+    storage: ShardStorage        # the shard: 1D (chunk_numel,), zero-padded past the parameter's end on the last
+                                 # ranks; resident or swapped (see the module docstring)
     grad_storage: torch.Tensor | None  # 1D (chunk_numel,) where reduced gradient chunks are added, or None
     _full: torch.Tensor | None   # 1D (numel,) while AVAILABLE
 
@@ -93,12 +97,10 @@ class ShardedParam:
         self.block_holds = 0              # the part of ``holders`` taken by GatheredParameters blocks
         self.pending: PendingGather | None = None
         self.grad_storage = None
-        self.swapper = None  # hf_zero.offload.param_swap.ParamSwapper holding the values (offload_param nvme)
         flat = param.data.detach().reshape(-1)
-        dtype = dtype or param.dtype
-        self.local_shard = torch.empty(self.chunk_numel, dtype=dtype, device=param.device)
-        self.layout.shard_of(flat, 0, rank, self.local_shard)
-        self._fp32_shard: torch.Tensor | None = None
+        shard = torch.empty(self.chunk_numel, dtype=dtype or param.dtype, device=param.device)
+        self.layout.shard_of(flat, 0, rank, shard)
+        self.storage = ResidentStorage(shard)
         self._full = None
         self._parked: torch.Tensor | None = None  # the last full buffer, storage freed; see to_partitioned(park)
         setattr(param, _SP_ATTR, self)
@@ -111,53 +113,41 @@ class ShardedParam:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.local_shard.dtype
+        return self.storage.dtype
+
+    @property
+    def local_shard(self) -> torch.Tensor:
+        """The resident shard tensor, or an empty one of the shard's dtype while it is swapped (``ds_tensor``)."""
+        return self.storage.local
 
     @property
     def swapped(self) -> bool:
-        return self.swapper is not None
+        return self.storage.swapped
 
     def read_initial_fp32(self, out: torch.Tensor, lo: int = 0) -> None:
         """``out`` (fp32) <- elements ``[lo, lo + out.numel())`` of the shard's values before any cast to the
         compute dtype: what the fp32 master weights start from."""
-        if self.swapper is not None:
-            self.swapper.read_initial(self, out, lo)
-            return
-        src = self._fp32_shard if self._fp32_shard is not None else self.local_shard
-        out.copy_(src[lo:lo + out.numel()])
+        self.storage.read_initial_fp32(out, lo)
 
     def initial_fp32_shard(self) -> torch.Tensor:
         """The shard's values before any cast to the compute dtype, as a new fp32 (chunk_numel,) tensor."""
-        out = torch.empty(self.chunk_numel, dtype=torch.float32, device=self.local_shard.device)
+        out = torch.empty(self.chunk_numel, dtype=torch.float32, device=self.storage.device)
         self.read_initial_fp32(out)
         return out
 
     def shard_values(self) -> torch.Tensor:
-        """The shard's current values (chunk_numel,): ``local_shard`` itself, or a copy read from the swap file."""
-        if self.swapper is None:
-            return self.local_shard
-        out = torch.empty(self.chunk_numel, dtype=self.dtype)
-        self.swapper.read(self, out)
-        return out
+        """The shard's current values (chunk_numel,): the resident tensor itself, or a copy read back."""
+        return self.storage.values()
 
     def store_shard(self, values: torch.Tensor, lo: int = 0) -> None:
         """Replace elements ``[lo, lo + values.numel())`` of the shard (cast to its dtype), wherever it lives."""
-        if self.swapper is None:
-            self.local_shard[lo:lo + values.numel()].copy_(values)
-        else:
-            self.swapper.write_async(self, values, lo).result()
+        self.storage.write_async(values, lo).result()
 
     def cast_shard(self, dtype: torch.dtype) -> None:
         """Store the shard (and the full data of a persistent param) in ``dtype``; keep the fp32 original."""
-        if self.local_shard.dtype == dtype:
+        if self.dtype == dtype:
             return
-        if self.swapper is not None:
-            self.swapper.cast(self, dtype)  # never AVAILABLE here: swapped parameters are not persistent
-            self.param.data = self._placeholder()
-            return
-        if self._fp32_shard is None:
-            self._fp32_shard = self.local_shard.float()
-        self.local_shard = self.local_shard.to(dtype)
+        self.storage.cast(dtype)
         if self.state is ParamState.AVAILABLE:
             self._set_full(self._full.to(dtype))
         else:
@@ -165,20 +155,36 @@ class ShardedParam:
         self._publish_compat()
 
     def drop_initial_fp32_shard(self) -> None:
-        self._fp32_shard = None
-        if self.swapper is not None:
-            self.swapper.drop_initial(self)
+        self.storage.drop_initial()
 
     def use_shard_storage(self, view: torch.Tensor) -> None:
-        """From now on the local shard *is* ``view`` (chunk_numel,), e.g. a slice of the engine's flat buffer."""
+        """From now on the resident shard *is* ``view`` (chunk_numel,), e.g. a slice of the engine's flat buffer."""
         if view.shape != (self.chunk_numel,):
             raise ValueError(f"{self.name}: shard storage must have shape ({self.chunk_numel},), got "
                              f"{tuple(view.shape)}")
-        if self.swapper is not None:
-            raise ValueError(f"{self.name}: the shard is in a swap file (offload_param nvme); it has no storage "
-                             f"to move")
-        view.copy_(self.local_shard)
-        self.local_shard = view
+        try:
+            self.storage.rebind(view)
+        except ValueError as err:
+            raise ValueError(f"{self.name}: {err}") from None
+        self._publish_compat()
+
+    # ------------------------------------------------------------------ placement transitions
+    def to_swapped(self, store: ShardStore) -> None:
+        """Hand the shard's values (and their fp32 original) to ``store``; nothing stays in memory. A shard that is
+        swapped already stays where it is."""
+        if self.storage.swapped:
+            return
+        assert not self.persistent, f"{self.name} is persistent and stays in memory"
+        values, initial = self.storage.take()
+        self.storage = store.store(f"p{self.ds_id}", values, initial, label=self.name)
+        self._publish_compat()
+
+    def to_resident(self) -> None:
+        """Bring a swapped shard (and its fp32 original) back into memory; a resident shard stays as it is."""
+        if not self.storage.swapped:
+            return
+        values, initial = self.storage.take()
+        self.storage = ResidentStorage(values, initial)
         self._publish_compat()
 
     def use_grad_storage(self, view: torch.Tensor) -> None:
@@ -269,19 +275,16 @@ class ShardedParam:
         """Copy this rank's chunk of the (possibly edited) full parameter into the local shard."""
         flat = self.full_flat
         with torch.no_grad():
-            if self.swapper is None:
-                self.layout.shard_of(flat.to(self.local_shard.dtype), 0, self.rank, self.local_shard)
-            else:
-                chunk = torch.empty(self.chunk_numel, dtype=self.dtype)
-                self.layout.shard_of(flat.to(self.dtype), 0, self.rank, chunk)
-                self.store_shard(chunk)
+            chunk = torch.empty(self.chunk_numel, dtype=self.dtype, device=self.storage.device)
+            self.layout.shard_of(flat.to(self.dtype), 0, self.rank, chunk)
+            self.store_shard(chunk)
 
     def _set_full(self, full_flat: torch.Tensor) -> None:
         self._full = full_flat
         self.param.data = full_flat.view(self.shape)
 
     def _placeholder(self) -> torch.Tensor:
-        return torch.empty(0, dtype=self.local_shard.dtype, device=self.local_shard.device)
+        return torch.empty(0, dtype=self.dtype, device=self.storage.device)
 
     def _publish_compat(self) -> None:
         p = self.param

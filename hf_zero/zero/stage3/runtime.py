@@ -134,14 +134,13 @@ class Stage3Runtime:
                                    f"GatheredParameters block before initializing the engine")
         persistent = [sp for sp in sps if sp.numel <= self.persistence_threshold]
         for sp in persistent:
-            if sp.swapper is not None:  # swapped out by zero.Init; persistent parameters stay in memory
-                sp.swapper.swap_in(sp)
+            sp.to_resident()  # zero.Init may have swapped it out; persistent parameters stay in memory
         for sp in sps:
             sp.cast_shard(self.compute_dtype)
         if self.swapper is not None:
             for sp in sps:
-                if sp.swapper is None and sp.numel > self.persistence_threshold:
-                    self.swapper.swap_out(sp)
+                if sp.numel > self.persistence_threshold:
+                    sp.to_swapped(self.swapper)
         if persistent:
             self.gatherer.gather(persistent, "persistent parameters", header_check=True)
             for sp in persistent:
@@ -305,7 +304,7 @@ class Stage3Runtime:
 
         With partitions swapped to NVMe the whole model may not fit in memory; then this refuses (before changing
         anything) instead of being killed by the OOM killer half-way."""
-        swapped = sum(sp.numel * sp.local_shard.element_size() for sp in self._sps if sp.swapped)
+        swapped = sum(sp.numel * sp.dtype.itemsize for sp in self._sps if sp.swapped)
         available = _mem_available_bytes()
         if swapped and available is not None and swapped > available:
             raise MemoryError(
@@ -550,7 +549,7 @@ class Stage3Runtime:
             # Swapped partitions: start reading the groups after those (at least the next one) from the drive,
             # so their gathers find the data in memory. Only this rank's chunks are read: 1/world of the bytes.
             window = self.trace.upcoming(2 * self.prefetch_numel, min_groups=1)
-            self.swapper.read_ahead(sp for gid in window for sp in by_gid[gid].sps
+            self.swapper.read_ahead(sp.storage for gid in window for sp in by_gid[gid].sps
                                     if sp.state is ParamState.PARTITIONED)
 
     def _settle_recomputation(self) -> None:
