@@ -4,8 +4,8 @@
     cfg.zero.stage, cfg.train_micro_batch_size_per_gpu, cfg.compute_dtype, cfg.raw  # raw: what engine.config returns
 
 Owns every reading of the DeepSpeed schema: :mod:`.status` says what hf_zero does with each key, and
-:mod:`.policies` translates it, once, into the frozen policies ``zero/`` and ``offload/`` take. Bottom layer: imports no other hf_zero package (the layer table is
-``LAYERS`` in ``tests/test_layering.py``).
+:mod:`.policies` translates it, once, into the frozen policies ``zero/`` and ``offload/`` take. Bottom layer:
+imports no other hf_zero package (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
 """
 
 from .auto import AUTO_HINTS

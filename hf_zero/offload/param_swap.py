@@ -15,9 +15,9 @@ Why one stream per parameter rather than one file per optimizer group: parameter
 is being built, before any group exists, and a parameter is the unit every reader asks for (a module's gather).
 
 Read-ahead: the stage-3 runtime knows which modules come next (its recorded trace) and asks for their partitions
-early with :meth:`ParamSwapper.read_ahead` (given their storages); a gather then only copies from the finished buffer. Read-aheads are
-dropped before the optimizer writes new values (:meth:`ParamSwapper.discard_read_ahead`), so none is ever stale.
-Memory stays bounded: resident are only the read-ahead buffers (the runtime bounds them by
+early with :meth:`ParamSwapper.read_ahead` (given their storages); a gather then only copies from the finished
+buffer. Read-aheads are dropped before the optimizer writes new values (:meth:`ParamSwapper.discard_read_ahead`),
+so none is ever stale. Memory stays bounded: resident are only the read-ahead buffers (the runtime bounds them by
 ``stage3_prefetch_bucket_size``) and the gathered modules themselves.
 """
 

@@ -7,7 +7,7 @@
         engine.step()                   # optimizer + scheduler, only at the gradient-accumulation boundary
 
 The engine owns *when* things happen (micro-steps, boundaries, loss scaling, logging, checkpoints); the ZeRO
-objects own *how* state is sharded: :class:`ShardedGroup` (the shards), :class:`GradReducer` (stages 0-2
+objects own *how* state is sharded: :class:`ShardedGroup` (the shards), :class:`GroupGradReducer` (stages 0-2
 gradient hooks), the stage-3 runtime (parameter gather/release), :class:`ZeroOptimizer` (the update).
 """
 
@@ -27,7 +27,7 @@ from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.backward import BackwardSessions
 from hf_zero.runtime.optimizers import OptimizerPlan
 from hf_zero.tensor_parallel import tp_info
-from hf_zero.zero.grad_reducer import GradReducer, ReduceMode
+from hf_zero.zero.grad_reducer import GroupGradReducer, ReduceMode
 from hf_zero.zero.loss_scaler import LossScaler
 from hf_zero.zero.optimizer import ZeroOptimizer
 from hf_zero.zero.local import local_tensor
@@ -130,7 +130,7 @@ class HfZeroEngine(nn.Module):
             process_group=process_group, model_parallel_group=model_parallel_group, publisher=publisher,
             offload=offload, state_dtype=self._state_dtype)
         if self.stage < 3:
-            self.reducer = GradReducer(
+            self.reducer = GroupGradReducer(
                 self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,
                 bucket_numel=zero.reduce_bucket_numel, overlap=zero.overlap_comm,
                 process_group=process_group, guard=self._backward.guard if self._guards_backward else None)

@@ -28,7 +28,7 @@ from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.local import local_grad, local_tensor
 from hf_zero.zero.sharded_group import ShardedGroup, bucket_ranges
 
-__all__ = ["GradReducer", "ReduceMode"]
+__all__ = ["GroupGradReducer", "ReduceMode"]
 
 
 class ReduceMode(enum.Enum):
@@ -52,7 +52,7 @@ class _InFlight:
     bucket: _Bucket
 
 
-class GradReducer:
+class GroupGradReducer:
     """Owns the gradient hooks of one engine. ``begin(reducing)`` before backward, ``finish()`` after it."""
 
     def __init__(self, groups: list[ShardedGroup], *, mode: ReduceMode, bucket_numel: int, overlap: bool,

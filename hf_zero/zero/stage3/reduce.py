@@ -18,10 +18,14 @@ from hf_zero.profiling.timers import NO_TIMERS
 from .divergence import wait_or_diagnose
 from .param import ShardedParam
 
-__all__ = ["GradReducer"]
+__all__ = ["Stage3GradReducer"]
 
 
-class GradReducer:
+class Stage3GradReducer:
+    """ZeRO-3's reducer: gradients are packed as they arrive (from the runtime's backward hooks), bucket after
+    bucket; stages 0-2 use :class:`hf_zero.zero.grad_reducer.GroupGradReducer`, whose buckets are fixed in
+    advance over each group's parameters."""
+
     def __init__(self, *, group, rank: int, world_size: int, bucket_numel: int, grad_scale: float,
                  overlap_comm: bool, timeout_s_fn) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size

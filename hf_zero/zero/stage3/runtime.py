@@ -34,7 +34,7 @@ from .hooks import (ModuleCall, install_module_hooks, queue_end_of_backward, reg
                     wrap_inputs_for_post_backward)
 from .param import ParamState, ShardedParam, ZeroParamStatus, sharded_param_of
 from .prefetch import GatherTrace
-from .reduce import GradReducer
+from .reduce import Stage3GradReducer
 
 __all__ = ["Stage3Runtime", "external_parameters", "EXTERNAL_PARAMS_ATTR", "WatchedParameters"]
 
@@ -79,7 +79,7 @@ class Stage3Runtime:
         # swap file; the gathers read it from there, ahead of time when the trace says what comes next
         self.swapper = swapper
         self._sps = self._partition_all()
-        self.reducer = GradReducer(group=group, rank=self.rank, world_size=self.world_size,
+        self.reducer = Stage3GradReducer(group=group, rank=self.rank, world_size=self.world_size,
                                    bucket_numel=reduce_bucket_size,
                                    grad_scale=1.0 / self.world_size if grad_scale is None else grad_scale,
                                    overlap_comm=overlap_comm, timeout_s_fn=lambda: self.gatherer.timeout_s)
