@@ -36,7 +36,7 @@ import torch
 from hf_zero.config.policies import AioParams, NVMeOffloadPolicy, ZeroPolicy
 from hf_zero.offload.params import check_optimizer_offload
 from hf_zero.offload.swapper import SwapDir, wait_all
-from hf_zero.ops.adam import adam_step_
+from hf_zero.ops.adam import AdamHyper, adam_step_
 from hf_zero.profiling.timers import NO_TIMERS
 
 __all__ = ["OptimizerOffload", "STATE_NAMES", "build_optimizer_offload"]
@@ -150,9 +150,8 @@ class OptimizerOffload:
 
     # ---- the step ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, hyper: Sequence[dict], divisor: float) -> None:
-        """One Adam step of every group. ``hyper[gi]``: step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
-        bias_correction of group gi (the optimizer's param_groups plus its step count)."""
+    def step(self, hyper: Sequence[AdamHyper], divisor: float) -> None:
+        """One Adam step of every group; ``hyper[gi]``: group gi's hyper-parameters for this step."""
         for gi, g in enumerate(self.groups):
             k = self.keep[gi]
             if k:
@@ -170,7 +169,7 @@ class OptimizerOffload:
             return
         self._nvme_step(hyper, divisor)
 
-    def _nvme_step(self, hyper: Sequence[dict], divisor: float) -> None:
+    def _nvme_step(self, hyper: Sequence[AdamHyper], divisor: float) -> None:
         tiles = self.tiles
         if not tiles:
             return
@@ -200,7 +199,7 @@ class OptimizerOffload:
         return [self.swap.write_async(f"group{t.group}.{s}", bufs[s][:numel], off) for s in STATE_NAMES]
 
     @staticmethod
-    def _adam(g, h: dict, divisor: float, lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor,
+    def _adam(g, h: AdamHyper, divisor: float, lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor) -> list[Future]:
         """Adam on elements [lo, hi) of group g, whose states are ``master``/``exp_avg``/``exp_avg_sq`` (hi-lo,).
         Returns the writes of the 16-bit weights still in flight (swapped ZeRO-3 partitions); ``master`` must not
@@ -210,9 +209,8 @@ class OptimizerOffload:
             grad = grad.to(master.device)
         param16 = g.param16[lo:hi] if g.param16 is not None else None
         direct16 = param16 is not None and param16.dtype != torch.float32 and param16.device == master.device
-        adam_step_(master, grad, exp_avg, exp_avg_sq, step=h["step"], lr=h["lr"], beta1=h["beta1"],
-                   beta2=h["beta2"], eps=h["eps"], weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
-                   bias_correction=h["bias_correction"], grad_scale=divisor, out16=param16 if direct16 else None)
+        adam_step_(master, grad, exp_avg, exp_avg_sq, **h.kwargs(), grad_scale=divisor,
+                   out16=param16 if direct16 else None)
         if direct16:
             return []
         return g.write_param16(lo, hi, master)  # a no-op when the fp32 master is the weights' own memory

@@ -3,6 +3,7 @@
 * ``adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, ...)`` -- one in-place step over a flat fp32
   partition in one pass over memory; ``grad`` may be fp32, bf16 or fp16; ``grad_scale`` divides the gradient
   (loss-scale unscale and clipping coefficient folded in); ``out16`` receives the updated parameter in 16 bit.
+* ``AdamHyper`` -- the step's hyper-parameters of one group as one frozen value (``adam_step_(..., **h.kwargs())``).
 * ``CPUAdam`` -- drop-in for DeepSpeed's ``DeepSpeedCPUAdam`` (same constructor), for offloaded optimizer states.
 * ``FusedAdam`` -- the same for CUDA parameters, one multi-tensor launch per step; on CPU it runs the CPU kernel.
 
@@ -12,17 +13,45 @@ Dispatch: compiled CPU kernel for CPU tensors, compiled CUDA kernel for CUDA ten
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hf_zero.ops._native import native_available, warn_fallback
 
-__all__ = ["CPUAdam", "FusedAdam", "adam_step_", "adam_step_reference"]
+__all__ = ["AdamHyper", "CPUAdam", "FusedAdam", "adam_step_", "adam_step_reference"]
 
 _FLOAT16 = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """One group's Adam hyper-parameters for one step, built once (:meth:`of_group`) and passed as one value."""
+
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool
+    bias_correction: bool
+
+    @classmethod
+    def of_group(cls, group: Mapping[str, Any], step: int) -> "AdamHyper":
+        """From an optimizer param group (``betas`` a pair; ``adamw_mode``/``bias_correction`` default true)."""
+        beta1, beta2 = group["betas"]
+        return cls(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                   weight_decay=group["weight_decay"], adamw_mode=group.get("adamw_mode", True),
+                   bias_correction=group.get("bias_correction", True))
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`adam_step_`."""
+        return dataclasses.asdict(self)
 
 
 def adam_step_reference(
@@ -148,10 +177,7 @@ class CPUAdam(torch.optim.Optimizer):
         return state
 
     def _group_kwargs(self, group: dict[str, Any], step: int) -> dict[str, Any]:
-        beta1, beta2 = group["betas"]
-        return dict(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                    bias_correction=group["bias_correction"])
+        return AdamHyper.of_group(group, step).kwargs()
 
     def _step_param(self, p: torch.Tensor, state: dict[str, Any], kwargs: dict[str, Any]) -> None:
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]

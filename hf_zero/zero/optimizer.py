@@ -168,7 +168,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             wait_all(g.write_param16(0, g.shard_numel, g.master))
 
     def _fused_adam_step(self, divisor: float) -> None:
-        from hf_zero.ops.adam import adam_step_
+        from hf_zero.ops.adam import AdamHyper, adam_step_
 
         for g, group in zip(self.groups, self.param_groups):
             state = self.state[g.master]
@@ -177,42 +177,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(g.master, dtype=self.state_dtype)
                 state["exp_avg_sq"] = torch.zeros_like(g.master, dtype=self.state_dtype)
             state["step"] += 1
-            beta1, beta2 = group["betas"]
+            hyper = AdamHyper.of_group(group, int(state["step"].item()))
             # The 16-bit weights are written in the same pass: into param16, or (swapped ZeRO-3 partitions,
             # param16 None) into a scratch buffer that write_param16 then sends to the swap files.
             out16 = g.param16
             if out16 is None and g.compute_dtype != torch.float32:
                 out16 = torch.empty(g.shard_numel, dtype=g.compute_dtype, device=g.master.device)
             if g.master.dtype != torch.float32 or self.state_dtype != torch.float32:
-                _adam_step_low_precision(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"],
-                                         step=int(state["step"].item()), lr=group["lr"], beta1=beta1, beta2=beta2,
-                                         eps=group["eps"], weight_decay=group["weight_decay"],
-                                         adamw_mode=group.get("adamw_mode", True),
-                                         bias_correction=group.get("bias_correction", True), grad_scale=divisor)
+                _adam_step_low_precision(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], **hyper.kwargs(),
+                                         grad_scale=divisor)
                 if g.param16 is None:  # swapped ZeRO-3 partitions: the updated bf16 master goes to their files
                     wait_all(g.write_param16(0, g.shard_numel, g.master))
                 continue
-            adam_step_(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()),
-                       lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                       weight_decay=group["weight_decay"], adamw_mode=group.get("adamw_mode", True),
-                       bias_correction=group.get("bias_correction", True), grad_scale=divisor,
+            adam_step_(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], **hyper.kwargs(), grad_scale=divisor,
                        out16=None if out16 is None or out16 is g.master else out16)
             if g.param16 is None:
                 wait_all(g.write_param16(0, g.shard_numel, g.master if out16 is None else out16))
 
     def _offload_step(self, divisor: float) -> None:
         """Adam with the states where the offload object keeps them; the step count stays in self.state."""
+        from hf_zero.ops.adam import AdamHyper
+
         hyper = []
         for g, group in zip(self.groups, self.param_groups):
             state = self.state[g.master]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
             state["step"] += 1
-            beta1, beta2 = group["betas"]
-            hyper.append({"step": int(state["step"].item()), "lr": group["lr"], "beta1": beta1, "beta2": beta2,
-                          "eps": group["eps"], "weight_decay": group["weight_decay"],
-                          "adamw_mode": group.get("adamw_mode", True),
-                          "bias_correction": group.get("bias_correction", True)})
+            hyper.append(AdamHyper.of_group(group, int(state["step"].item())))
         self.offload.step(hyper, divisor)
 
     # state -------------------------------------------------------------------------------------------------------
