@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from hf_zero.zero.stage3 import DivergenceError, ParamState, ShardedParam, Stage3Runtime, sharded_param_of
+from hf_zero.zero.stage3.param import HoldReason
 from hf_zero.zero.stage3.divergence import TRAILER_NUMEL, check_trailers, params_key, write_trailer
 from hf_zero.zero.stage3.prefetch import GatherTrace
 
@@ -24,10 +25,12 @@ def test_sharded_param_states_and_compat_attributes():
         sp.to_partitioned()
     sp.to_available(torch.arange(12.0))
     assert p.shape == (4, 3) and p.ds_status.name == "AVAILABLE"
-    sp.holders = 1
-    with pytest.raises(AssertionError, match="still need it"):
+    sp.acquire(HoldReason.BLOCK)
+    with pytest.raises(AssertionError, match=r"still need it \(GatheredParameters block x1\)"):
         sp.to_partitioned()
-    sp.holders = 0
+    assert sp.release(HoldReason.BLOCK)
+    with pytest.raises(AssertionError, match="forward hold released more often than taken"):
+        sp.release(HoldReason.FORWARD)
     sp.to_partitioned()
     assert p.shape == (0,)
     with pytest.raises(ValueError, match="already partitioned"):

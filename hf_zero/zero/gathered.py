@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .stage3.gather import gatherer_for
-from .stage3.param import ParamState, ShardedParam, sharded_param_of
+from .stage3.param import HoldReason, ParamState, ShardedParam, sharded_param_of
 from .stage3.runtime import EXTERNAL_PARAMS_ATTR, bump_external_version
 
 __all__ = ["GatheredParameters", "register_external_parameter", "unregister_external_parameter"]
@@ -67,8 +67,7 @@ class GatheredParameters:
             gatherer.gather(need, f"GatheredParameters([{names}])", header_check=True)
         self._gathered = need
         for sp in self._sps:
-            sp.holders += 1
-            sp.block_holds += 1
+            sp.acquire(HoldReason.BLOCK)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -80,8 +79,7 @@ class GatheredParameters:
         if self.modifier_rank is not None and exc_type is None:
             self._publish_edits(self._sps[0].group)
         for sp in self._sps:
-            sp.block_holds -= 1
-            sp.holders -= 1
+            sp.release(HoldReason.BLOCK)
         for sp in self._gathered:
             if sp.holders == 0:
                 gatherer.release(sp)

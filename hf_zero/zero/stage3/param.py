@@ -38,7 +38,7 @@ from .storage import ResidentStorage, ShardStorage, ShardStore
 if TYPE_CHECKING:
     from .gather import PendingGather
 
-__all__ = ["ParamState", "ShardedParam", "sharded_param_of", "is_sharded"]
+__all__ = ["HoldReason", "ParamState", "ShardedParam", "sharded_param_of", "is_sharded"]
 
 _SP_ATTR = "_hf_zero_sharded"  # the only internal attribute hf_zero sets on an nn.Parameter
 _next_ds_id = itertools.count()
@@ -48,6 +48,16 @@ class ParamState(enum.Enum):
     PARTITIONED = "PARTITIONED"
     GATHERING = "GATHERING"
     AVAILABLE = "AVAILABLE"
+
+
+class HoldReason(enum.Enum):
+    """Why a parameter must stay whole; a leak report names the reason that was never released."""
+
+    FORWARD = "forward"                 # its module's forward (or recomputation) is running
+    BACKWARD = "backward"               # its module's backward is running
+    GRAD_PENDING = "gradient pending"   # its gradient has not been accumulated yet (AccumulateGrad still to run)
+    BLOCK = "GatheredParameters block"  # a user's GatheredParameters block
+    READ = "read outside its module"    # read in a forward without calling its module, held until backward ends
 
 
 class ZeroParamStatus(enum.Enum):
@@ -93,8 +103,7 @@ class ShardedParam:
         self.ds_id = next(_next_ds_id)
         self.persistent = False
         self.state = ParamState.AVAILABLE
-        self.holders = 0                  # forward/backward/GatheredParameters uses currently needing the full data
-        self.block_holds = 0              # the part of ``holders`` taken by GatheredParameters blocks
+        self._holds = {reason: 0 for reason in HoldReason}  # uses currently needing the full data, by reason
         self.pending: PendingGather | None = None
         self.grad_storage = None
         flat = param.data.detach().reshape(-1)
@@ -196,6 +205,31 @@ class ShardedParam:
             raise ValueError(f"{self.name} is frozen (requires_grad=False) and has no gradient storage")
         self.grad_storage = view
 
+    # ------------------------------------------------------------------ holds
+    @property
+    def holders(self) -> int:
+        """How many uses currently need the full data (every reason)."""
+        return sum(self._holds.values())
+
+    def acquire(self, reason: HoldReason) -> None:
+        self._holds[reason] += 1
+
+    def release(self, reason: HoldReason) -> bool:
+        """Drop one hold taken for ``reason``; True when nothing holds the parameter any more."""
+        assert self._holds[reason] > 0, f"{self.name}: {reason.value} hold released more often than taken"
+        self._holds[reason] -= 1
+        return self.holders == 0
+
+    def drop_holds(self) -> None:
+        """Between iterations: forget every hold of the training step (what a stopped recomputation or an unused
+        backward path left); a user's GatheredParameters blocks keep theirs."""
+        for reason in HoldReason:
+            if reason is not HoldReason.BLOCK:
+                self._holds[reason] = 0
+
+    def describe_holds(self) -> str:
+        return ", ".join(f"{r.value} x{n}" for r, n in self._holds.items() if n) or "none"
+
     # ------------------------------------------------------------------ state transitions
     def to_gathering(self, pending: "PendingGather") -> None:
         assert self.state is ParamState.PARTITIONED, f"{self.name}: to_gathering from {self.state.name}"
@@ -225,7 +259,7 @@ class ShardedParam:
         """
         assert self.state is ParamState.AVAILABLE, f"{self.name}: to_partitioned from {self.state.name}"
         assert not self.persistent, f"{self.name} is persistent and never partitioned"
-        assert self.holders == 0, f"{self.name}: partitioned while {self.holders} users still need it"
+        assert self.holders == 0, f"{self.name}: partitioned while users still need it ({self.describe_holds()})"
         full = self._full
         if park and full is not None and full.storage_offset() == 0 and \
                 full.untyped_storage().nbytes() == full.numel() * full.element_size():

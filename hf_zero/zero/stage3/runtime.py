@@ -2,9 +2,10 @@
 
 Each module that directly owns partitioned parameters (plus the external parameters registered on it) has a
 *group*: the parameters gathered, in one collective, before its forward and again before its backward. A
-parameter's ``holders`` counts the current uses (a forward in progress, a backward in progress, a gradient still
-to be accumulated, a GatheredParameters block); when it drops to zero the parameter is partitioned again unless
-the recorded trace says it is needed again within ``max_reuse_distance`` elements.
+parameter is held, through ``ShardedParam.acquire/release`` with a :class:`~.param.HoldReason`, by each current
+use (a forward in progress, a backward in progress, a gradient still to be accumulated, a GatheredParameters
+block); when the last hold is released the parameter is partitioned again unless the recorded trace says it is
+needed again within ``max_reuse_distance`` elements.
 
 Iterations start at the root module's forward pre-hook. The first iteration of each kind is recorded (see
 prefetch.py) with a divergence header before every gather (see divergence.py).
@@ -32,7 +33,7 @@ from hf_zero.zero.leaf import z3_leaf_module
 from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
 from .hooks import (ModuleCall, install_module_hooks, queue_end_of_backward, register_output_grad_hooks,
                     wrap_inputs_for_post_backward)
-from .param import ParamState, ShardedParam, ZeroParamStatus, sharded_param_of
+from .param import HoldReason, ParamState, ShardedParam, ZeroParamStatus, sharded_param_of
 from .prefetch import GatherTrace
 from .reduce import Stage3GradReducer
 
@@ -360,7 +361,7 @@ class Stage3Runtime:
         call = ModuleCall(group, recompute=_in_backward())
         self._calls.setdefault(id(module), []).append(call)
         self._fwd_stack.append((module, call))
-        self._acquire(group)
+        self._acquire(group, HoldReason.FORWARD)
         if torch.is_grad_enabled():
             wrapped = wrap_inputs_for_post_backward(args, kwargs, self._post_backward, call)
             call.has_post_backward = wrapped is not None
@@ -382,13 +383,11 @@ class Stage3Runtime:
             # backward event, which comes after that check.
             for sp in call.group.sps:
                 if sp.requires_grad:
-                    self._unhold(sp)
-                else:
-                    sp.holders -= 1
-                    if sp.holders == 0:
-                        self._deferred.add(sp)
+                    self._unhold(sp, HoldReason.FORWARD)
+                elif sp.release(HoldReason.FORWARD):
+                    self._deferred.add(sp)
         else:
-            self._release_group(call.group, park=True)
+            self._release_group(call.group, HoldReason.FORWARD, park=True)
         if torch.is_grad_enabled():
             register_output_grad_hooks(output, self._pre_backward, call)
         return None
@@ -400,12 +399,12 @@ class Stage3Runtime:
         call.pre_backward_done = True
         self._settle_recomputation()
         self._queue_end_of_backward()
-        self._acquire(call.group)
+        self._acquire(call.group, HoldReason.BACKWARD)
         for sp in call.group.sps:
             if sp.requires_grad and sp.ds_id not in self._awaiting_grad:
                 # Keep it gathered until its AccumulateGrad ran: a gradient must never land on a (0,) placeholder.
                 self._awaiting_grad.add(sp.ds_id)
-                sp.holders += 1
+                sp.acquire(HoldReason.GRAD_PENDING)
         if not call.has_post_backward:
             # No input needs a gradient (e.g. the embedding: token ids), so nothing marks the end of this module's
             # backward except its own parameters' gradients arriving: the last one ends it.
@@ -418,7 +417,7 @@ class Stage3Runtime:
             return
         call.post_backward_done = True
         self._settle_recomputation()
-        self._release_group(call.group)
+        self._release_group(call.group, HoldReason.BACKWARD)
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         sp = sharded_param_of(param)
@@ -432,7 +431,7 @@ class Stage3Runtime:
             self.reducer.add(sp, grad)
         if sp.ds_id in self._awaiting_grad:
             self._awaiting_grad.discard(sp.ds_id)
-            self._unhold(sp)
+            self._unhold(sp, HoldReason.GRAD_PENDING)
         for call in self._calls_awaiting_grad.pop(sp.ds_id, ()):
             call.grads_pending.discard(sp.ds_id)
             if not call.grads_pending:
@@ -455,7 +454,7 @@ class Stage3Runtime:
     def _drop_read_holds(self) -> None:
         holds, self._read_holds = self._read_holds, []
         for sp in holds:
-            sp.holders -= 1
+            sp.release(HoldReason.READ)
 
     def _pop_fwd(self, call: ModuleCall) -> None:
         for i in range(len(self._fwd_stack) - 1, -1, -1):
@@ -480,12 +479,12 @@ class Stage3Runtime:
                 group.sps.append(sp)
                 group.numel += sp.numel
                 self._groups_of_sp.setdefault(sp.ds_id, set()).add(group.gid)
-                sp.holders += 1  # dropped by this call's release like the group's own parameters
+                sp.acquire(HoldReason.FORWARD)  # dropped by this call's release like the group's own parameters
         else:
             # only modules without a group of their own are in forward: hold it until this backward ends (the
             # next iteration gathers it with the module it is registered on below)
             module = self._fwd_stack[-1][0]
-            sp.holders += 1
+            sp.acquire(HoldReason.READ)
             self._read_holds.append(sp)
         _register_external(module, param)
         if sp.state is ParamState.PARTITIONED:
@@ -511,10 +510,10 @@ class Stage3Runtime:
                 f"(deepspeed.utils.set_z3_leaf_modules), before or after initialize")
 
     # ------------------------------------------------------------------ gather / release policy
-    def _acquire(self, group: _Group) -> None:
+    def _acquire(self, group: _Group, reason: HoldReason) -> None:
         self.trace.request(group.gid)
         for sp in group.sps:
-            sp.holders += 1
+            sp.acquire(reason)
         need = [sp for sp in group.sps if sp.state is ParamState.PARTITIONED]
         need_numel = sum(sp.numel for sp in need)
         if need and self.gatherer.live_numel + need_numel > self.max_live_numel:
@@ -563,7 +562,7 @@ class Stage3Runtime:
                 for call in [c for c in stack if c.recompute]:
                     stack.remove(call)
                     self._pop_fwd(call)
-                    self._release_group(call.group)
+                    self._release_group(call.group, HoldReason.FORWARD)
                 if not stack:
                     del self._calls[key]
         if self._deferred:
@@ -575,15 +574,13 @@ class Stage3Runtime:
             if sp.holders == 0 and not self._keep_for_reuse(sp):
                 self.gatherer.release(sp)
 
-    def _release_group(self, group: _Group, *, park: bool = False) -> None:
+    def _release_group(self, group: _Group, reason: HoldReason, *, park: bool = False) -> None:
         for sp in group.sps:
-            self._unhold(sp, park=park)
+            self._unhold(sp, reason, park=park)
 
-    def _unhold(self, sp: ShardedParam, *, park: bool = False) -> None:
+    def _unhold(self, sp: ShardedParam, reason: HoldReason, *, park: bool = False) -> None:
         """``park``: a release in the forward pass, see ShardedParam.to_partitioned."""
-        assert sp.holders > 0, f"{sp.name}: released more often than gathered"
-        sp.holders -= 1
-        if sp.holders == 0 and not self._keep_for_reuse(sp):
+        if sp.release(reason) and not self._keep_for_reuse(sp):
             self.gatherer.release(sp, park=park)
 
     def _keep_for_reuse(self, sp: ShardedParam) -> bool:
@@ -608,7 +605,7 @@ class Stage3Runtime:
         self._deferred = set()
         for sp in self._sps:
             if not sp.persistent:
-                sp.holders = sp.block_holds
+                sp.drop_holds()
             sp.forget_parked()
         self._release_unheld()
 
