@@ -13,6 +13,24 @@ Buffers, each ``(shard_numel,)`` flat and in the layout's order::
     param16  compute dtype   master cast to the model's dtype, written by the optimizer in the same pass;
                              for fp32 training it *is* ``master`` (no copy). Stage 3 with swapped partitions
                              has none (None): updated values go out through :meth:`ShardedGroup.write_param16`
+
+Where each tensor lives after a step, per configuration (the one table of it; stage 3's group is
+:class:`~hf_zero.zero.stage3_groups.Stage3Group`, the shard storages are :mod:`hf_zero.zero.stage3.storage`)::
+
+    configuration        master (fp32)             param16                  grad                 module .data
+    stage 0              own buffer (fp32: is      master cast (fp32: is    flat, at the         views of param16
+                         param16)                  master)                  boundary only        (a world of one)
+    stages 1, 2          own (shard_numel,)        master cast (fp32: is    shard; stage 2 keeps full tensors,
+                                                   master)                  it across steps      all-gathered from
+                                                                                                 param16 (publish)
+    stage 3              own (shard_numel,)        flat buffer; every       flat shard; every    (0,) placeholder
+                                                   param's resident         param's grad_storage until gathered
+                                                   storage is a view of it  is a view of it      for its module
+    stage 3, swapped     read range by range       None: write_param16      as stage 3           gathered from the
+    (offload_param nvme) (never whole if offload)  writes to swap files                          swap files
+    + offload_optimizer  (0,) placeholder, still   unchanged (written tile  unchanged (copied to unchanged
+                         the key of optimizer.state; by tile)               the CPU per tile)
+                         the values live in OptimizerOffload (resident tier, then CPU memory or NVMe files)
 """
 
 from __future__ import annotations
