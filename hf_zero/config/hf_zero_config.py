@@ -4,8 +4,8 @@ Top-level JSON keys are the fields below (``zero_optimization`` is read into ``z
 name of ``bf16``). Sections DeepSpeed has but hf_zero does not run yet are accepted and kept as plain mappings or
 typed sections. What hf_zero does with each key -- honoured, no effect by design, not implemented, refused -- is
 one table in :mod:`hf_zero.config.status`; :func:`not_implemented` names the keys a config actually sets that
-hf_zero does not run, so the startup table can say so instead of silently ignoring them. The last four fields are filled by :func:`load_config`, never read
-from JSON.
+hf_zero does not run, so the startup table can say so instead of silently ignoring them. The last four fields are
+filled by :func:`load_config`, never read from JSON.
 """
 
 from __future__ import annotations

@@ -227,8 +227,9 @@ STATUS: dict[str, KeyStatus] = {
     "zero_optimization.legacy_stage1": _no_op("hf_zero has one stage-1 implementation"),
     "zero_optimization.round_robin_gradients": _no_op("gradient copies to the CPU are not spread over ranks (same "
                                                       "values)"),
-    "zero_optimization.zero_hpz_partition_size": _todo("parameters are partitioned over the whole data-parallel "
-                                                       "group", active=lambda cfg: cfg.zero.zero_hpz_partition_size > 1),
+    "zero_optimization.zero_hpz_partition_size": _todo(
+        "parameters are partitioned over the whole data-parallel group",
+        active=lambda cfg: cfg.zero.zero_hpz_partition_size > 1),
     "zero_optimization.zero_quantized_weights": _todo("weights are all-gathered unquantized"),
     "zero_optimization.zero_quantized_nontrainable_weights": _todo("frozen weights are stored unquantized"),
     "zero_optimization.zero_quantized_gradients": _todo("gradients are reduced unquantized"),
