@@ -1,8 +1,8 @@
 """Wiring ZeRO-3's partitioned parameters into the engine's optimizer groups.
 
-Stage 3 reuses everything the optimizer knows from stages 1/2 (:class:`ShardedGroup`: fp32 master shard, gradient
-shard, 16-bit shard, the same :class:`~hf_zero.zero.layout.ShardLayout`), with one difference: the 16-bit shard and
-the gradient shard are not copies. Each :class:`~hf_zero.zero.stage3.ShardedParam` is re-pointed at its slice of the
+A :class:`Stage3Group` offers the optimizer what a stage 1/2 :class:`~hf_zero.zero.sharded_group.ShardedGroup`
+does (fp32 master shard, gradient shard, 16-bit shard in the same :class:`~hf_zero.zero.layout.ShardLayout`, and
+the same methods), without being one: its 16-bit shard and gradient shard are not copies. Each :class:`~hf_zero.zero.stage3.ShardedParam` is re-pointed at its slice of the
 group's flat buffers, so the fused Adam pass writes the model's shards directly and the stage-3 gradient
 reduce-scatter adds straight into the optimizer's gradient shard. There is nothing to publish after a step beyond
 the runtime's own ``after_step`` (persistent parameters).
@@ -18,13 +18,12 @@ import torch
 from hf_zero import comm
 from hf_zero.config.policies import NVMeOffloadPolicy, ZeroPolicy
 from hf_zero.zero.layout import ShardLayout
-from hf_zero.zero.sharded_group import ShardedGroup
 
 __all__ = ["Stage3Group", "build_stage3_groups"]
 
 
-class Stage3Group(ShardedGroup):
-    """A ShardedGroup over already-partitioned parameters; see the module docstring.
+class Stage3Group:
+    """The optimizer's view of already-partitioned parameters; see the module docstring.
 
     With ``offload_param: nvme`` some shards are in swap files, so there is no flat 16-bit buffer: ``param16`` is
     None and :meth:`write_param16` sends each updated range to the parameters' own storage (file or tensor).
@@ -78,22 +77,28 @@ class Stage3Group(ShardedGroup):
         for sp, a, b, off in self._pieces(lo, hi):
             sp.read_initial_fp32(out[off:off + b - a], a)
 
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
     def write_param16(self, lo: int, hi: int, values: torch.Tensor) -> list[Future]:
+        """Make elements ``[lo, hi)`` of the 16-bit shard equal ``values``: the flat buffer the parameters' storages
+        are views of, or (swapped partitions) each parameter's own storage. Returns the writes still in flight."""
         if self.param16 is not None:
-            return super().write_param16(lo, hi, values)
+            dst = self.param16[lo:hi]
+            if dst.data_ptr() != values.data_ptr():  # fp32 training: the master slice *is* the weights
+                dst.copy_(values)
+            return []
         futures = []
         for sp, a, b, off in self._pieces(lo, hi):
             futures.append(sp.storage.write_async(values[off:off + b - a], a))
         return futures
 
-    def ensure_grad(self) -> None:  # always allocated: the ShardedParams hold views into it
-        pass
+    def ensure_grad(self) -> None:
+        """The gradient shard always exists: the ShardedParams' grad storages are views of it."""
 
     def clear_grad(self) -> None:
         self.grad.zero_()
-
-    def publish(self, bucket_numel: int, group=None) -> None:  # the shards *are* the 16-bit buffer
-        pass
 
 
 def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
