@@ -91,7 +91,7 @@ class SwappedShard:
     def take(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.swapper.take(self.key, self.numel, self.dtype)
 
-    def rebind(self, view: torch.Tensor) -> None:
+    def rebind(self, view: torch.Tensor, *, copy: bool = True) -> None:
         raise ValueError("the shard is in a swap file (offload_param nvme); it has no storage to move")
 
 

@@ -112,10 +112,9 @@ class StateOffloader:
                 for i, sp in enumerate(sps):
                     lo, hi = g.layout.offsets[i], g.layout.offsets[i + 1]
                     if g.param16 is not None:
-                        sp.local_shard = g.param16[lo:hi]
-                        sp._publish_compat()
+                        sp.use_shard_storage(g.param16[lo:hi], copy=False)  # the values moved with the buffer
                     if sp.grad_storage is not None:
-                        sp.grad_storage = g.grad[lo:hi]
+                        sp.use_grad_storage(g.grad[lo:hi])
             elif g.world_size == 1 and g.param16 is not None and all(sharded_param_of(p) is None for p in g.params):
                 g._bind_params()
 

@@ -166,13 +166,14 @@ class ShardedParam:
     def drop_initial_fp32_shard(self) -> None:
         self.storage.drop_initial()
 
-    def use_shard_storage(self, view: torch.Tensor) -> None:
-        """From now on the resident shard *is* ``view`` (chunk_numel,), e.g. a slice of the engine's flat buffer."""
+    def use_shard_storage(self, view: torch.Tensor, *, copy: bool = True) -> None:
+        """From now on the resident shard *is* ``view`` (chunk_numel,), e.g. a slice of the engine's flat buffer.
+        ``copy=False``: ``view`` holds the values already (the buffer it belongs to was moved as a whole)."""
         if view.shape != (self.chunk_numel,):
             raise ValueError(f"{self.name}: shard storage must have shape ({self.chunk_numel},), got "
                              f"{tuple(view.shape)}")
         try:
-            self.storage.rebind(view)
+            self.storage.rebind(view, copy=copy)
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
         self._publish_compat()

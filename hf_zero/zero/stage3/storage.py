@@ -71,9 +71,9 @@ class ShardStorage(Protocol):
     def take(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Move out: ``(values, fp32 original or None)`` as resident tensors; this storage is empty afterwards."""
 
-    def rebind(self, view: torch.Tensor) -> None:
-        """Hold the values in ``view`` (numel,) from now on, e.g. a slice of the engine's flat buffer; a storage
-        whose values are not in memory raises ValueError."""
+    def rebind(self, view: torch.Tensor, *, copy: bool = True) -> None:
+        """Hold the values in ``view`` (numel,) from now on, e.g. a slice of the engine's flat buffer (``copy``:
+        copy them there first); a storage whose values are not in memory raises ValueError."""
 
 
 @runtime_checkable
@@ -136,6 +136,7 @@ class ResidentStorage:
         self._tensor, self._initial = torch.empty(0, dtype=self._tensor.dtype, device=self._tensor.device), None
         return out
 
-    def rebind(self, view: torch.Tensor) -> None:
-        view.copy_(self._tensor)
+    def rebind(self, view: torch.Tensor, *, copy: bool = True) -> None:
+        if copy:
+            view.copy_(self._tensor)
         self._tensor = view
