@@ -214,8 +214,11 @@ def _full_param_from_shards(files: list, key: str, layout: ShardLayout, index: i
 
 
 def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, load_optimizer_states: bool,
-                    load_lr_scheduler_states: bool):
-    """Restore a checkpoint (any saved world size). Returns ``(path, client_state)``, or ``(None, None)``."""
+                    load_lr_scheduler_states: bool, load_module_weights: bool = True):
+    """Restore a checkpoint (any saved world size). Returns ``(path, client_state)``, or ``(None, None)``.
+
+    ``load_module_weights=False``: the caller has loaded the module (a tensor-parallel model's full weights are
+    sliced into its DTensors by hf_zero/runtime/tp_checkpoint.py)."""
     root = Path(load_dir)
     tag = tag if tag is not None else read_latest_tag(root)
     if tag is None:
@@ -234,7 +237,7 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     if failed:
         raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
                               f"{reports[failed[0]]}")
-    if sd is not None:
+    if sd is not None and load_module_weights:
         engine.module.load_state_dict(sd, strict=load_module_strict)
     if engine.stage3 is None and meta.get("stage") == 3:
         _restore_stage3_extras(engine, handles)

@@ -401,6 +401,11 @@ class HfZeroEngine(nn.Module):
                         exclude_frozen_parameters: bool = False) -> bool:
         if self.optimizer is None:
             self._no_optimizer()
+        if tp_info(self.module) is not None:
+            from hf_zero.runtime.tp_checkpoint import save_tp_checkpoint
+
+            return save_tp_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                      exclude_frozen_parameters=exclude_frozen_parameters)
         from hf_zero.runtime.checkpoint import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
@@ -411,6 +416,12 @@ class HfZeroEngine(nn.Module):
                         custom_load_fn: Callable | None = None):
         if self.optimizer is None:
             self._no_optimizer()
+        from hf_zero.runtime.tp_checkpoint import is_tp_checkpoint, load_tp_checkpoint
+
+        if tp_info(self.module) is not None or is_tp_checkpoint(load_dir, tag):
+            return load_tp_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states and not load_module_only,
+                                      load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
         from hf_zero.runtime.checkpoint import load_checkpoint
 
         if custom_load_fn is not None:  # refused, not silently dropped: the load would not be what the caller asked

@@ -1,0 +1,169 @@
+"""Checkpoints of a tensor-parallel engine that reload at another TP size (and data-parallel size, ZeRO stage).
+
+    <dir>/latest                       the tag
+    <dir>/<tag>/tp.json                the TP size at save time
+    <dir>/<tag>/tp/rank00/...          TP rank 0's ordinary hf_zero checkpoint: the master weights and optimizer
+    <dir>/<tag>/tp/rank01/...          states of its shards, cut over its data-parallel group; model.safetensors
+                                       holds the whole gathered model (names and layout of the unsplit model)
+
+Same TP size: each TP rank loads its own directory. Another TP size: each rank assembles a one-rank checkpoint
+of exactly its current shards -- every parameter's full master / moments rebuilt from the saved TP ranks' pieces
+(concatenated along the sharded dim, the fused q|k|v column order undone for the saved size and redone for the
+current one) -- and loads it through the ordinary loader, which re-cuts it for the current data-parallel group.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, Shard
+
+from hf_zero.runtime.checkpoint import _full_param_from_shards, _rank_file, load_checkpoint, read_latest_tag, \
+    save_checkpoint
+from hf_zero.tensor_parallel import tp_info
+from hf_zero.tensor_parallel.state import load_full_state_dict
+from hf_zero.tensor_parallel.styles import fused_from_rank_major, fused_to_rank_major
+from hf_zero.zero.layout import ShardLayout
+
+__all__ = ["save_tp_checkpoint", "load_tp_checkpoint", "is_tp_checkpoint"]
+
+
+def _rank_tag(tp_rank: int) -> str:
+    return f"rank{tp_rank:02d}"
+
+
+def save_tp_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_latest: bool = True,
+                       exclude_frozen_parameters: bool = False) -> bool:
+    """Collective over every rank: each TP rank's data-parallel group writes its own ordinary checkpoint."""
+    info = tp_info(engine.module)
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    root = Path(save_dir) / tag
+    tp_rank = info.mesh.get_local_rank()
+    save_checkpoint(engine, root / "tp", tag=_rank_tag(tp_rank), client_state=client_state or {},
+                    save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
+    if dist.get_rank() == 0:
+        (root / "tp.json").write_text(json.dumps({"tp_size": info.size, "params": _param_layout(engine.module)}))
+        if save_latest:
+            tmp = Path(save_dir) / ".latest.tmp"
+            tmp.write_text(tag)
+            tmp.replace(Path(save_dir) / "latest")
+    dist.barrier()
+    return True
+
+
+def _param_layout(module) -> dict[str, dict]:
+    """How each parameter was split at save time: its full shape, sharded dim (None: replicated), fused parts."""
+    info = tp_info(module)
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
+        shard = next((pl for pl in p.placements if isinstance(pl, Shard)), None) if isinstance(p, DTensor) else None
+        out[name] = {"shape": list(p.shape), "dim": None if shard is None else shard.dim % p.dim(),
+                     "fused": list(info.fused[name]) if name in info.fused else None}
+    return out
+
+
+def is_tp_checkpoint(load_dir, tag=None) -> bool:
+    tag = tag if tag is not None else read_latest_tag(Path(load_dir))
+    return tag is not None and (Path(load_dir) / str(tag) / "tp.json").is_file()
+
+
+def load_tp_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool = True,
+                       load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
+    """Collective over every rank. Also loads a TP checkpoint into an engine without tensor parallelism (TP 1)."""
+    info = tp_info(engine.module)
+    tag = tag if tag is not None else read_latest_tag(Path(load_dir))
+    if tag is None:
+        return None, None
+    root = Path(load_dir) / str(tag)
+    if not (root / "tp.json").is_file():
+        raise FileNotFoundError(f"hf_zero: {str(root)!r} is not a tensor-parallel checkpoint (no tp.json): it was "
+                                "written without tensor_parallel.autotp_size; load it with the same setting")
+    saved = json.loads((root / "tp.json").read_text())
+    saved_tp = saved["tp_size"]
+    tp_size, tp_rank = (info.size, info.mesh.get_local_rank()) if info is not None else (1, 0)
+    # the module (frozen parameters and buffers included) from the gathered full weights
+    sd = load_file(str(root / "tp" / _rank_tag(0) / "model.safetensors"))
+    with safe_open(str(root / "tp" / _rank_tag(0) / "model.safetensors"), "pt") as f:
+        for alias, src in json.loads((f.metadata() or {}).get("aliases", "{}")).items():
+            sd[alias] = sd[src]
+    load_full_state_dict(engine.module, sd, strict=load_module_strict)
+    if saved_tp == tp_size:
+        return load_checkpoint(engine, root / "tp", tag=_rank_tag(tp_rank), load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_weights=False)
+    tmp = Path(tempfile.mkdtemp(prefix="hf_zero_tp_ckpt_"))
+    try:
+        _assemble(engine, root, saved, tp_size, tp_rank, tmp / "one")
+        path, client_state = load_checkpoint(engine, tmp, tag="one", load_module_strict=load_module_strict,
+                                             load_optimizer_states=load_optimizer_states,
+                                             load_lr_scheduler_states=load_lr_scheduler_states,
+                                             load_module_weights=False)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(root), client_state
+
+
+def _split_sizes(n: int, parts: int) -> list[int]:
+    """torch.chunk's split of ``n`` elements in ``parts`` (DTensor's Shard layout): trailing parts may be empty."""
+    chunk = -(-n // parts)
+    return [max(0, min(chunk, n - r * chunk)) for r in range(parts)]
+
+
+def _assemble(engine, root: Path, saved: dict, tp: int, tp_rank: int, out: Path) -> None:
+    """Write a one-rank checkpoint under ``out`` holding this rank's current shards of every group's state."""
+    saved_tp = saved["tp_size"]
+    dirs = [root / "tp" / _rank_tag(r) for r in range(saved_tp)]
+    metas = [json.loads((d / "meta.json").read_text()) for d in dirs]
+    handles = [[safe_open(str(d / _rank_file(r)), "pt") for r in range(m["shard_world_size"])]
+               for d, m in zip(dirs, metas)]
+    tensors = {}
+    try:
+        for gi, g in enumerate(engine.groups):
+            keys = [k for k in handles[0][0].keys() if k.startswith(f"group{gi}.")]
+            layouts = [ShardLayout(tuple(m["groups"][gi]["numels"]), m["shard_world_size"]) for m in metas]
+            for key in keys:
+                flats = []
+                for i, name in enumerate(g.names):
+                    # the saved ranks' groups list the same parameters in the same order (names match)
+                    pieces = [_full_param_from_shards(handles[r], key, layouts[r], i) for r in range(saved_tp)]
+                    flats.append(_reshard(saved["params"][name], pieces, saved_tp, tp, tp_rank))
+                tensors[key] = torch.cat(flats) if flats else torch.zeros(0)
+    finally:
+        del handles
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / _rank_file(0)))
+    meta = dict(metas[0])
+    meta.update({"world_size": 1, "shard_world_size": 1,
+                 "groups": [{"names": g.names, "numels": list(g.layout.numels)} for g in engine.groups]})
+    (out / "meta.json").write_text(json.dumps(meta))
+    shutil.copy(dirs[0] / "engine_state.pt", out / "engine_state.pt")
+    # the gathered full model: the ordinary loader checks buffers / frozen parameters against it
+    shutil.copy(dirs[0] / "model.safetensors", out / "model.safetensors")
+
+
+def _split_sizes(n: int, parts: int) -> list[int]:
+    """torch.chunk's split of ``n`` elements in ``parts`` (DTensor's Shard layout): trailing parts may be empty."""
+    chunk = -(-n // parts)
+    return [max(0, min(chunk, n - r * chunk)) for r in range(parts)]
+
+
+def _reshard(layout: dict, pieces: list[torch.Tensor], saved_tp: int, tp: int, tp_rank: int) -> torch.Tensor:
+    """This rank's flat piece of a parameter at TP size ``tp``, from the saved ranks' flat pieces."""
+    dim = layout["dim"]
+    if dim is None:  # replicated: every saved rank holds the whole tensor
+        return pieces[0]
+    shape = tuple(layout["shape"])
+    parts = [pieces[r].view(shape[:dim] + (size,) + shape[dim + 1:])
+             for r, size in enumerate(_split_sizes(shape[dim], saved_tp))]
+    full = torch.cat(parts, dim=dim)
+    if layout["fused"] is not None:
+        n, fdim = layout["fused"]
+        full = fused_to_rank_major(fused_from_rank_major(full, n, saved_tp, fdim), n, tp, fdim)
+    return torch.split(full, _split_sizes(shape[dim], tp), dim=dim)[tp_rank].reshape(-1)
