@@ -124,6 +124,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
         raise ValueError("hf_zero: this model is already tensor parallel (apply_tp was called on it before)")
     if tp_mesh.ndim != 1:
         raise ValueError(f"hf_zero: apply_tp needs the 1-D tensor-parallel mesh (mesh['tp']), got {tp_mesh.ndim}-D")
+    adapted = next((n for n, m in model.named_modules() if hasattr(m, "lora_A")), None)
+    if adapted is not None:
+        raise ValueError(f"hf_zero: module {adapted!r} carries LoRA adapters: adapters on tensor-parallel layers are "
+                         "not supported yet (their matrices would not be split with the layer); train the adapters "
+                         "with ZeRO data parallelism instead (tensor_parallel.autotp_size 1)")
     resolved, source = resolve_plan(model, plan, vocab_parallel_head=vocab_parallel_head)
     matched = match_modules(model, resolved)
     if not matched:

@@ -1,0 +1,76 @@
+"""The ``tensor_parallel`` config section, key by key (honoured, aliased, checked or refused by name), and the
+refusals of what tensor parallelism does not compose with yet."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from _tp_util import make_model
+from hf_zero.config.errors import ConfigError
+from hf_zero.tensor_parallel.config import parse_tp_config
+from hf_zero.testing import run_distributed
+
+
+def test_sizes_and_aliases():
+    assert parse_tp_config(None).size == 1 and not parse_tp_config(None).enabled
+    assert parse_tp_config({"autotp_size": 0}).size == 1
+    assert parse_tp_config({"autotp_size": 4}).size == 4
+    assert parse_tp_config({"tp": {"tp_size": 2}}).size == 2
+    assert parse_tp_config({"autotp_size": 2, "dtype": "bf16"}).dtype == "bf16"
+    assert parse_tp_config({"autotp_size": 2, "vocab_parallel_lm_head": False}).vocab_parallel_lm_head is False
+
+
+@pytest.mark.parametrize("section,key", [
+    ({"autotp_size": 2, "tp": {"tp_size": 4}}, "tensor_parallel.tp.tp_size"),
+    ({"autotp_size": -1}, "tensor_parallel.autotp_size"),
+    ({"autotp_size": 2, "partition_config": {}}, "tensor_parallel.partition_config"),
+    ({"autotp_size": 2, "injection_policy_tuple": None}, "tensor_parallel.injection_policy_tuple"),
+    ({"autotp_size": 2, "tp": {"mpu": None}}, "tensor_parallel.tp.mpu"),
+    ({"autotp_size": 2, "tp": {"tp_grain_size": 64}}, "tensor_parallel.tp.tp_grain_size"),
+    ({"autotp_size": 2, "vocab_parallel_ce_backend": "liger"}, "tensor_parallel.vocab_parallel_ce_backend"),
+    ({"autotp_size": 2, "dtype": "int8"}, "tensor_parallel.dtype"),
+    ({"autotpsize": 2}, "tensor_parallel.autotpsize"),
+])
+def test_refused_keys_are_named(section, key):
+    with pytest.raises(ConfigError) as err:
+        parse_tp_config(section)
+    assert str(err.value).startswith(key)
+
+
+def test_overlap_comm_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_zero"):
+        parse_tp_config({"autotp_size": 2, "tp_overlap_comm": True})
+    assert "tensor_parallel.tp_overlap_comm" in caplog.text
+
+
+def _refusals():
+    import hf_zero
+    from hf_zero.tensor_parallel import tp_model_init
+
+    out = {}
+    model = make_model("llama")
+    model.model.layers[0].self_attn.q_proj.lora_A = None  # what PEFT's LoRA layers carry
+    try:
+        tp_model_init(model, tp_size=2)
+    except ValueError as e:
+        out["lora"] = str(e)
+    try:  # kv heads 4 cannot be split over 8... a world of 2 cannot hold tp 3
+        tp_model_init(make_model("llama"), tp_size=3)
+    except ValueError as e:
+        out["size"] = str(e)
+    try:
+        hf_zero.initialize(model=make_model("llama"), config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "tensor_parallel": {"autotp_size": 2, "dtype": "bf16"}})
+    except ConfigError as e:
+        out["dtype"] = str(e)
+    return out
+
+
+def test_refusals_name_the_cause():
+    out = run_distributed(_refusals, 2, timeout_s=240)[0]
+    assert "q_proj" in out["lora"] and "LoRA" in out["lora"]
+    assert "tp_model_init(tp_size)=3" in out["size"] and "world size 2" in out["size"]
+    assert out["dtype"].startswith("tensor_parallel.dtype") and "fp32" in out["dtype"]
