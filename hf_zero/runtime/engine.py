@@ -416,6 +416,13 @@ class HfZeroEngine(nn.Module):
                         custom_load_fn: Callable | None = None):
         if self.optimizer is None:
             self._no_optimizer()
+        if custom_load_fn is not None:  # refused, not silently dropped: the load would not be what the caller asked
+            raise NotImplementedError(
+                "hf_zero: load_checkpoint(custom_load_fn=...) is not supported: hf_zero checkpoints are resharded "
+                "per parameter on load, so there is no (src, dst) module state to hand to it. Load with "
+                "load_module_only=True and apply your function to engine.module afterwards (stages 0-2), or "
+                "inside hf_zero.zero.GatheredParameters (stage 3).")
+
         from hf_zero.runtime.tp_checkpoint import is_tp_checkpoint, load_tp_checkpoint
 
         if tp_info(self.module) is not None or is_tp_checkpoint(load_dir, tag):
@@ -423,13 +430,6 @@ class HfZeroEngine(nn.Module):
                                       load_optimizer_states=load_optimizer_states and not load_module_only,
                                       load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
         from hf_zero.runtime.checkpoint import load_checkpoint
-
-        if custom_load_fn is not None:  # refused, not silently dropped: the load would not be what the caller asked
-            raise NotImplementedError(
-                "hf_zero: load_checkpoint(custom_load_fn=...) is not supported: hf_zero checkpoints are resharded "
-                "per parameter on load, so there is no (src, dst) module state to hand to it. Load with "
-                "load_module_only=True and apply your function to engine.module afterwards (stages 0-2), or "
-                "inside hf_zero.zero.GatheredParameters (stage 3).")
 
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states and not load_module_only,
