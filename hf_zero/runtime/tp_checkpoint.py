@@ -2,9 +2,10 @@
 
     <dir>/latest                       the tag
     <dir>/<tag>/tp.json                the TP size at save time
-    <dir>/<tag>/tp/rank00/...          TP rank 0's ordinary hf_zero checkpoint: the master weights and optimizer
-    <dir>/<tag>/tp/rank01/...          states of its shards, cut over its data-parallel group; model.safetensors
-                                       holds the whole gathered model (names and layout of the unsplit model)
+    <dir>/<tag>/tp/rank00/state/...    TP rank 0's ordinary hf_zero checkpoint: the master weights and optimizer
+    <dir>/<tag>/tp/rank01/state/...    states of its shards, cut over its data-parallel group; model.safetensors
+                                       holds the whole gathered model (names and layout of the unsplit model).
+                                       One directory per TP rank: each save cleans its own directory's leftovers
 
 Same TP size: each TP rank loads its own directory. Another TP size: each rank assembles a one-rank checkpoint
 of exactly its current shards -- every parameter's full master / moments rebuilt from the saved TP ranks' pieces
@@ -35,8 +36,11 @@ from hf_zero.zero.layout import ShardLayout
 __all__ = ["save_tp_checkpoint", "load_tp_checkpoint", "is_tp_checkpoint"]
 
 
-def _rank_tag(tp_rank: int) -> str:
-    return f"rank{tp_rank:02d}"
+_STATE = "state"
+
+
+def _rank_root(root: Path, tp_rank: int) -> Path:
+    return root / "tp" / f"rank{tp_rank:02d}"
 
 
 def save_tp_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_latest: bool = True,
@@ -46,7 +50,7 @@ def save_tp_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_la
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     root = Path(save_dir) / tag
     tp_rank = info.mesh.get_local_rank()
-    save_checkpoint(engine, root / "tp", tag=_rank_tag(tp_rank), client_state=client_state or {},
+    save_checkpoint(engine, _rank_root(root, tp_rank), tag=_STATE, client_state=client_state or {},
                     save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
     if dist.get_rank() == 0:
         (root / "tp.json").write_text(json.dumps({"tp_size": info.size, "params": _param_layout(engine.module)}))
@@ -89,13 +93,13 @@ def load_tp_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool =
     saved_tp = saved["tp_size"]
     tp_size, tp_rank = (info.size, info.mesh.get_local_rank()) if info is not None else (1, 0)
     # the module (frozen parameters and buffers included) from the gathered full weights
-    sd = load_file(str(root / "tp" / _rank_tag(0) / "model.safetensors"))
-    with safe_open(str(root / "tp" / _rank_tag(0) / "model.safetensors"), "pt") as f:
+    sd = load_file(str(_rank_root(root, 0) / _STATE / "model.safetensors"))
+    with safe_open(str(_rank_root(root, 0) / _STATE / "model.safetensors"), "pt") as f:
         for alias, src in json.loads((f.metadata() or {}).get("aliases", "{}")).items():
             sd[alias] = sd[src]
     load_full_state_dict(engine.module, sd, strict=load_module_strict)
     if saved_tp == tp_size:
-        return load_checkpoint(engine, root / "tp", tag=_rank_tag(tp_rank), load_module_strict=load_module_strict,
+        return load_checkpoint(engine, _rank_root(root, tp_rank), tag=_STATE, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_weights=False)
     tmp = Path(tempfile.mkdtemp(prefix="hf_zero_tp_ckpt_"))
@@ -119,7 +123,7 @@ def _split_sizes(n: int, parts: int) -> list[int]:
 def _assemble(engine, root: Path, saved: dict, tp: int, tp_rank: int, out: Path) -> None:
     """Write a one-rank checkpoint under ``out`` holding this rank's current shards of every group's state."""
     saved_tp = saved["tp_size"]
-    dirs = [root / "tp" / _rank_tag(r) for r in range(saved_tp)]
+    dirs = [_rank_root(root, r) / _STATE for r in range(saved_tp)]
     metas = [json.loads((d / "meta.json").read_text()) for d in dirs]
     handles = [[safe_open(str(d / _rank_file(r)), "pt") for r in range(m["shard_world_size"])]
                for d, m in zip(dirs, metas)]
