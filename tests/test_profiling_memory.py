@@ -76,5 +76,5 @@ def test_model_state_bytes_equal_the_engines_tensors(frozen):
     for rank, by_case in enumerate(results):
         for case, (predicted, held) in by_case.items():
             assert predicted == held, f"rank {rank} {case}: estimated {predicted} B, the engine holds {held} B"
-        # the cases really differ: ZeRO-3 on 2 ranks holds well under stage 0's 16 B per parameter
-        assert by_case[(3, "fp32", "none")][1] < 0.6 * by_case[(0, "fp32", "none")][1]
+        # the cases really differ: ZeRO-3 on 2 ranks holds a third less than stage 0 (norms stay whole)
+        assert by_case[(3, "fp32", "none")][1] < 0.75 * by_case[(0, "fp32", "none")][1]

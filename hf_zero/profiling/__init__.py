@@ -18,6 +18,11 @@ _LAZY = {
     "FlopCounter": "hf_zero.profiling.flops",
     "FlopReport": "hf_zero.profiling.flops",
     "analytic_flops": "hf_zero.profiling.analytic",
+    "get_model_profile": "hf_zero.profiling.profiler",
+    "FlopsProfiler": "hf_zero.profiling.profiler",
+    "estimate_memory": "hf_zero.profiling.memory",
+    "estimate_step_time": "hf_zero.profiling.steptime",
+    "peak_tflops": "hf_zero.profiling.hardware",
 }
 
 __all__ = list(_LAZY)
