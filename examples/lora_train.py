@@ -84,6 +84,13 @@ def main(argv=None) -> None:
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
             bnb_4bit_quant_storage=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(base_path, **load_kwargs)
+    if args.load_in_4bit:
+        from hf_zero.runtime.bnb_compat import keep_4bit_layout
+
+        # bitsandbytes >= 0.50 repacks 4-bit weights in place for a bf16 CPU kernel on the first eval forward, and
+        # merge_and_unload then merges into the repacked layout (wrong logits); keep the training layout, as
+        # hf_zero does for ZeRO-3 partitioned layers anyway, so every run here computes the same way
+        keep_4bit_layout(model)
     torch.manual_seed(0)  # the LoRA initialisation, identical on every rank and in every run
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS,
                                              init_lora_weights="gaussian"))
@@ -144,7 +151,7 @@ def merge_and_check(trainer, metrics: dict):
         return merged_logits if trainer.is_world_process_zero() else None
     if not trainer.is_world_process_zero():
         return None
-    plain = LlamaForCausalLM(tiny_llama_config())
+    plain = LlamaForCausalLM(merged.config)  # the base model's own shapes, whatever its size
     missing, unexpected = plain.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary_emb" in k for k in missing), (missing, unexpected)
     with torch.no_grad():

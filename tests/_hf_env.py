@@ -90,7 +90,7 @@ def accelerate_launch(python: Path, config_file: Path, script: Path, args: list[
     return run_logged(cmd, cwd, timeout, env)
 
 
-def tiny_base_model(path: Path, seed: int = 0) -> Path:
+def tiny_base_model(path: Path, seed: int = 0, hidden_size: int = 32) -> Path:
     """Save the examples' tiny Llama (fixed seed) as a local 'pretrained' model directory."""
     sys.path.insert(0, str(EXAMPLES))
     try:
@@ -101,7 +101,7 @@ def tiny_base_model(path: Path, seed: int = 0) -> Path:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    LlamaForCausalLM(tiny_llama_config()).save_pretrained(path)
+    LlamaForCausalLM(tiny_llama_config(hidden_size)).save_pretrained(path)
     return path
 
 

@@ -201,8 +201,11 @@ class HfZeroEngine(nn.Module):
     def _init_stage3(self, plan: OptimizerPlan, names: dict, grad_dtype: torch.dtype) -> list[ShardedGroup]:
         from hf_zero.zero.stage3_groups import build_stage3_groups
 
+        from hf_zero.runtime.bnb_compat import keep_4bit_layout
+
         self.stage3, groups = build_stage3_groups(self.module, plan, self.zero_policy, self.compute_dtype, grad_dtype,
                                                   process_group=self.process_group, master_dtype=self._master_dtype)
+        keep_4bit_layout(self.module)  # a partitioned 4-bit weight cannot be repacked in place by bitsandbytes
         return groups
 
     def _broadcast_module_from_rank0(self) -> None:
