@@ -100,6 +100,14 @@ def _class_name(layer: Any) -> str:
     return type(layer).__name__ if isinstance(layer, nn.Module) else getattr(layer, "__name__", type(layer).__name__)
 
 
+def _reseed_in_use(seed: int) -> None:
+    """``torch.manual_seed(seed)`` for the generators a forward can draw from: the CPU's, and CUDA's once CUDA is
+    initialized (an uninitialized CUDA has drawn nothing; its lazy seeding is what makes torch.manual_seed slow)."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
 class PipelineModule(nn.Module):
     """DeepSpeed's ``PipelineModule`` (see the module docstring). hf_zero additions: ``virtual_stages`` (chunks per
     rank, for interleaved schedules); activation checkpointing is always torch's non-reentrant checkpoint unless
@@ -132,6 +140,10 @@ class PipelineModule(nn.Module):
         self.loss_fn = loss_fn
         self.seed_layers = seed_layers
         self.seed_fn = seed_fn or torch.manual_seed
+        # forward re-seeds every layer of every micro-batch: torch.manual_seed costs ~1 ms there (it records a
+        # traceback to seed CUDA lazily), on the pipeline's critical path; the default re-seeds what is in use
+        self._forward_seed_fn = seed_fn or _reseed_in_use
+        self.micro_offset = 0
         self.base_seed = int(base_seed)
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
         self.activation_checkpoint_func = activation_checkpoint_func
@@ -234,14 +246,20 @@ class PipelineModule(nn.Module):
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)
         lo, hi = self.parts[chunk], self.parts[chunk + 1]
         k = self.activation_checkpoint_interval
+        offset = 0
+        if self.seed_layers and self.training:
+            # DeepSpeed's: every forward (micro-batch) draws from new seeds; fixed here so that a checkpointed
+            # range recomputed later re-seeds as its forward did
+            self.micro_offset += 1
+            offset = self.micro_offset
         if k <= 0 or not torch.is_grad_enabled():
-            return self._run_layers(lo, hi, x)
+            return self._run_layers(lo, hi, x, offset)
         for start in range(lo, hi, k):
             end = min(start + k, hi)
             if not self._checkpointable(start, end):
-                x = self._run_layers(start, end, x)
+                x = self._run_layers(start, end, x, offset)
                 continue
-            run = functools.partial(self._run_layers_flat, start, end)
+            run = functools.partial(self._run_layers_flat, start, end, offset)
             args = x if isinstance(x, tuple) else (x,)
             if self.activation_checkpoint_func is not None:
                 x = self.activation_checkpoint_func(run, *args)
@@ -249,13 +267,13 @@ class PipelineModule(nn.Module):
                 x = _torch_checkpoint(run, *args, use_reentrant=False)
         return x
 
-    def _run_layers_flat(self, start: int, end: int, *args):
-        return self._run_layers(start, end, args[0] if len(args) == 1 else tuple(args))
+    def _run_layers_flat(self, start: int, end: int, offset: int, *args):
+        return self._run_layers(start, end, args[0] if len(args) == 1 else tuple(args), offset)
 
-    def _run_layers(self, start: int, end: int, x: Any) -> Any:
+    def _run_layers(self, start: int, end: int, x: Any, offset: int = 0) -> Any:
         for idx in range(start, end):
             if self.seed_layers and self.training:
-                self.seed_fn(self.base_seed * (getattr(self, "micro_offset", 0) + 1) + idx)
+                self._forward_seed_fn(self.base_seed * (offset + 1) + idx)
             x = self.forward_funcs[idx](x)
         return x
 
