@@ -53,6 +53,43 @@ def _train(cases):
     return out
 
 
+def _seeding():
+    """seed_layers=True: layer i of the k-th forward draws from seed base * (k + 1) + i (DeepSpeed's), so micro-batches
+    get different dropout masks, and a checkpointed range recomputes its forward's mask."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    from hf_zero.pipe import LayerSpec, PipelineModule
+
+    world, rank, base = dist.get_world_size(), dist.get_rank(), 1234
+    net = PipelineModule([LayerSpec(nn.Linear, 4, 4), LayerSpec(nn.Dropout, 0.5)] * world, num_stages=world,
+                         seed_layers=True, base_seed=base, partition_method="uniform")
+    linear = net.forward_funcs[2 * rank]
+    x = torch.ones(8, 4)
+
+    def expected(k):
+        torch.manual_seed(base * (k + 1) + 2 * rank + 1)
+        return F.dropout(linear(x), 0.5)
+
+    first, second = net(x), net(x)
+    net.activation_checkpoint_interval = 2
+    third = net(x)
+    third.sum().backward()
+    grad = linear.weight.grad.clone()
+    linear.weight.grad = None
+    expected(3).sum().backward()
+    return dict(differ=bool((first != second).any()), first=torch.equal(first, expected(1)),
+                second=torch.equal(second, expected(2)), third=torch.equal(third, expected(3)),
+                grad=torch.equal(grad, linear.weight.grad))
+
+
+def _train_and_seed(cases):
+    out = _train(cases)
+    out["_seeding"] = _seeding()
+    return out
+
+
 def _check(results, case):
     name, stages, tied, micro_batches = case[:4]
     dp = len(results) // stages
@@ -89,9 +126,11 @@ CASES_4 = [
 
 
 def test_pipeline_module_two_stages_matches_one_process():
-    results = run_distributed(_train, world_size=2, args=(CASES_2,), timeout_s=400)
+    results = run_distributed(_train_and_seed, world_size=2, args=(CASES_2,), timeout_s=400)
     for case in CASES_2:
         _check(results, case)
+    for r in results:
+        assert r["_seeding"] == dict(differ=True, first=True, second=True, third=True, grad=True), r["_seeding"]
     # the first and last stage know they are
     assert [r["1f1b-untied"]["first"] for r in results] == [True, False]
     assert [r["1f1b-untied"]["last"] for r in results] == [False, True]
