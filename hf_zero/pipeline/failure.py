@@ -39,7 +39,7 @@ class StageFailureGuard:
 
     def _abort(self) -> None:
         for group in {self.grid.get_pipe_parallel_group(), self.grid.get_data_parallel_group(),
-                      self.grid.get_model_parallel_group()}:
+                      self.grid.get_model_parallel_group(), self.grid.get_slice_parallel_group()}:
             if group is not None:
                 with contextlib.suppress(Exception):
                     group.abort()

@@ -17,6 +17,11 @@ The loss is the unsplit model's: token-level cross-entropy summed over the globa
 data-parallel replica) and divided by the global number of label tokens, so padding does not skew it.
 Tied input/output embeddings (``tie_word_embeddings``) get a copy on the last stage; the engine sums the two
 copies' gradients and counts the weight once in the gradient norm.
+
+3D: ``wrap(model, num_stages, tp_size=2)`` lays the ranks out as (pipe, data, model) on one device mesh;
+``initialize`` with ``tensor_parallel.autotp_size`` then shards each stage's modules over its TP group (the
+runtime sets :attr:`HFPipelineModule.cross_entropy_sum` to the vocabulary-parallel loss and
+:attr:`HFPipelineModule.full_state_dict_fn` to the gather that makes saved weights ordinary ones).
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from torch import nn
 from hf_zero import comm
 from hf_zero.pipeline.module import PipelineError, TiedGroup
 from hf_zero.pipeline.partition import partition_uniform
-from hf_zero.pipeline.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
+from hf_zero.pipeline.topology import (PipeDataParallelTopology, PipeModelDataParallelTopology, PipelineParallelGrid,
+                                       ProcessTopology)
 
 __all__ = ["wrap", "HFPipelineModule"]
 
@@ -56,6 +62,11 @@ class _Family:
 _LLAMA = _Family(base="model", embed="embed_tokens", layers="layers", norm="norm")
 _GPT2 = _Family(base="transformer", embed="wte", layers="h", norm="ln_f", kind="gpt2")
 FAMILIES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "gpt2": _GPT2}
+
+
+def _token_ce_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _family_of(model: nn.Module) -> _Family:
@@ -83,15 +94,22 @@ class HFPipelineModule(nn.Module):
     dynamic_shape = True  # every stage sees the batch, so a new sequence length re-runs shape inference everywhere
 
     def __init__(self, model: nn.Module, num_stages: int | None = None, topology: ProcessTopology | None = None,
-                 virtual_stages: int = 1, layers_per_stage: list[int] | None = None):
+                 virtual_stages: int = 1, layers_per_stage: list[int] | None = None, tp_size: int = 1):
         super().__init__()
         family = _family_of(model)
         comm.init_distributed()
         world = dist.get_world_size()
         if topology is None:
-            if num_stages is None or world % int(num_stages):
-                raise ValueError(f"wrap: num_stages={num_stages} must divide the world size {world}")
-            topology = PipeDataParallelTopology(num_pp=int(num_stages), num_dp=world // int(num_stages))
+            tp_size = int(tp_size)
+            if num_stages is None or tp_size < 1 or world % (int(num_stages) * tp_size):
+                raise ValueError(f"wrap: num_stages={num_stages} x tp_size={tp_size} must divide the world size "
+                                 f"{world}")
+            dp = world // (int(num_stages) * tp_size)
+            topology = PipeModelDataParallelTopology(num_pp=int(num_stages), num_mp=tp_size, num_dp=dp) \
+                if tp_size > 1 else PipeDataParallelTopology(num_pp=int(num_stages), num_dp=dp)
+        elif tp_size != 1:
+            raise ValueError("wrap: pass tp_size or a topology (whose 'model' axis is the tensor-parallel size), "
+                             "not both")
         self._topo = topology
         self._grid = PipelineParallelGrid(topology)
         self.num_stages = self._grid.pipe_parallel_size
@@ -134,25 +152,53 @@ class HFPipelineModule(nn.Module):
         setattr(self, family.base, base)
         if self.has_head:
             setattr(self, family.head, getattr(model, family.head))
-        self.tied_groups = self._tie_group()
+        self.base_model_prefix = family.base  # where apply_tp finds the base model's plan entries
+        # replaced by the runtime under tensor parallelism (vocabulary-sharded logits; DTensor parameters)
+        self.cross_entropy_sum = _token_ce_sum
+        self.full_state_dict_fn = None
+        self._tie = self._tie_group()
 
-    def _tie_group(self) -> list[TiedGroup]:
-        if not self.tied or self.num_stages == 1:
+    @property
+    def tied_groups(self) -> list[TiedGroup]:
+        """The tied embedding / head copy of this stage with its group; the weight looked up now, since tensor
+        parallelism replaces it by a vocabulary-sharded parameter after wrap()."""
+        if self._tie is None:
             return []
+        return [TiedGroup("embed", [self._tied_weight()], self._tie[0], self._tie[1])]
+
+    def _tied_weight(self) -> nn.Parameter:
+        base = getattr(self, self.family.base)
+        return getattr(base, self.family.embed).weight if self.has_embed else getattr(self, self.family.head).weight
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        """This stage's token embedding (None off the first stage)."""
+        return getattr(getattr(self, self.family.base), self.family.embed) if self.has_embed else None
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """This stage's LM head (None off the last stage)."""
+        return getattr(self, self.family.head) if self.has_head else None
+
+    def _tie_group(self) -> tuple[list[int], Any] | None:
+        """(owner stages, this replica's group of the copies) when this stage holds a tied copy, else None."""
+        if not self.tied or self.num_stages == 1:
+            return None
         owners = [0, self.num_stages - 1]
         mine = None
-        for d in range(self._grid.data_parallel_size):
-            ranks = [self._topo.get_rank(pipe=s, data=d) for s in owners]
+        # one group per (replica, tensor-parallel rank): the first and the last stage's copies of the same shard
+        coords = [{"data": d} for d in range(self._grid.data_parallel_size)]
+        if "model" in self._topo.axes:
+            coords = [{**c, "model": m} for c in coords for m in range(self._topo.get_dim("model"))]
+        here = self._topo.get_coord(self._grid.global_rank)._asdict()
+        for c in coords:
+            ranks = [self._topo.get_rank(pipe=s, **c) for s in owners]
             group = dist.new_group(ranks)
-            if self._grid.data_parallel_id == d and self.stage_id in owners:
+            if all(here[k] == v for k, v in c.items()) and self.stage_id in owners:
                 mine = (ranks, group)
         if mine is None:
-            return []
-        base = getattr(self, self.family.base)
-        weight = getattr(base, self.family.embed).weight if self.has_embed else getattr(self, self.family.head).weight
+            return None
         with torch.no_grad():  # the last stage's copy starts from the first stage's weights
-            dist.broadcast(weight.data, src=mine[0][0], group=mine[1])
-        return [TiedGroup("embed", [weight], owners, mine[1])]
+            dist.broadcast(self._tied_weight().data, src=mine[0][0], group=mine[1])
+        return owners, mine[1]
 
     # ---- the stage's computation --------------------------------------------------------------------------------
     @property
@@ -259,10 +305,10 @@ class HFPipelineModule(nn.Module):
         # the global token count only
         factor = dp_size / max(count.item(), 1.0)
 
+        ce_sum = self.cross_entropy_sum
+
         def loss(logits, shifted):
-            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1),
-                                 ignore_index=IGNORE_INDEX, reduction="sum")
-            return ce * factor
+            return ce_sum(logits, shifted) * factor
 
         return args, kwargs, target, loss
 
@@ -296,7 +342,7 @@ class HFPipelineModule(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and persistent buffers under the unsplit model's names (a tied head omitted,
         as save_pretrained does)."""
-        sd = {k: v for k, v in self.state_dict().items()}
+        sd = self.full_state_dict_fn(self) if self.full_state_dict_fn is not None else dict(self.state_dict())
         if self.tied and f"{self.family.head}.weight" in sd:
             del sd[f"{self.family.head}.weight"]
         return sd
@@ -312,7 +358,7 @@ class HFPipelineModule(nn.Module):
         names = [None] * grid.pipe_parallel_size
         dist.all_gather_object(names, sorted(sd), group=grid.get_pipe_parallel_group())
         fname = f"model-{self.stage_id + 1:05d}-of-{grid.pipe_parallel_size:05d}.safetensors"
-        if grid.data_parallel_id == 0:
+        if grid.data_parallel_id == 0 and grid.get_slice_parallel_rank() == 0:  # TP peers hold the same full sd
             save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()},
                       os.path.join(save_directory, fname), metadata={"format": "pt"})
             if self.stage_id == 0:
@@ -347,10 +393,12 @@ class _HFChunk(nn.Module):
 
 
 def wrap(model: nn.Module, num_stages: int | None = None, *, topology: ProcessTopology | None = None,
-         virtual_stages: int = 1, layers_per_stage: list[int] | None = None) -> HFPipelineModule:
+         virtual_stages: int = 1, layers_per_stage: list[int] | None = None, tp_size: int = 1) -> HFPipelineModule:
     """Cut an HF causal LM into ``num_stages`` pipeline stages (x data-parallel replicas filling the world); this
     rank keeps its own stage's modules. Every rank must pass the same model (same weights, e.g. from_pretrained
     or the same seed). ``virtual_stages``: chunks per rank for interleaved schedules. ``layers_per_stage``:
-    decoder layers per part instead of the uniform cut (the embedding and the head count as one layer each)."""
+    decoder layers per part instead of the uniform cut (the embedding and the head count as one layer each).
+    ``tp_size``: tensor-parallel ranks per stage (3D; the config's ``tensor_parallel.autotp_size`` must agree):
+    ranks are laid out (pipe, data, model), tensor parallel innermost."""
     return HFPipelineModule(model, num_stages=num_stages, topology=topology, virtual_stages=virtual_stages,
-                            layers_per_stage=layers_per_stage)
+                            layers_per_stage=layers_per_stage, tp_size=tp_size)

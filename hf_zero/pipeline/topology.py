@@ -11,6 +11,7 @@ import itertools
 from collections import namedtuple
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid"]
 
@@ -100,6 +101,11 @@ class PipelineParallelGrid:
 
     Every rank creates every group (torch requires it), in the same order. "Model parallel" means DeepSpeed's: the
     pipe x model ranks of one data-parallel replica -- the ranks whose gradients together make one model's.
+
+    A ``(pipe, data, model)`` topology whose model axis splits the model (3D: tensor parallelism inside each stage)
+    is laid out on one ``(pp, dp, tp)`` device mesh (``device_mesh``): the pipe, data and tensor groups are the
+    mesh's, so the DTensor shards of tensor parallelism and the groups ZeRO and the schedule use agree by
+    construction.
     """
 
     def __init__(self, topology: ProcessTopology, process_group=None):
@@ -120,10 +126,18 @@ class PipelineParallelGrid:
         self.stage_id = coord.pipe
         self.data_parallel_id = coord.data
         self.ds_model_rank = getattr(coord, "model", 0)
-        self.dp_group, self.dp_proc_group = self._own_group("data")
-        self.pp_group, self.pp_proc_group = self._own_group("pipe")
-        self.slice_group, self.slice_proc_group = self._own_group("model") if "model" in topology.axes else \
-            ([self.global_rank], None)
+        self.device_mesh: DeviceMesh | None = None
+        if topology.axes == ["pipe", "data", "model"] and self.model_parallel_size > 1:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            self.device_mesh = init_device_mesh(device_type, tuple(topology.dims), mesh_dim_names=("pp", "dp", "tp"))
+            self.dp_group, self.dp_proc_group = self._mesh_group("data", "dp")
+            self.pp_group, self.pp_proc_group = self._mesh_group("pipe", "pp")
+            self.slice_group, self.slice_proc_group = self._mesh_group("model", "tp")
+        else:
+            self.dp_group, self.dp_proc_group = self._own_group("data")
+            self.pp_group, self.pp_proc_group = self._own_group("pipe")
+            self.slice_group, self.slice_proc_group = self._own_group("model") if "model" in topology.axes else \
+                ([self.global_rank], None)
         # the pipe x model ranks of this replica: every rank with the same data coordinate
         self.model_group, self.model_proc_group = [], None
         for d in range(self.data_parallel_size):
@@ -131,6 +145,15 @@ class PipelineParallelGrid:
             group = dist.new_group(ranks)
             if self.global_rank in ranks:
                 self.model_group, self.model_proc_group = ranks, group
+
+    def _mesh_group(self, axis: str, dim: str):
+        """This rank's group along ``dim`` of the device mesh, and its ranks (the topology's, checked against it)."""
+        group = self.device_mesh.get_group(dim)
+        ranks = next(r for r in self._topo.get_axis_comm_lists(axis) if self.global_rank in r)
+        if dist.get_process_group_ranks(group) != ranks:
+            raise RuntimeError(f"hf_zero: the device mesh's {dim!r} group {dist.get_process_group_ranks(group)} "
+                               f"differs from the topology's {axis!r} ranks {ranks}")
+        return ranks, group
 
     def _own_group(self, axis: str):
         mine, mine_group = None, None

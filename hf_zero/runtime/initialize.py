@@ -68,10 +68,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     raw = read_config(_config_source(args, config, config_params))
     # tensor parallelism first: it replaces the model's parameters, and the batch arithmetic counts data-parallel
     # replicas (a TP group of ranks is one replica)
-    tp = setup_tensor_parallel(model, parse_tp_config(raw.get("tensor_parallel")), world_size=world_size)
-    if tp is not None and pipeline_grid is not None:
-        raise ConfigError("tensor_parallel.autotp_size", "tensor parallelism inside pipeline stages (3D) is not "
-                                                         "supported yet; use one of them with ZeRO")
+    tp = setup_tensor_parallel(model, parse_tp_config(raw.get("tensor_parallel")), world_size=world_size,
+                               pipeline_grid=pipeline_grid)
     data_rank = comm.get_rank(process_group)
     if pipeline_grid is not None:  # batch sizes count data-parallel replicas, not every rank
         world_size, data_rank = pipeline_grid.data_parallel_size, pipeline_grid.data_parallel_id

@@ -21,6 +21,9 @@ from hf_zero.config.errors import ConfigError
 from hf_zero.tensor_parallel import apply_tp, build_mesh, tp_info
 from hf_zero.tensor_parallel.apply import is_tp_sharded
 from hf_zero.tensor_parallel.config import TPConfig
+from hf_zero.tensor_parallel.loss import vocab_parallel_cross_entropy
+from hf_zero.tensor_parallel.mesh import TPMesh
+from hf_zero.tensor_parallel.state import full_state_dict
 
 __all__ = ["TPLayout", "setup_tensor_parallel", "replicated_spans"]
 
@@ -35,8 +38,14 @@ class TPLayout:
     dp_group: object
 
 
-def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int) -> TPLayout | None:
-    """Shard ``model`` if the config asks and it is not yet; the layout, or None without tensor parallelism."""
+def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int,
+                          pipeline_grid=None) -> TPLayout | None:
+    """Shard ``model`` if the config asks and it is not yet; the layout, or None without tensor parallelism.
+
+    ``pipeline_grid``: the model is a pipeline stage (3D); its (pp, dp, tp) device mesh decides the groups.
+    """
+    if pipeline_grid is not None:
+        return _setup_pipeline_stage(model, tp_cfg, pipeline_grid)
     info = tp_info(model)
     if info is None and not tp_cfg.enabled:
         return None
@@ -57,6 +66,47 @@ def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int
     # the dp group even when it holds one rank: None would mean the whole world to the engine
     return TPLayout(layout.tp_size, layout.tp_rank, layout.tp_group, layout.dp_size, layout.dp_rank,
                     layout.dp_group)
+
+
+def _setup_pipeline_stage(model: nn.Module, tp_cfg: TPConfig, grid) -> TPLayout | None:
+    """3D: shard this stage's modules over the tensor axis of the pipeline's (pp, dp, tp) mesh."""
+    mp = grid.model_parallel_size
+    if not tp_cfg.enabled:
+        if mp > 1 and hasattr(model, "cross_entropy_sum"):
+            raise ConfigError("tensor_parallel.autotp_size", f"is unset, but the pipeline was wrapped with a "
+                                                             f"tensor-parallel size of {mp} (wrap(tp_size=...) or "
+                                                             f"the topology's 'model' axis); set autotp_size: {mp}")
+        return None
+    if not hasattr(model, "cross_entropy_sum"):
+        raise ConfigError("tensor_parallel.autotp_size", "tensor parallelism inside pipeline stages applies to "
+                                                         "Hugging Face models cut by hf_zero.pipeline.wrap(model, "
+                                                         "num_stages, tp_size=N); a PipelineModule's layers have "
+                                                         "no tensor-parallel plan")
+    if tp_cfg.size != mp:
+        raise ConfigError("tensor_parallel.autotp_size", f"{tp_cfg.size} differs from the pipeline's tensor-parallel "
+                                                         f"size {mp}; pass tp_size={tp_cfg.size} to "
+                                                         "hf_zero.pipeline.wrap (ranks are laid out pipe x data x "
+                                                         "tensor)")
+    if grid.device_mesh is None:
+        raise ConfigError("tensor_parallel.autotp_size", "the pipeline topology's axes are not (pipe, data, model); "
+                                                         "use wrap(model, num_stages, tp_size=N) or "
+                                                         "PipeModelDataParallelTopology")
+    if getattr(model, "virtual_stages", 1) > 1:
+        raise ConfigError("pipeline.virtual_stages", "several virtual stages per rank with tensor parallelism are "
+                                                     "not supported (untested); use virtual_stages 1")
+    if tp_info(model) is None:
+        layout = TPMesh(grid.device_mesh)
+        apply_tp(model, layout, vocab_parallel_head=tp_cfg.vocab_parallel_lm_head)
+        if tp_cfg.vocab_parallel_lm_head:
+            model.cross_entropy_sum = _vocab_parallel_ce_sum
+        model.full_state_dict_fn = full_state_dict
+    layout = tp_info(model).layout
+    return TPLayout(layout.tp_size, layout.tp_rank, layout.tp_group, layout.dp_size, layout.dp_rank,
+                    layout.dp_group)
+
+
+def _vocab_parallel_ce_sum(logits, target):
+    return vocab_parallel_cross_entropy(logits, target, ignore_index=-100, reduction="sum")
 
 
 def replicated_spans(groups) -> dict[int, list[tuple[int, int]]]:

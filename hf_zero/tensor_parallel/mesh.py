@@ -24,7 +24,7 @@ __all__ = ["TPMesh", "build_mesh"]
 class TPMesh:
     """A ``(dp, tp)`` device mesh and what callers need from it."""
 
-    mesh: DeviceMesh  # 2-D, dims named ("dp", "tp")
+    mesh: DeviceMesh  # dims named ("dp", "tp"), or ("pp", "dp", "tp") under pipeline stages (3D)
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -36,11 +36,11 @@ class TPMesh:
 
     @property
     def tp_size(self) -> int:
-        return self.mesh.size(1)
+        return self.mesh["tp"].size()
 
     @property
     def dp_size(self) -> int:
-        return self.mesh.size(0)
+        return self.mesh["dp"].size()
 
     @property
     def tp_rank(self) -> int:
