@@ -129,36 +129,28 @@ def test_zero_init_module_attributes_transformers_reads():
     assert zero.Init is pp.Init
 
 
-class _SavedRank:
-    """Stands in for a safetensors handle of one saved rank's file."""
+def test_shard_state_reshards_frozen_shards_and_buffers(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
-    def __init__(self, tensors):
-        self._t = tensors
+    from hf_zero.runtime.checkpoint import _Reader
 
-    def keys(self):
-        return list(self._t)
-
-    def get_tensor(self, key):
-        return self._t[key]
-
-
-def test_checkpoint_tensors_reshard_frozen_shards_and_buffers():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3))
     model[0].weight.requires_grad_(False)
     full_weight = model[0].weight.detach().clone()
     rt = Stage3Runtime(model, reduce_bucket_size=100, prefetch_bucket_size=0, max_live_parameters=1000,
                        max_reuse_distance=0, param_persistence_threshold=0, overlap_comm=False)
-    saved = rt.checkpoint_tensors()
+    saved = rt.shard_state()
     assert sorted(saved) == ["stage3.buffer.1.num_batches_tracked", "stage3.buffer.1.running_mean",
                              "stage3.buffer.1.running_var", "stage3.frozen.0.weight"]
-    assert "stage3.frozen.0.weight" not in rt.checkpoint_tensors(exclude_frozen=True)
+    assert "stage3.frozen.0.weight" not in rt.shard_state(exclude_frozen=True)
     # a checkpoint written by 2 ranks (chunks of 8 of the 15 elements), loaded on this 1-rank runtime
     flat = torch.cat([full_weight.reshape(-1) * 2, torch.zeros(1)])
     buffers = {k: v.clone() + 1 for k, v in saved.items() if k.startswith("stage3.buffer.")}
-    handles = [_SavedRank({"stage3.frozen.0.weight": flat[:8], **buffers}),
-               _SavedRank({"stage3.frozen.0.weight": flat[8:], **buffers})]
-    rt.load_checkpoint_tensors(handles, {"shard_world_size": 2})
+    for r, piece in enumerate((flat[:8], flat[8:])):
+        save_file({"stage3.frozen.0.weight": piece.contiguous(), **buffers}, str(tmp_path / f"r{r}.safetensors"))
+    rt.load_shard_state(_Reader([safe_open(str(tmp_path / f"r{r}.safetensors"), "pt") for r in range(2)]))
     assert torch.equal(model[1].running_mean, buffers["stage3.buffer.1.running_mean"])
     rt.remove()
     assert torch.equal(model[0].weight, full_weight * 2)

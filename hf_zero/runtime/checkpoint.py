@@ -34,7 +34,6 @@ from hf_zero.comm import faults
 from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, clean_stale, fsync_dir,
                                               fsync_file, read_json, read_manifest, resolve_checkpoint, sha256_file,
                                               torch_load, verify_files, write_manifest)
-from hf_zero.offload.swapper import wait_all
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.layout import ShardLayout
 
@@ -80,26 +79,23 @@ def _write_rank_files(engine, tmp: Path, exclude_frozen: bool, client_state: dic
 
 
 def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_state: dict) -> list[str]:
+    """The file layout. Each component names its own state; this decides which file holds it:
+
+    * this rank's ``zero_rank<r>.safetensors``: the optimizer's shards (masters, moments), the stage-3 runtime's
+      shards (frozen parameters, buffers), the CPU RNG state;
+    * rank 0's ``meta.json``: the optimizer's scalar state and group description, sizes;
+    * rank 0's ``engine_state.pt``: counters, skipped steps, the loss scaler's and the LR scheduler's state dicts
+      (each once), ``client_state``;
+    * rank 0's ``model.safetensors`` (stages 0-2): the module's state dict.
+    """
     rank = engine.global_rank
+    optimizer = engine.optimizer
+    scalars = optimizer.scalar_state()
     tensors: dict[str, torch.Tensor] = {"rng.cpu": torch.get_rng_state()}
-    for gi, g in enumerate(engine.groups):
-        if engine.stage == 0 and rank != 0:
-            break  # stage 0: every rank holds the same full state; rank 0 writes it
-        if engine.optimizer.offload is not None:
-            # offloaded states (CPU memory / NVMe files): read back whole, saved under the same keys as resident ones
-            full = engine.optimizer.offload.state_tensors(gi)
-            tensors[f"group{gi}.master"] = full["master"]
-            if engine.optimizer.state.get(g.master):  # moments exist once the optimizer has stepped
-                tensors.update({f"group{gi}.state.{k}": full[k] for k in ("exp_avg", "exp_avg_sq")})
-            continue
-        tensors[f"group{gi}.master"] = g.master
-        for key, value in engine.optimizer.state.get(g.master, {}).items():
-            # per-element state (exp_avg, ...) is 1-d like the master, also for a group with no trainable
-            # parameter (a LoRA run's no-decay group: 0 elements); 0-d tensors (step) are scalars
-            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == g.master.numel():
-                tensors[f"group{gi}.state.{key}"] = value
+    if scalars["shard_world_size"] > 1 or rank == 0:  # unsharded (stage 0): every rank holds it; rank 0 writes it
+        tensors.update(optimizer.shard_state())
     if engine.stage3 is not None:
-        tensors.update(engine.stage3.checkpoint_tensors(exclude_frozen=exclude_frozen))
+        tensors.update(engine.stage3.shard_state(exclude_frozen=exclude_frozen))
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / _rank_file(rank)))
     if rank != 0:
         return [_rank_file(rank)]
@@ -108,25 +104,12 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
         sd, aliases = _dedupe_shared(engine.module_state_dict(exclude_frozen))
         save_file(sd, str(tmp / "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
         written.append("model.safetensors")
-    scalar_state = []
-    for g in engine.groups:
-        st = engine.optimizer.state.get(g.master, {})
-        scalar_state.append({k: (v.item() if torch.is_tensor(v) else v) for k, v in st.items()
-                             if not (torch.is_tensor(v) and v.dim() > 0 and v.numel() == g.master.numel())})
-    meta = {
-        "format_version": FORMAT_VERSION, "world_size": engine.world_size, "stage": engine.stage,
-        "shard_world_size": engine.groups[0].world_size if engine.groups else 1,
-        "groups": [{"names": g.names, "numels": list(g.layout.numels)} for g in engine.groups],
-        "optimizer_scalar_state": scalar_state,
-        "param_groups": [{k: v for k, v in pg.items() if k != "params" and isinstance(v, (int, float, bool, str,
-                                                                                          list, tuple, type(None)))}
-                         for pg in engine.optimizer.param_groups],
-        "global_steps": engine.global_steps,
-    }
+    meta = {"format_version": FORMAT_VERSION, "world_size": engine.world_size, "stage": engine.stage,
+            **{k: v for k, v in scalars.items() if k != "skipped_steps"}, "global_steps": engine.global_steps}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     torch.save({
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-        "micro_steps": engine.micro_steps, "skipped_steps": engine.optimizer.skipped_steps,
+        "micro_steps": engine.micro_steps, "skipped_steps": scalars["skipped_steps"],
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "client_state": client_state,
@@ -213,6 +196,31 @@ def _full_param_from_shards(files: list, key: str, layout: ShardLayout, index: i
     return torch.cat(parts)[:layout.numels[index]]
 
 
+class _Reader:
+    """The :class:`~hf_zero.zero.checkpoint_state.ShardReader` over one validated checkpoint's rank files: the
+    N->M re-cut lives here, so a component only ever sees its own rank's piece."""
+
+    def __init__(self, handles: list):
+        self._handles = handles
+        self._keys = set(handles[0].keys()) if handles else set()
+
+    def keys(self) -> set[str]:
+        return self._keys
+
+    def shard(self, key: str, layout: ShardLayout, rank: int) -> torch.Tensor:
+        saved = ShardLayout(layout.numels, len(self._handles))  # the groups were checked equal at validation
+        if saved == layout:
+            return self._handles[rank].get_tensor(key)
+        out = torch.empty(layout.shard_numel, dtype=self._handles[0].get_slice(key)[0:0].dtype)
+        for i in range(len(layout.numels)):
+            full = _full_param_from_shards(self._handles, key, saved, i)
+            layout.shard_of(full, i, rank, out[layout.offsets[i]:layout.offsets[i + 1]])
+        return out
+
+    def whole(self, key: str) -> torch.Tensor:
+        return self._handles[0].get_tensor(key)
+
+
 def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, load_optimizer_states: bool,
                     load_lr_scheduler_states: bool, load_module_weights: bool = True):
     """Restore a checkpoint (any saved world size). Returns ``(path, client_state)``, or ``(None, None)``.
@@ -237,47 +245,19 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     if failed:
         raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
                               f"{reports[failed[0]]}")
+    reader = _Reader(handles)
     if sd is not None and load_module_weights:
         engine.module.load_state_dict(sd, strict=load_module_strict)
     if engine.stage3 is None and meta.get("stage") == 3:
-        _restore_stage3_extras(engine, handles)
-    saved_shard_world = meta["shard_world_size"]
+        _restore_stage3_extras(engine, reader)
     try:
         if engine.stage3 is not None:
-            engine.stage3.load_checkpoint_tensors(handles, meta)
-        for gi, g in enumerate(engine.groups):
-            # with optimizer offload: full copies of the group's states, filled below and then written back
-            offloaded = engine.optimizer.offload.state_tensors(gi) if engine.optimizer.offload is not None else None
-            saved_layout = ShardLayout(tuple(meta["groups"][gi]["numels"]), saved_shard_world)
-            keys = [k for k in handles[0].keys() if k.startswith(f"group{gi}.")]
-            for key in keys:
-                name = key.split(".", 1)[1]
-                if name != "master" and not load_optimizer_states:
-                    continue
-                target = g.master if name == "master" else None
-                if offloaded is not None:
-                    target = offloaded[name if name == "master" else name.split(".", 1)[1]]
-                if target is None:
-                    state = engine.optimizer.state.setdefault(g.master, {})
-                    target = state.setdefault(name.split(".", 1)[1], torch.zeros_like(g.master))
-                if saved_layout == g.layout:
-                    target.copy_(handles[g.rank].get_tensor(key))
-                else:
-                    for i in range(len(g.params)):
-                        full = _full_param_from_shards(handles, key, saved_layout, i)
-                        g.layout.shard_of(full, i, g.rank, target[g.layout.offsets[i]:g.layout.offsets[i + 1]])
-            if offloaded is not None:
-                engine.optimizer.offload.load_state_tensors(gi, offloaded)  # also refreshes param16
-            else:
-                wait_all(g.write_param16(0, g.shard_numel, g.master))
-            if load_optimizer_states:
-                for k, v in meta["optimizer_scalar_state"][gi].items():
-                    engine.optimizer.state.setdefault(g.master, {})[k] = torch.tensor(float(v))
+            engine.stage3.load_shard_state(reader)
+        engine.optimizer.load_shard_state(reader, optimizer_states=load_optimizer_states)
         if load_optimizer_states:
-            for pg, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
-                pg.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+            engine.optimizer.load_scalar_state({**meta, "skipped_steps": engine_state["skipped_steps"]})
     finally:
-        del handles
+        del reader, handles
     engine.optimizer.publish()
     own_file = path / _rank_file(engine.global_rank)
     if meta["world_size"] == engine.world_size and own_file.is_file():  # RNG streams only resume on the same ranks
@@ -287,10 +267,8 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     engine.global_steps = engine_state["global_steps"]
     engine.global_samples = engine_state["global_samples"]
     engine.micro_steps = engine_state["micro_steps"]
-    if load_optimizer_states:
-        engine.optimizer.skipped_steps = engine_state["skipped_steps"]
-        if engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:
-            engine.loss_scaler.load_state_dict(engine_state["loss_scaler"])
+    if load_optimizer_states and engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(engine_state["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
     comm.barrier(engine.process_group, what="the end of load_checkpoint")
@@ -325,19 +303,19 @@ def _validate(engine, root: Path, tag: str, strict: bool):
     else:
         logger.warning("hf_zero: checkpoint %r has no %s (saved before checksums); loading it unverified",
                        str(path), MANIFEST)
-    _check_groups(engine, meta, path)
+    _check_groups(engine.optimizer.scalar_state()["groups"], meta, path)
     state = torch_load(path / "engine_state.pt")
     handles = [_open(path / name) for name in rank_names]
-    for gi, g in enumerate(engine.groups):
-        saved_layout = ShardLayout(tuple(meta["groups"][gi]["numels"]), saved_world)
+    for prefix, layout, _, dtype in engine.optimizer.shard_layouts():
+        saved_layout = ShardLayout(layout.numels, saved_world)
         for r, h in enumerate(handles):
-            for key in (k for k in h.keys() if k.startswith(f"group{gi}.")):
+            for key in (k for k in h.keys() if k.startswith(prefix)):
                 sl = h.get_slice(key)
-                if list(sl.get_shape()) != [saved_layout.shard_numel] or sl.get_dtype() != _ST_DTYPES[g.master.dtype]:
+                if list(sl.get_shape()) != [saved_layout.shard_numel] or sl.get_dtype() != _ST_DTYPES[dtype]:
                     raise CheckpointError(
                         f"hf_zero: checkpoint file {str(path / rank_names[r])!r}: {key} has shape {sl.get_shape()} "
                         f"and dtype {sl.get_dtype()}; the saved layout needs [{saved_layout.shard_numel}] "
-                        f"{_ST_DTYPES[g.master.dtype]}")
+                        f"{_ST_DTYPES[dtype]}")
     sd = None
     buffers = [n for n, _ in _persistent_buffers(engine.module)]
     frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
@@ -392,28 +370,29 @@ def _persistent_buffers(module):
     return [(n, b) for n, b in module.named_buffers() if n not in non_persistent]
 
 
-def _restore_stage3_extras(engine, handles) -> None:
+def _restore_stage3_extras(engine, reader: _Reader) -> None:
     """Buffers and frozen parameters of a ZeRO-3 checkpoint into a stage 0-2 engine (whole parameters)."""
     with torch.no_grad():
         for name, buf in _persistent_buffers(engine.module):
-            buf.copy_(handles[0].get_tensor(f"stage3.buffer.{name}"))
+            buf.copy_(reader.whole(f"stage3.buffer.{name}"))
         for name, p in engine.module.named_parameters():
             if not p.requires_grad:
-                full = torch.cat([h.get_tensor(f"stage3.frozen.{name}") for h in handles])[:p.numel()]
-                p.copy_(full.view_as(p))
+                whole = reader.shard(f"stage3.frozen.{name}", ShardLayout((p.numel(),), 1), 0)
+                p.copy_(whole.view_as(p))
 
 
-def _check_groups(engine, meta: dict, path: Path) -> None:
+def _check_groups(current: list[dict], meta: dict, path: Path) -> None:
+    """The optimizer's groups (names and numels) as saved and as now: shards re-cut only between equal groups."""
     saved = meta["groups"]
-    if len(saved) != len(engine.groups):
+    if len(saved) != len(current):
         raise ValueError(f"hf_zero: checkpoint {str(path)!r} has {len(saved)} optimizer parameter groups, the engine "
-                         f"has {len(engine.groups)}; build the optimizer with the same parameter groups")
-    for gi, (s, g) in enumerate(zip(saved, engine.groups)):
-        if list(s["numels"]) != list(g.layout.numels):
-            diff = [f"{n} (saved {a}, now {b})" for n, a, b in zip(g.names, s["numels"], g.layout.numels) if a != b]
+                         f"has {len(current)}; build the optimizer with the same parameter groups")
+    for gi, (s, g) in enumerate(zip(saved, current)):
+        if list(s["numels"]) != list(g["numels"]):
+            diff = [f"{n} (saved {a}, now {b})" for n, a, b in zip(g["names"], s["numels"], g["numels"]) if a != b]
             raise ValueError(f"hf_zero: checkpoint {str(path)!r} group {gi} does not match the model: "
-                             f"{len(s['numels'])} saved parameters vs {len(g.params)}; differing: {diff[:5]}; "
-                             f"saved names start {s['names'][:3]}, model's start {g.names[:3]}")
+                             f"{len(s['numels'])} saved parameters vs {len(g['numels'])}; differing: {diff[:5]}; "
+                             f"saved names start {s['names'][:3]}, model's start {g['names'][:3]}")
 
 
 def save_16bit_model(engine, save_dir, save_filename: str, exclude_frozen_parameters: bool) -> bool:

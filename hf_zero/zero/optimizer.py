@@ -24,6 +24,8 @@ import torch
 
 from hf_zero.comm import all_reduce_
 from hf_zero.offload.swapper import wait_all
+from hf_zero.zero.checkpoint_state import ShardReader
+from hf_zero.zero.layout import ShardLayout
 from hf_zero.zero.loss_scaler import LossScaler
 from hf_zero.zero.sharded_group import ShardedGroup
 
@@ -209,10 +211,93 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # state -------------------------------------------------------------------------------------------------------
     def state_dict(self):
+        """torch's optimizer state over this rank's master shards, plus the skipped-step count (the loss scaler
+        saves its own state, once: ``engine.loss_scaler.state_dict()``)."""
         sd = super().state_dict()
-        sd["hf_zero"] = {"skipped_steps": self.skipped_steps,
-                         "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
+        sd["hf_zero"] = {"skipped_steps": self.skipped_steps}
         return sd
+
+    # checkpoint state (hf_zero/runtime/checkpoint.py chooses the files; these say what the state is) ------------
+    def shard_state(self) -> dict[str, torch.Tensor]:
+        """This rank's flat shards, by name: ``group<i>.master`` and each per-element optimizer state
+        ``group<i>.state.<name>`` (Adam's moments once stepped), read back whole from where the back-end keeps them
+        (CPU memory, NVMe). Cut by :meth:`shard_layouts`."""
+        out: dict[str, torch.Tensor] = {}
+        for gi, g in enumerate(self.groups):
+            state = self.state.get(g.master, {})
+            if self.offload is not None:
+                full = self.offload.state_tensors(gi)
+                out[f"group{gi}.master"] = full["master"]
+                if state:  # moments exist once the optimizer has stepped
+                    out.update({f"group{gi}.state.{k}": full[k] for k in ("exp_avg", "exp_avg_sq")})
+                continue
+            out[f"group{gi}.master"] = g.master
+            out.update({f"group{gi}.state.{k}": v for k, v in state.items() if _per_element(v, g.master)})
+        return out
+
+    def shard_layouts(self) -> list[tuple[str, ShardLayout, int, torch.dtype]]:
+        """``(name prefix, layout, rank, master dtype)`` of each group: every shard named ``<prefix>...`` is cut by
+        that layout and this rank holds piece ``rank``."""
+        return [(f"group{gi}.", g.layout, g.rank, g.master.dtype) for gi, g in enumerate(self.groups)]
+
+    def scalar_state(self) -> dict:
+        """The JSON-able rest: per-group parameter names and numels (what the shards are cut from), per-group
+        scalar optimizer state (Adam's step), the param_groups' hyper-parameters, the skipped-step count."""
+        return {
+            "groups": [{"names": list(g.names), "numels": list(g.layout.numels)} for g in self.groups],
+            "shard_world_size": self.groups[0].world_size if self.groups else 1,
+            "optimizer_scalar_state": [
+                {k: (v.item() if torch.is_tensor(v) else v) for k, v in self.state.get(g.master, {}).items()
+                 if not _per_element(v, g.master)} for g in self.groups],
+            "param_groups": [{k: v for k, v in pg.items() if k != "params" and isinstance(v, _PLAIN)}
+                             for pg in self.param_groups],
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_shard_state(self, reader: ShardReader, *, optimizer_states: bool) -> None:
+        """Masters (and, with ``optimizer_states``, every saved per-element state) from ``reader``, re-cut for this
+        rank's layout; the 16-bit copies are refreshed from the loaded masters (publish with :meth:`publish`)."""
+        keys = reader.keys()
+        for gi, g in enumerate(self.groups):
+            prefix = f"group{gi}."
+            loaded = {k[len(prefix):]: reader.shard(k, g.layout, g.rank) for k in sorted(keys)
+                      if k.startswith(prefix) and (optimizer_states or k == prefix + "master")}
+            if self.offload is not None:
+                # full copies of the group's offloaded states, the loaded ones replaced, written back whole
+                full = self.offload.state_tensors(gi)
+                full.update({name.rsplit(".", 1)[-1]: t for name, t in loaded.items()})
+                self.offload.load_state_tensors(gi, full)  # also refreshes param16
+                continue
+            with torch.no_grad():
+                for name, t in loaded.items():
+                    if name == "master":
+                        g.master.copy_(t)
+                        continue
+                    state = self.state.setdefault(g.master, {})
+                    key = name.split(".", 1)[1]
+                    if key in state:
+                        state[key].copy_(t)
+                    else:  # a fresh optimizer: the state takes the saved dtype (fp32, or bf16 states)
+                        state[key] = t.to(g.master.device).clone()
+            wait_all(g.write_param16(0, g.shard_numel, g.master))
+
+    def load_scalar_state(self, saved: dict) -> None:
+        """Inverse of :meth:`scalar_state` for the optimizer's own scalars (the groups were checked by the caller)."""
+        for g, scalars in zip(self.groups, saved["optimizer_scalar_state"]):
+            for k, v in scalars.items():
+                self.state.setdefault(g.master, {})[k] = torch.tensor(float(v))
+        for pg, hyper in zip(self.param_groups, saved["param_groups"]):
+            pg.update({k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()})
+        self.skipped_steps = int(saved["skipped_steps"])
+
+
+_PLAIN = (int, float, bool, str, list, tuple, type(None))
+
+
+def _per_element(value, master: torch.Tensor) -> bool:
+    """A state tensor cut like the master (exp_avg, ...): 1-d, one value per master element -- also for a group
+    with no trainable parameter (a LoRA run's no-decay group: 0 elements); 0-d tensors (step) are scalars."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == master.numel()
 
 
 _SLICE = 1 << 20  # elements per fp32 working slice of the low-precision Adam step

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hf_zero.comm import get_rank, get_world_size
+from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.leaf import z3_leaf_module
 
 from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
@@ -263,7 +264,7 @@ class Stage3Runtime:
                 sp.drop_initial_fp32_shard()
 
     # ------------------------------------------------------------------ checkpoint (engine)
-    def checkpoint_tensors(self, *, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    def shard_state(self, *, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
         """This rank's tensors the optimizer does not own, for its checkpoint file: the shards of frozen
         parameters (``stage3.frozen.<name>``, chunk_numel each) and the module's persistent buffers
         (``stage3.buffer.<name>``, whole, identical on every rank). Trainable values are the optimizer's masters."""
@@ -276,28 +277,20 @@ class Stage3Runtime:
             out[f"stage3.buffer.{name}"] = buf
         return out
 
-    def load_checkpoint_tensors(self, handles, meta: dict) -> None:
-        """Inverse of :meth:`checkpoint_tensors`. ``handles[r]`` reads the file of saved rank ``r`` (``keys()``,
-        ``get_tensor(key)``); a checkpoint saved on another number of ranks is re-cut from the saved chunks.
-        Call :meth:`after_step` once the optimizer has loaded its masters, to re-publish persistent params."""
-        saved_world = len(handles)
-        keys = set(handles[0].keys())
+    def load_shard_state(self, reader: ShardReader) -> None:
+        """Inverse of :meth:`shard_state`, through the checkpoint's reader (which re-cuts a checkpoint saved
+        on another number of ranks). Call :meth:`after_step` once the optimizer has loaded its masters, to
+        re-publish persistent params."""
+        keys = reader.keys()
         with torch.no_grad():
             for sp in self._sps:
                 key = f"stage3.frozen.{sp.name}"
-                if sp.requires_grad or key not in keys:
-                    continue
-                if saved_world == self.world_size:
-                    sp.store_shard(handles[self.rank].get_tensor(key))
-                else:
-                    full = torch.cat([h.get_tensor(key) for h in handles])[:sp.numel]
-                    chunk = torch.empty(sp.chunk_numel, dtype=sp.dtype)
-                    sp.layout.shard_of(full.to(sp.dtype), 0, self.rank, chunk)
-                    sp.store_shard(chunk)
+                if not sp.requires_grad and key in keys:
+                    sp.store_shard(reader.shard(key, sp.layout, self.rank).to(sp.dtype))
             for name, buf in _persistent_buffers(self.module):
                 key = f"stage3.buffer.{name}"
                 if key in keys:
-                    buf.copy_(handles[0].get_tensor(key))
+                    buf.copy_(reader.whole(key))
         self._reset_gathered()
 
     def remove(self) -> None:
