@@ -12,7 +12,8 @@ One step:
      stage 3 reduced each micro-batch's gradients into their shards as it went (the stage calls finish_backward);
   3. tied weights (an embedding on the first and the last stage): the copies' gradient shards are summed;
   4. the optimizer step; the gradient norm (clipping, fp16 overflow) is summed over every stage, a tied weight
-     counted once, so the update equals the unsplit model's.
+     counted once, so the update equals the unsplit model's. Without tensor parallelism the squared norm and the
+     loss travel together from the last stage to the first and back in one broadcast (pipeline/stage_sum.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hf_zero.pipeline.config import parse_pipeline_config
 from hf_zero.pipeline.failure import StageFailureGuard
 from hf_zero.pipeline.module import PipelineError
 from hf_zero.pipeline.schedules import EngineStage, build_schedule, check_schedule
+from hf_zero.pipeline.stage_sum import sum_over_stages
 from hf_zero.runtime.engine import HfZeroEngine
 from hf_zero.runtime.optimizers import OptimizerPlan
 from hf_zero.tensor_parallel import tp_info
@@ -93,6 +95,12 @@ class PipelineEngine(HfZeroEngine):
         self.batch_fn = None
         self._guard = StageFailureGuard(grid, describe=f"pipeline stage {self.stage_id}")
         self._dp_loss_group = grid.get_data_parallel_group()
+        # the model-parallel ranks are exactly the pipeline stages (no tensor parallelism): the norm's sum over
+        # them also brings the step's loss to every stage
+        self._loss_rides_norm = self.num_stages > 1 and grid.get_model_parallel_world_size() == self.num_stages
+        self._step_loss = torch.zeros(())
+        if self._loss_rides_norm:
+            self.optimizer.model_parallel_sum = self._sum_norm_and_loss
 
     @staticmethod
     def _check_against_module(pcfg, module) -> None:
@@ -154,10 +162,11 @@ class PipelineEngine(HfZeroEngine):
             with self.timers.phase("forward"), self._stage_gathered():  # forward and backward interleave
                 schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
             self._reduce_gradients()
+            self._step_loss = self._local_loss(losses)
             self._boundary_override = True
             with self.timers.phase("step"):
                 HfZeroEngine.step(self)
-            loss = self._aggregate_loss(losses)
+            loss = self._step_loss if self._loss_rides_norm else self._broadcast_loss(self._step_loss)
         self._backward.last_loss = float(loss.item())  # what the step log prints
         return loss
 
@@ -288,9 +297,15 @@ class PipelineEngine(HfZeroEngine):
                 with self.timers.phase("communication"):
                     dist.all_reduce(self.groups[gi].grad, group=tg.group)
 
-    def _aggregate_loss(self, losses: list, reduce: bool = True, bcast: bool = True) -> torch.Tensor:
-        """Last stage: the micro-batch losses (pre-scaled) summed, averaged over the data-parallel replicas; then
-        sent to every stage of this replica."""
+    def _sum_norm_and_loss(self, sq: torch.Tensor) -> torch.Tensor:
+        """The optimizer's sum of the squared gradient norm over the stages; the step's loss rides along."""
+        total = sum_over_stages(torch.stack([sq.float(), self._step_loss.float()]), self.grid)
+        self._step_loss = total[1]
+        return total[0].to(sq.dtype)
+
+    def _local_loss(self, losses: list, reduce: bool = True) -> torch.Tensor:
+        """Last stage: the micro-batch losses (pre-scaled) summed, averaged over the data-parallel replicas; zero
+        on the other stages."""
         total = torch.zeros((), dtype=torch.float32)
         if self.is_last_stage():
             scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -298,7 +313,15 @@ class PipelineEngine(HfZeroEngine):
             if reduce and self.grid.data_parallel_size > 1:
                 dist.all_reduce(total, group=self._dp_loss_group)
                 total /= self.grid.data_parallel_size
-        if bcast and self.num_stages > 1:
+        return total
+
+    def _broadcast_loss(self, total: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss sent to every stage of this replica."""
+        if self.num_stages > 1:
             src = self.grid.stage_to_global(self.num_stages - 1)
             dist.broadcast(total, src=src, group=self.grid.get_pipe_parallel_group())
         return total
+
+    def _aggregate_loss(self, losses: list, reduce: bool = True, bcast: bool = True) -> torch.Tensor:
+        total = self._local_loss(losses, reduce=reduce)
+        return self._broadcast_loss(total) if bcast else total

@@ -64,6 +64,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # other parts of the same replica (pipeline stages, tensor-parallel shards): their squared norms are added,
         # so clipping and the overflow decision are those of the unsplit model
         self.model_parallel_group = model_parallel_group
+        # or, set by an engine that knows a cheaper way (the pipeline's stages finish one after the other): a
+        # function summing this rank's squared norm over the replica's other parts in place of that all-reduce
+        self.model_parallel_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
         # indices into ``groups`` whose gradients duplicate a group counted on another rank of the model-parallel
         # group (a tied embedding's second copy): left out of the norm so each element is counted once
         self.norm_excluded_groups: set[int] = set()
@@ -149,7 +152,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 sq += sum_of_squares(g.grad[start:])
         if any(g.world_size > 1 for g in self.groups):
             all_reduce_(sq, group=self.process_group, what="the gradient-norm all-reduce of the optimizer step")
-        if self.model_parallel_group is not None:
+        if self.model_parallel_sum is not None:
+            sq = self.model_parallel_sum(sq)
+        elif self.model_parallel_group is not None:
             all_reduce_(sq, group=self.model_parallel_group, what="the model-parallel gradient-norm all-reduce")
         total = sq.item()
         return math.sqrt(total) if math.isfinite(total) else float("inf")

@@ -1,0 +1,37 @@
+"""Sums over a pipeline replica's stages that one training step needs (the squared gradient norm for clipping and
+the fp16 overflow decision; the loss every stage reports), passed along the pipeline instead of all-reduced.
+
+In every schedule a stage's last backward ends before the previous stage's (gradients flow from the last stage to
+the first), so the last stage reaches its optimizer step first and the first stage last. Each stage adds its part
+to what the next stage sent and sends the sum on to the previous stage while the earlier stages are still
+computing; the first stage then has the total as soon as its own backward is done and broadcasts it. After the
+first stage's last backward only that broadcast remains, where an all-reduce (plus its divergence check) and a
+separate loss broadcast were three collectives on the step's critical path.
+
+Waits are bounded by the pipeline's StageFailureGuard: a stage that fails aborts the pipeline group, which ends
+these receives on every other stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["sum_over_stages"]
+
+_TAG = 0x5EED  # apart from torch.distributed.pipelining's own point-to-point messages on the same group
+
+
+def sum_over_stages(values: torch.Tensor, grid) -> torch.Tensor:
+    """``values`` (a small 1-D tensor) summed over this replica's pipeline stages, on every stage."""
+    stage, stages = grid.stage_id, grid.pipe_parallel_size
+    group = grid.get_pipe_parallel_group()
+    total = values.clone()
+    if stage < stages - 1:
+        tail = torch.empty_like(total)
+        dist.recv(tail, src=grid.stage_to_global(stage + 1), group=group, tag=_TAG)
+        total += tail
+    if stage > 0:
+        dist.send(total, dst=grid.stage_to_global(stage - 1), group=group, tag=_TAG)
+    dist.broadcast(total, src=grid.stage_to_global(0), group=group)
+    return total
