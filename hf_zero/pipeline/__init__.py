@@ -3,7 +3,8 @@
 - DeepSpeed's API (also ``hf_zero.pipe`` / ``deepspeed.pipe``): :class:`PipelineModule`, :class:`LayerSpec`,
   :class:`TiedLayerSpec`, the topologies; ``hf_zero.initialize(model=PipelineModule(...))`` returns a pipeline
   engine with ``train_batch``/``eval_batch``.
-- Hugging Face decoders as they are: :func:`wrap` (Llama family, GPT-2).
+- Hugging Face decoders as they are: :func:`wrap` (Llama family, GPT-2), and :func:`from_pretrained`, which loads
+  only each stage's own weights.
 
 Names are imported on first use (``import hf_zero`` stays cheap).
 """
@@ -21,6 +22,7 @@ _LAZY = {
     "PipelineParallelGrid": "hf_zero.pipeline.topology",
     "PipelineStageFailure": "hf_zero.pipeline.failure", "RepeatingLoader": "hf_zero.pipeline.data",
     "wrap": "hf_zero.pipeline.hf", "HFPipelineModule": "hf_zero.pipeline.hf",
+    "from_pretrained": "hf_zero.pipeline.hf_load",
 }
 
 __all__ = list(_LAZY)

@@ -94,7 +94,8 @@ class HFPipelineModule(nn.Module):
     dynamic_shape = True  # every stage sees the batch, so a new sequence length re-runs shape inference everywhere
 
     def __init__(self, model: nn.Module, num_stages: int | None = None, topology: ProcessTopology | None = None,
-                 virtual_stages: int = 1, layers_per_stage: list[int] | None = None, tp_size: int = 1):
+                 virtual_stages: int = 1, layers_per_stage: list[int] | None = None, tp_size: int = 1,
+                 load_weights=None):
         super().__init__()
         family = _family_of(model)
         comm.init_distributed()
@@ -156,6 +157,8 @@ class HFPipelineModule(nn.Module):
         # replaced by the runtime under tensor parallelism (vocabulary-sharded logits; DTensor parameters)
         self.cross_entropy_sum = _token_ce_sum
         self.full_state_dict_fn = None
+        if load_weights is not None:  # from_pretrained: this stage's parameters are still on the meta device
+            self.loaded_keys = load_weights(self)
         self._tie = self._tie_group()
 
     @property
