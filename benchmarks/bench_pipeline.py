@@ -19,6 +19,11 @@ Three frameworks run the same layers (seeded alike) and data:
     driven step by step through a TCP store.
 Each repeat runs one step of each framework, the order rotating from repeat to repeat, so a change in the machine's
 load during the run reaches all three alike; the table gives medians over the repeats (after one untimed step each).
+
+"overhead ms/slot" is what a step takes beyond a perfect schedule with the same compute (the mean compute per rank
+over 1 - theory), divided by the v m + p - 1 micro-batch slots of the critical path: the cost of each hand-over
+(gloo messages, waking the receiving process, the schedule's Python). It is what the machine's load changes (a
+woken process waits for a core); a larger --tf-ms shrinks its share of the step, and so the bubble's excess.
 """
 
 from __future__ import annotations
@@ -154,11 +159,17 @@ def _bench(stages: int, micro_batches: list[int], tf: float, repeats: int, sched
             engine.destroy()
             theory = (stages - 1) / (virtual * m + stages - 1)
             row = {"schedule": schedule, "p": stages, "m": m, "v": virtual, "theory": round(theory, 4)}
+            slots = virtual * m + stages - 1
             for name in names:
                 med = statistics.median(times[name])
                 bubbles = [statistics.mean(1 - b / t for b in per) for t, per in zip(times[name], busy[name])]
                 row[f"step_s_{name}"] = round(med, 4)
                 row[f"bubble_{name}"] = round(statistics.median(bubbles), 4)
+                # the step a perfect schedule would take with the compute the sleeps really took, and what the
+                # measured step adds to it per micro-batch slot of the critical path (messages, wake-ups, Python)
+                ideal = [statistics.mean(per) / (1 - theory) for per in busy[name]]
+                row[f"overhead_ms_per_slot_{name}"] = round(
+                    1000 * statistics.median((t - i) / slots for t, i in zip(times[name], ideal)), 2)
                 row[f"steps_{name}"] = [round(t, 4) for t in times[name]]
             row["compute_per_rank_s"] = round(statistics.median(sum(b) / len(b) for b in busy["torch"]), 4)
             row["compute_nominal_s"] = round(m * 3 * tf, 4)
@@ -227,14 +238,17 @@ def main() -> None:
     rows = results[0]
     print(f"p={args.stages} stages, t_f={args.tf_ms} ms, t_b=2 t_f; medians of {args.repeats} interleaved steps")
     print("| schedule | p | m | v | theory | bubble hf_zero | bubble torch | bubble DeepSpeed | step s hf_zero | "
-          "step s torch | step s DeepSpeed | hf_zero / torch | hf_zero / DeepSpeed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "step s torch | step s DeepSpeed | hf_zero / torch | hf_zero / DeepSpeed | overhead ms/slot "
+          "hf_zero / torch / DeepSpeed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio_ds = (f"{r['step_s_hf_zero'] / r['step_s_deepspeed']:.3f}" if "step_s_deepspeed" in r else "-")
         print(f"| {r['schedule']} | {r['p']} | {r['m']} | {r['v']} | {r['theory']:.3f} | "
               f"{_fmt(r, 'bubble_hf_zero')} | {_fmt(r, 'bubble_torch')} | {_fmt(r, 'bubble_deepspeed')} | "
               f"{_fmt(r, 'step_s_hf_zero')} | {_fmt(r, 'step_s_torch')} | {_fmt(r, 'step_s_deepspeed')} | "
-              f"{r['step_s_hf_zero'] / r['step_s_torch']:.3f} | {ratio_ds} |")
+              f"{r['step_s_hf_zero'] / r['step_s_torch']:.3f} | {ratio_ds} | "
+              f"{_fmt(r, 'overhead_ms_per_slot_hf_zero', '.1f')} / {_fmt(r, 'overhead_ms_per_slot_torch', '.1f')} / "
+              f"{_fmt(r, 'overhead_ms_per_slot_deepspeed', '.1f')} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

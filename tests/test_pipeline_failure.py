@@ -98,17 +98,6 @@ def _reference_dynamic():
     return losses
 
 
-def test_a_shape_change_is_refused_naming_dynamic_shape_or_works_with_it():
-    refused = run_distributed(_shapes, world_size=2, args=(False,), timeout_s=300)
-    for kind, msg in refused:
-        assert kind in ("PipelineError", "PipelineStageFailure"), (kind, msg)
-        assert "dynamic_shape=True" in msg, msg
-    worked = run_distributed(_shapes, world_size=2, args=(True,), timeout_s=300)
-    ref = _reference_dynamic()
-    for losses in worked:
-        assert losses == pytest.approx(ref, rel=1e-5)
-
-
 def _refusals():
     import hf_zero
     from hf_zero.config.errors import ConfigError
@@ -142,11 +131,22 @@ def _refusals():
     return out
 
 
-def test_refusals_name_the_key():
-    for out in run_distributed(_refusals, world_size=2, timeout_s=300):
+def _refusals_then_shapes():
+    """One process group for the refusals and both shape runs (a spawn costs more than the runs); the refused
+    shape change comes last, since it marks the pipeline as failed."""
+    return _refusals(), _shapes(True), _shapes(False)
+
+
+def test_refusals_name_the_key_and_a_shape_change_is_refused_naming_dynamic_shape_or_works_with_it():
+    results = run_distributed(_refusals_then_shapes, world_size=2, timeout_s=300)
+    ref = _reference_dynamic()
+    for out, worked, (kind, msg) in results:
         assert "gradient_accumulation_steps" in out["1f1b"] and "1 micro-batches" in out["1f1b"]
         assert "pipeline.use_reentrant" in out["reentrant"]
         assert "pipeline.bogus" in out["unknown"]
         assert out["plain_model"].startswith("pipeline: ") and "hf_zero.pipeline.wrap" in out["plain_model"]
         for call in ("forward", "backward", "step"):
             assert out[call] == "Only train_batch() is accessible in pipeline mode."
+        assert worked == pytest.approx(ref, rel=1e-5)  # dynamic_shape=True: trains through the change
+        assert kind in ("PipelineError", "PipelineStageFailure"), (kind, msg)
+        assert "dynamic_shape=True" in msg, msg
