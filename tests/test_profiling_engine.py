@@ -2,6 +2,7 @@
 
 import re
 
+import pytest
 import torch
 from torch import nn
 
@@ -60,8 +61,10 @@ def _train(stage: int, profiler: dict | None):
         with GatheredParameters(list(engine.module.parameters())):
             params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     sp = engine.step_profiler
+    cal = engine.step_time_model
+    cal = (cal.predicted_step_s, cal.measured_s, cal.workload["model_flops_per_rank"]) if cal is not None else None
     return dict(losses=losses, params=params, hooks=hooks, text=sp.last_report, report=sp.report, figures=sp.figures,
-                analytic=analytic_flops(cfg, B, S))
+                analytic=analytic_flops(cfg, B, S), calibration=cal)
 
 
 def _both(stage: int, out: str):
@@ -86,6 +89,10 @@ def _check(results, out_file, stage: int):
         assert report.forward == GAS * expected.forward
         assert report.model == GAS * expected.training
         assert plain["report"] is None
+        # the step-time roofline calibrated itself on steps 2 and 3 (step 1 is the warm-up): the median of them
+        predicted, measured, flops = plain["calibration"]
+        assert len(measured) == STEPS - 1 and predicted == pytest.approx(sorted(measured)[len(measured) // 2])
+        assert flops == GAS * expected.training
     text = open(out_file).read()
     assert results[0][1]["text"] == text.rstrip("\n")
     assert results[1][1]["text"] is None, "only rank 0 prints"

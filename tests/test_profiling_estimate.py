@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_zero.profiling.memory import estimate_memory, param_layout
+from hf_zero.profiling.memory import CPU_RUNTIME_BYTES, estimate_memory, param_layout
 from hf_zero.profiling.steptime import Hardware, StepTimeModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,8 @@ def test_estimate_table_and_does_not_fit_exit_code(files):
 
 
 def test_sweep_ranks_only_configs_that_fit(files):
-    budget_gib = 0.0028  # between the smallest (~0.0018) and the largest (~0.0048) predicted peak
+    # between the smallest (~0.0018 GiB) and the largest (~0.0048 GiB) predicted peak, over the CPU runtime constant
+    budget_gib = CPU_RUNTIME_BYTES / 2**30 + 0.0028
     run = _cli("--model-config", str(files / "config.json"), "--ds-config", str(files / "ds.json"), "--world-size",
                "2", "--seq-len", "64", "--micro-batch", "4", "--accelerator", "cpu", "--sweep", "--json",
                "--device-memory-gib", str(budget_gib), "--peak-tflops", "1")

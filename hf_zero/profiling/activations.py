@@ -2,10 +2,12 @@
 
 The model is built from its config inside ``FakeTensorMode`` and runs one forward and backward on fake inputs;
 torch's ``MemTracker`` (``torch.distributed._tools``, a private API: its absence falls back to the closed form)
-records live bytes by kind. The figure returned is the peak of activations + temporaries (+ anything else that is
-not a parameter, buffer or gradient), which is where a training step peaks: the start of backward, with the
-logits and loss path alive. Exact for the architecture, attention implementation, gradient checkpointing and
-frozen parameters as configured; the closed form is the fallback for models that cannot run under fake tensors.
+records live bytes by kind. Every parameter gradient is dropped as soon as it is accumulated, so the figure
+returned is the peak of activations + temporaries (+ anything else that is not a parameter, buffer or gradient)
+alone -- usually the start of backward, with the logits and loss path alive. Where parameter gradients live, and for
+how long, is the ZeRO stage's business: :mod:`hf_zero.profiling.memory` adds them per stage. Exact for the
+architecture, attention implementation, gradient checkpointing and frozen parameters as configured; the closed
+form is the fallback for models that cannot run under fake tensors.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def _traced(config, batch, seq, dtype, gradient_checkpointing, trainable) -> int
         if trainable is not None:
             for name, p in model.named_parameters():
                 p.requires_grad_(bool(trainable(name)))
+        drop = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
         ids = torch.randint(0, int(config.vocab_size), (batch, seq))
         tracker = MemTracker()
         tracker.track_external(model)
@@ -65,8 +68,14 @@ def _traced(config, batch, seq, dtype, gradient_checkpointing, trainable) -> int
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
         snapshot = tracker.get_tracker_snapshot("peak")
+        for handle in drop:
+            handle.remove()
     peak = 0
     for per_kind in snapshot.values():
         peak = max(peak, sum(v for k, v in per_kind.items()
                              if str(k).split(".")[-1] in ("ACT", "TEMP", "OTH")))
     return int(peak)
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None

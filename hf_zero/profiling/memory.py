@@ -21,9 +21,11 @@ partitioned parameters are views of param16; frozen parameters keep their own sh
 buffers (``nvme``); on a CPU-only machine host and accelerator are the same memory, and the engine then keeps
 the master where it is (no copy).
 
-Transients on top of the states, per phase: activations and backward temporaries (traced under
-``FakeTensorMode``, see :mod:`hf_zero.profiling.activations`), gradient buckets, the stage-1/2 publish all-gather,
-the stage-3 gathered working set. Peak = states + the largest phase, per device.
+Transients on top of the states, per phase (:func:`_transients`): ``backward_start`` (activations and backward
+temporaries at their peak, traced under ``FakeTensorMode`` -- see :mod:`hf_zero.profiling.activations` -- with what
+stage 3 keeps gathered from forward), ``gradient_reduction`` (the end of backward: full gradients, the reducer's
+bucket and output) and ``step`` (the boundary gradient shard, the stage-1/2 publish all-gather). Peak = states +
+the largest phase, per device.
 """
 
 from __future__ import annotations
@@ -41,8 +43,12 @@ __all__ = ["Component", "MemoryEstimate", "ParamLayout", "estimate_memory", "mod
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DEVICES = ("accelerator", "host", "nvme")
-PHASES = ("states", "forward_backward", "step")
+PHASES = ("states", "backward_start", "gradient_reduction", "step")
 _FP32 = 4
+# What a CPU training process grows by besides the tensors counted here (autograd graph and engine threads, module
+# hooks, gloo buffers, allocator metadata): 24.5-25.5 MiB in every configuration of benchmarks/bench_estimate.py
+# (7.4M and 33.7M parameters, stages 0-3, offload, 1 and 2 ranks). On a GPU the allocator's peak has no such term.
+CPU_RUNTIME_BYTES = 25 * 2**20
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -54,7 +60,7 @@ class Component:
     name: str
     device: str        # accelerator | host | nvme
     nbytes: int
-    phase: str         # states (always resident) | forward_backward | step (transient)
+    phase: str         # states (always resident) | backward_start | gradient_reduction | step (transients)
     note: str = ""
 
 
@@ -194,33 +200,71 @@ def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compu
 
 
 def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: int, zero: dict,
-                activations: int, gas: int) -> list[Component]:
+                activations: int, accelerator: str) -> list[Component]:
+    """The engine's transient buffers per phase (see the module docstring), beside the traced activations.
+
+    ``backward_start``: activations and temporaries at their peak (the traced figure), plus the first parameter
+    gradient (the last module's, about the largest one) and, at stage 3, what forward left gathered.
+    ``gradient_reduction``: the end of backward, when the reducer packs the gradients into its bucket
+    (stages 0-2: :class:`~hf_zero.zero.grad_reducer.GroupGradReducer`, every full ``param.grad`` of the bucket
+    still referenced while it is packed; stage 3: :class:`~hf_zero.zero.stage3.reduce.Stage3GradReducer`).
+    ``step``: the optimizer step.
+    """
     trainable = layout.trainable_total
     shard_world = 1 if stage == 0 else world_size
     shard = sum(_ceil_div(n, shard_world) for n, t in zip(layout.numels, layout.trainable) if t)
-    reduce_bucket = int(float(zero.get("reduce_bucket_size", 5e8)))
+    padded = shard * shard_world
+    reduce_bucket = max(int(float(zero.get("reduce_bucket_size", 5e8))), 1)
     allgather_bucket = int(float(zero.get("allgather_bucket_size", 5e8)))
-    out = [Component("activations + backward temporaries", "accelerator", activations, "forward_backward",
-                     "traced under FakeTensorMode")]
-    if stage < 2:
-        out.append(Component("full gradients (param.grad)", "accelerator", trainable * c, "forward_backward",
-                             "between micro-steps until the boundary reduce"))
-        out.append(Component("gradient shard (boundary)", "accelerator", shard * g, "step", "freed after the step"))
-    if world_size > 1 and stage < 3:
-        out.append(Component("gradient bucket", "accelerator", min(reduce_bucket, trainable) * g, "forward_backward",
-                             "reduce_bucket_size"))
+    first_grad = min(layout.largest_module_numel, trainable) * c
+    out = []
+    add = lambda name, nbytes, phase, note="": out.append(Component(name, "accelerator", int(nbytes), phase, note))  # noqa: E731
+    add("activations + backward temporaries", activations, "backward_start", "traced under FakeTensorMode")
+    add("first parameter gradient", first_grad, "backward_start", "the last module's, before it is reduced")
+    if stage < 3:
+        if stage < 2:  # the boundary's gradient shard exists from the start of the reducing backward to the step
+            for phase in ("backward_start", "gradient_reduction", "step"):
+                add("gradient shard (boundary)", shard * g, phase, "allocated at the boundary, freed after the step")
+        # one bucket while every bucket fits: the full gradients it packs are all still alive when it launches
+        bucket = min(reduce_bucket, padded)
+        grads = trainable if bucket >= padded else min(trainable, bucket)
+        add("full gradients (param.grad)", grads * c, "gradient_reduction", "alive until their bucket is packed")
+        add("gradient bucket", bucket * g, "gradient_reduction", "(world, span) packed, reduce_bucket_size")
         if stage > 0:
-            out.append(Component("publish all-gather buffer", "accelerator",
-                                 min(allgather_bucket, shard * world_size) * c, "step", "allgather_bucket_size"))
-    if stage == 3:
+            add("reduce-scatter output", _ceil_div(bucket, world_size) * g, "gradient_reduction",
+                "this rank's row of the bucket")
+            if world_size > 1 and accelerator == "cpu":
+                add("gloo reduce-scatter staging", bucket * g, "gradient_reduction",
+                    "gloo reduces a full copy of the bucket")
+        if stage > 0 and world_size > 1:
+            add("publish all-gather buffer", min(allgather_bucket, padded) * c, "step", "allgather_bucket_size")
+    else:
+        threshold = _int(zero.get("stage3_param_persistence_threshold"), 100_000)
+        gathered_numel = sum(n for n in layout.numels if n > threshold)
         prefetch = int(float(zero.get("stage3_prefetch_bucket_size", 5e7)))
         live = int(float(zero.get("stage3_max_live_parameters", 1e9)))
-        gathered = min(layout.largest_module_numel + min(prefetch, layout.total), max(live, layout.largest_module_numel))
-        out.append(Component("stage-3 gathered parameters", "accelerator", gathered * c, "forward_backward",
-                             "largest module + prefetch, capped by stage3_max_live_parameters"))
+        reuse = int(float(zero.get("stage3_max_reuse_distance", 1e9)))
+        if reuse >= gathered_numel:  # every module comes back in backward within the distance: forward keeps it
+            gathered = min(gathered_numel, max(live, layout.largest_module_numel))
+            note = "forward keeps every module gathered for backward (stage3_max_reuse_distance)"
+        else:
+            gathered = min(layout.largest_module_numel + min(prefetch, gathered_numel),
+                           max(live, layout.largest_module_numel))
+            note = "largest module + prefetch, capped by stage3_max_live_parameters"
+        add("stage-3 gathered parameters", gathered * c, "backward_start", note)
+        # the bucket is (world, reduce_bucket_size / world) allocated whole; on a CPU only written pages are resident
+        row = _ceil_div(shard * world_size, world_size)
+        capacity = max(reduce_bucket // world_size, 1)
+        used_row = min(row, capacity)
+        resident = (used_row if accelerator == "cpu" else capacity) * world_size
+        add("gradient bucket", resident * c, "gradient_reduction", "(world, reduce_bucket_size / world)")
         if world_size > 1:
-            out.append(Component("gradient bucket", "accelerator", min(reduce_bucket, trainable) * g,
-                                 "forward_backward", "reduce_bucket_size"))
+            add("bucket packed for the collective", used_row * world_size * c, "gradient_reduction",
+                "contiguous copy of the used columns")
+        add("reduce-scatter output", used_row * c, "gradient_reduction", "this rank's row of the bucket")
+        if world_size > 1 and accelerator == "cpu":
+            add("gloo reduce-scatter staging", used_row * world_size * c, "gradient_reduction",
+                "gloo reduces a full copy of the bucket")
     return out
 
 
@@ -299,7 +343,6 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
     grad_name = (ds.get("data_types") or {}).get("grad_accum_dtype")
     grad_dtype = _DTYPES[grad_name] if grad_name else compute
     micro = micro_batch or _int(ds.get("train_micro_batch_size_per_gpu"), 1)
-    gas = _int(ds.get("gradient_accumulation_steps"), 1)
     opt = ds.get("optimizer") or {"type": "AdamW"}
     off_opt = (zero.get("offload_optimizer") or {}).get("device", "none") or "none"
     off_param = (zero.get("offload_param") or {}).get("device", "none") or "none"
@@ -325,7 +368,10 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
         activations = activation_bytes(config, micro, seq_len, dtype=compute,
                                        gradient_checkpointing=gradient_checkpointing, trainable=trainable)
     transients = _transients(layout, stage=stage, world_size=world_size, c=c, g=g, zero=zero,
-                             activations=activations, gas=gas)
+                             activations=activations, accelerator=accelerator)
+    if accelerator == "cpu":
+        states.append(Component("runtime", "accelerator", CPU_RUNTIME_BYTES, "states",
+                                 "process growth besides tensors (autograd, hooks, gloo), measured"))
     est = MemoryEstimate(states + transients, inputs=dict(
         stage=stage, world_size=world_size, micro_batch=micro, seq_len=seq_len, dtype=str(compute).split(".")[-1],
         offload_optimizer=off_opt, offload_param=off_param, accelerator=accelerator, params=layout.total,

@@ -22,6 +22,7 @@ from torch import nn
 from hf_zero import comm
 from hf_zero.config import HfZeroConfig, loss_scale_policy, precision_policy, zero_policy
 from hf_zero.config.errors import ConfigError
+from hf_zero.profiling.step_calibration import StepTimeCalibrator
 from hf_zero.profiling.step_profile import StepProfiler
 from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.backward import BackwardSessions
@@ -149,6 +150,11 @@ class HfZeroEngine(nn.Module):
         self.step_profiler = StepProfiler(module, config.flops_profiler, rank=self.global_rank,
                                           world_size=self.world_size, micro_batch=self.train_micro_batch_size_per_gpu(),
                                           compute_dtype=self.compute_dtype, device=self.device)
+        # the step-time roofline, fitted to this run's first measured steps (engine.step_time_model)
+        offload = self.zero_policy.offload_optimizer
+        self.step_time = StepTimeCalibrator(module, stage=self.stage, world_size=self.world_size,
+                                            compute_dtype=self.compute_dtype, device=self.device,
+                                            offload_optimizer=offload.device if offload is not None else "none")
         self.timers = self._timers  # hand the timers to the reducer / stage-3 runtime / offload (see the setter)
 
     def _no_optimizer(self, what: str = "") -> None:
@@ -239,6 +245,7 @@ class HfZeroEngine(nn.Module):
         return dict(self._config.raw)
 
     def forward(self, *args, **kwargs):
+        self.step_time.forward(args, kwargs)
         with self.timers.phase("forward"), self.step_profiler.forward(self.global_steps, args, kwargs):
             try:
                 if self._autocast is not None:
@@ -313,9 +320,17 @@ class HfZeroEngine(nn.Module):
             self.step_profiler.finish_step(self.global_steps)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            self.step_time.boundary()
             self._log_step()
         self.micro_steps += 1
         self._boundary_override = None
+
+    @property
+    def step_time_model(self):
+        """The step-time roofline calibrated on this run's first measured steps
+        (:class:`hf_zero.profiling.step_calibration.CalibratedStepTime`), None until then or when the model's
+        FLOPs are not known analytically."""
+        return self.step_time.result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:
