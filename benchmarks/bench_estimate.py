@@ -191,6 +191,9 @@ def measure(args) -> list[dict]:
                           f"{[round(r['measured'] / 2**20, 1) for r in results if 'measured' in r] or failed}",
                           file=sys.stderr, flush=True)
                     runs.append(run)
+                    if args.save:  # after every run: a long matrix interrupted keeps what it measured
+                        with open(args.save, "w") as f:
+                            json.dump(runs, f, indent=1)
     return runs
 
 
@@ -313,20 +316,20 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--save", default=None, help="write the measurements to this JSON file")
-    p.add_argument("--load", default=None, help="print the table from measurements saved by --save (no training)")
+    p.add_argument("--load", default=None, help="print the table from measurements saved by --save (no training); "
+                                                "several files separated by commas are concatenated")
     p.add_argument("--ds-python", default=None, help="python of a virtual environment with a real DeepSpeed")
     args = p.parse_args(argv)
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "131072" and not args.load:
         # glibc reads it when the process starts: run again with it (the forked ranks inherit the setting)
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
     if args.load:
-        with open(args.load) as f:
-            runs = json.load(f)
+        runs = []
+        for path in args.load.split(","):
+            with open(path) as f:
+                runs += json.load(f)
     else:
         runs = measure(args)
-        if args.save:
-            with open(args.save, "w") as f:
-                json.dump(runs, f, indent=1)
     memory_table(runs)
     deepspeed_table(runs, args.ds_python)
     return 0

@@ -35,17 +35,18 @@ def closed_form_activation_bytes(config: Any, batch: int, seq: int, dtype: torch
 
 
 def activation_bytes(config: Any, batch: int, seq: int, *, dtype: torch.dtype = torch.float32,
-                     gradient_checkpointing: bool = False, trainable=None) -> int:
-    """Peak bytes of activations and temporaries of one ``batch x seq`` forward + backward of ``config``'s model."""
+                     gradient_checkpointing: bool = False, trainable=None, lora: dict | None = None) -> int:
+    """Peak bytes of activations and temporaries of one ``batch x seq`` forward + backward of ``config``'s model
+    (with ``lora``: with PEFT LoRA adapters, ``peft.LoraConfig`` keywords)."""
     try:
-        return _traced(config, batch, seq, dtype, gradient_checkpointing, trainable)
+        return _traced(config, batch, seq, dtype, gradient_checkpointing, trainable, lora)
     except Exception as err:  # noqa: BLE001 -- any model the tracer cannot run gets the closed form, said loudly
         logger.warning("hf_zero: activations of %s could not be traced under FakeTensorMode (%s: %s); using the "
                        "closed form (approximate)", type(config).__name__, type(err).__name__, err)
         return closed_form_activation_bytes(config, batch, seq, dtype)
 
 
-def _traced(config, batch, seq, dtype, gradient_checkpointing, trainable) -> int:
+def _traced(config, batch, seq, dtype, gradient_checkpointing, trainable, lora) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
@@ -54,6 +55,10 @@ def _traced(config, batch, seq, dtype, gradient_checkpointing, trainable) -> int
         else AutoModelForCausalLM
     with FakeTensorMode():
         model = auto.from_config(config, dtype=dtype)
+        if lora:
+            from hf_zero.profiling.memory import with_lora
+
+            model = with_lora(model, lora)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.train()

@@ -34,6 +34,9 @@ def add_parser(commands) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--trainable", default=None, help="regex: only parameters whose name matches train "
                                                      "(the rest are frozen)")
+    p.add_argument("--lora-targets", default=None, help="comma-separated module names to give LoRA adapters "
+                                                        "(e.g. q_proj,v_proj): only the adapters train")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (with --lora-targets)")
     p.add_argument("--accelerator", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     p.add_argument("--device-memory-gib", type=float, default=None, help="memory of one accelerator "
                                                                          "(default: detected)")
@@ -115,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
     if args.accelerator is None:
         args.accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     config = _load_config(args.model_config)
-    model = build_meta_model(config)
+    lora = ({"r": args.lora_r, "target_modules": [t.strip() for t in args.lora_targets.split(",") if t.strip()]}
+            if args.lora_targets else None)
+    model = build_meta_model(config, lora)
     ds = _ds(args.ds_config)
     world = args.world_size or args.nproc_per_node * args.nnodes
     cfg_micro = ds.get("train_micro_batch_size_per_gpu")
@@ -124,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     trainable = re.compile(args.trainable).search if args.trainable else None
     # activations are linear in the batch: trace one sequence per checkpointing setting, scale by micro batch
     per_sample = {gc: activation_bytes(config, 1, args.seq_len, dtype=dtype, gradient_checkpointing=gc,
-                                       trainable=trainable)
+                                       trainable=trainable, lora=lora)
                   for gc in ((False, True) if args.sweep else (args.gradient_checkpointing,))}
     if not args.sweep:
         result = _evaluate(config, model, ds, args, world, micro, args.gradient_checkpointing,

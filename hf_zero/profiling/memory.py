@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 __all__ = ["Component", "MemoryEstimate", "ParamLayout", "estimate_memory", "model_state_bytes", "build_meta_model",
+           "with_lora",
            "param_layout"]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -296,14 +297,31 @@ def _config_from_file(path: str):
     return AutoConfig.for_model(model_type, **data)
 
 
-def build_meta_model(config) -> nn.Module:
-    """The model ``config`` describes, on the meta device (shapes only: no memory, no weights, no download)."""
+def build_meta_model(config, lora: dict | None = None) -> nn.Module:
+    """The model ``config`` describes, on the meta device (shapes only: no memory, no weights, no download);
+    with ``lora`` (``peft.LoraConfig`` keywords, e.g. ``{"r": 16, "target_modules": ["q_proj", "v_proj"]}``) the
+    adapters are added as PEFT adds them, and only they train."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     auto = AutoModelForMaskedLM if config.model_type in ("bert", "roberta", "xlm-roberta", "electra") \
         else AutoModelForCausalLM
     with torch.device("meta"):
-        return auto.from_config(config)
+        model = auto.from_config(config)
+        return with_lora(model, lora) if lora else model
+
+
+def with_lora(model: nn.Module, lora: dict) -> nn.Module:
+    """``model`` with PEFT LoRA adapters per ``lora`` (``peft.LoraConfig`` keywords)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        raise ImportError("hf_zero estimate: LoRA targets need the peft package (pip install peft)") from err
+    try:
+        return get_peft_model(model, LoraConfig(**lora))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"hf_zero estimate: LoRA settings {lora!r} were refused by peft ({err}); give "
+                         f"peft.LoraConfig keywords, e.g. r and target_modules naming the model's linear layers") \
+            from err
 
 
 def _ds(ds_config: Any) -> dict:
@@ -329,12 +347,16 @@ def _int(value: Any, default: int) -> int:
 
 def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: int = 1, micro_batch: int | None = None,
                     seq_len: int = 512, accelerator: str | None = None, trainable=None,
-                    gradient_checkpointing: bool = False, activations: int | None = None) -> MemoryEstimate:
+                    gradient_checkpointing: bool = False, activations: int | None = None,
+                    lora: dict | None = None) -> MemoryEstimate:
     """Per-rank memory of training ``model_or_config`` (an ``nn.Module``, a transformers config, or a path to a
     ``config.json``) with the DeepSpeed/hf_zero config ``ds_config`` (dict or JSON path) on ``world_size`` ranks.
 
     ``micro_batch`` defaults to the config's ``train_micro_batch_size_per_gpu`` (1 when "auto"); ``trainable``
-    (``name -> bool``) overrides which parameters train; ``activations`` (bytes) skips the trace.
+    (``name -> bool``) overrides which parameters train; ``activations`` (bytes) skips the trace; ``lora``
+    (``peft.LoraConfig`` keywords) adds LoRA adapters to a config-built model: master weights, gradients and
+    optimizer states then exist for the adapters only (a PEFT model passed as ``model_or_config`` is estimated as
+    it is).
     """
     ds = _ds(ds_config)
     zero = dict(ds.get("zero_optimization") or {})
@@ -349,10 +371,13 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
     if accelerator is None:
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(model_or_config, nn.Module):
+        if lora:
+            raise ValueError("estimate_memory: lora= adds adapters to a model built from a config; a model passed "
+                             "in is estimated as it is (apply peft to it first, or pass its config)")
         model, config = model_or_config, getattr(model_or_config, "config", None)
     else:
         config = _load_config(model_or_config)
-        model = build_meta_model(config)
+        model = build_meta_model(config, lora)
     layout = param_layout(model, trainable)
     c = torch.empty(0, dtype=compute).element_size()
     g = torch.empty(0, dtype=grad_dtype).element_size()
@@ -366,7 +391,7 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
         from hf_zero.profiling.activations import activation_bytes
 
         activations = activation_bytes(config, micro, seq_len, dtype=compute,
-                                       gradient_checkpointing=gradient_checkpointing, trainable=trainable)
+                                       gradient_checkpointing=gradient_checkpointing, trainable=trainable, lora=lora)
     transients = _transients(layout, stage=stage, world_size=world_size, c=c, g=g, zero=zero,
                              activations=activations, accelerator=accelerator)
     if accelerator == "cpu":
@@ -375,5 +400,5 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
     est = MemoryEstimate(states + transients, inputs=dict(
         stage=stage, world_size=world_size, micro_batch=micro, seq_len=seq_len, dtype=str(compute).split(".")[-1],
         offload_optimizer=off_opt, offload_param=off_param, accelerator=accelerator, params=layout.total,
-        trainable_params=layout.trainable_total, gradient_checkpointing=gradient_checkpointing))
+        trainable_params=layout.trainable_total, gradient_checkpointing=gradient_checkpointing, lora=lora))
     return est
