@@ -3,10 +3,13 @@ world size 1 with a 16-bit compute dtype, and the module attributes transformers
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
 
+import hf_zero
 from hf_zero.zero.stage3 import DivergenceError, ParamState, ShardedParam, Stage3Runtime, sharded_param_of
 from hf_zero.zero.stage3.param import HoldReason
 from hf_zero.zero.stage3.divergence import TRAILER_NUMEL, check_trailers, params_key, write_trailer
@@ -206,3 +209,54 @@ def test_zero_init_starts_the_process_group_and_casts():
     from hf_zero.testing import run_distributed
 
     assert run_distributed(_init_starts_the_process_group, 2, init_process_group=False, timeout_s=60) == [True, True]
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_training_states_of_a_checkpointed_forward_and_backward(use_reentrant):
+    """Each module call is a unit with a training state: calls made during the backward (activation-checkpoint
+    recomputation, either kind) start as RECOMPUTE, the others as FORWARD; every unit whose backward ran ends in
+    POST_BACKWARD; the recognition uses the runtime's own knowledge of the pass, no private autograd call."""
+    from torch.utils.checkpoint import checkpoint
+
+    from hf_zero.zero.stage3.states import TrainingState
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.a(x)
+            x = checkpoint(lambda h: self.b(h).relu(), x, use_reentrant=use_reentrant)
+            return self.c(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    rt = Stage3Runtime(model, reduce_bucket_size=100, prefetch_bucket_size=0, max_live_parameters=1000,
+                       max_reuse_distance=0, param_persistence_threshold=0, overlap_comm=False)
+    started = []
+    start_forward = rt.states.start_forward
+
+    def record(module, group):
+        call = start_forward(module, group)
+        started.append((group.fqn, call.state, call))
+        return call
+
+    rt.states.start_forward = record
+    model(torch.ones(2, 4, requires_grad=True)).sum().backward()
+    assert [(fqn, state) for fqn, state, _ in started] == [
+        ("a", TrainingState.FORWARD), ("b", TrainingState.FORWARD), ("c", TrainingState.FORWARD),
+        ("b", TrainingState.RECOMPUTE)]
+    assert rt.states.in_backward and not rt.states.any_open()
+    states = [call.state for _, _, call in started]
+    # a and c: their own backward ran; b: the backward ran through the recomputed call (reentrant) or through the
+    # original one (non-reentrant: recomputation only refills saved tensors)
+    b_ran = 3 if use_reentrant else 1
+    b_idle = 1 if use_reentrant else 3
+    assert states[0] is states[2] is states[b_ran] is TrainingState.POST_BACKWARD, states
+    assert states[b_idle] is TrainingState.IDLE, states
+    rt.finish_backward()
+    assert not rt.states.in_backward
+    rt.remove()
+    source = (Path(hf_zero.__file__).parent / "zero").rglob("*.py")
+    assert not [p.name for p in source if "_current_graph_task_id" in p.read_text()]

@@ -300,6 +300,8 @@ class HfZeroEngine(nn.Module):
         """Prologue of every backward pass (engine.backward or a direct one): does this micro-step reduce?"""
         if self.reducer is not None:
             self.reducer.begin(self.stage == 2 or self.is_gradient_accumulation_boundary())
+        elif self.stage3 is not None:
+            self.stage3.begin_backward()  # a module's forward from here on is a checkpointing recomputation
 
     def _end_backward(self) -> None:
         if self.reducer is not None:

@@ -6,6 +6,7 @@ storage.py      where a shard's bytes live (resident / swapped) and who may free
 gather.py       packed all-gathers of parameters, live-memory accounting
 divergence.py   making a diverged gather an error that names modules and ranks
 hooks.py        forward/backward hook plumbing (public PyTorch APIs only)
+states.py       each module call's training state (forward / recompute / backward) and its transitions
 prefetch.py     the recorded gather order: prefetch and reuse decisions
 reduce.py       bucketed gradient reduce-scatter into the grad storage
 runtime.py      :class:`Stage3Runtime`, what the engine drives

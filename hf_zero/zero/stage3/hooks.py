@@ -19,23 +19,10 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ModuleCall", "PostBackward", "wrap_inputs_for_post_backward", "register_output_grad_hooks",
+from .states import ModuleCall
+
+__all__ = ["PostBackward", "wrap_inputs_for_post_backward", "register_output_grad_hooks",
            "install_module_hooks", "queue_end_of_backward"]
-
-
-class ModuleCall:
-    """One forward call of one module; backward hooks refer to it, so every call has its own pre/post-backward."""
-
-    __slots__ = ("group", "recompute", "has_post_backward", "grads_pending", "pre_backward_done",
-                 "post_backward_done")
-
-    def __init__(self, group, recompute: bool) -> None:
-        self.group = group
-        self.recompute = recompute  # started during a backward pass: activation-checkpoint recomputation
-        self.has_post_backward = False  # some input required grad, so PostBackward will fire
-        self.grads_pending: set[int] = set()  # without PostBackward: ds_ids whose gradients end this backward
-        self.pre_backward_done = False
-        self.post_backward_done = False
 
 
 class PostBackward(torch.autograd.Function):
@@ -91,7 +78,7 @@ def wrap_inputs_for_post_backward(args: tuple, kwargs: dict, on_post_backward: C
     return tuple(args), kwargs
 
 
-def register_output_grad_hooks(output: Any, on_pre_backward: Callable, call: ModuleCall) -> None:
+def register_output_grad_hooks(output: Any, on_pre_backward: Callable, call: ModuleCall | None) -> None:
     """The first of these hooks to fire runs ``on_pre_backward(call)``: the module's backward is about to start."""
 
     def visit(t: torch.Tensor) -> None:

@@ -32,11 +32,12 @@ from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.leaf import z3_leaf_module
 
 from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
-from .hooks import (ModuleCall, install_module_hooks, queue_end_of_backward, register_output_grad_hooks,
+from .hooks import (install_module_hooks, queue_end_of_backward, register_output_grad_hooks,
                     wrap_inputs_for_post_backward)
 from .param import HoldReason, ParamState, ShardedParam, ZeroParamStatus, sharded_param_of
 from .prefetch import GatherTrace
 from .reduce import Stage3GradReducer
+from .states import ModuleCall, TrainingStates
 
 __all__ = ["Stage3Runtime", "external_parameters", "EXTERNAL_PARAMS_ATTR", "WatchedParameters"]
 
@@ -89,9 +90,7 @@ class Stage3Runtime:
         self._groups_of_sp: dict[int, set[int]] = {}  # ds_id -> group ids containing it
         self._build_groups()
         self.trace = GatherTrace({g.gid: g.numel for g in self._groups.values()})
-        self._calls: dict[int, list[ModuleCall]] = {}  # id(module) -> stack of forward calls in progress
-        # forward calls in progress, innermost last; call None: a module without a group (only tracked)
-        self._fwd_stack: list[tuple[nn.Module, ModuleCall | None]] = []
+        self.states = TrainingStates()  # forward / recompute / backward of each module call, see states.py
         self._read_holds: list[ShardedParam] = []  # see _on_param_read
         self._awaiting_grad: set[int] = set()  # ds_ids holding a "gradient not accumulated yet" reference
         self._calls_awaiting_grad: dict[int, list[ModuleCall]] = {}  # ds_id -> calls ended by its gradient
@@ -217,14 +216,11 @@ class Stage3Runtime:
             self._module_handles[mod] = (kind, handles)
 
     def _track_pre_forward(self, module, args, kwargs):
-        self._fwd_stack.append((module, None))
+        self.states.track(module)
         return None
 
     def _track_post_forward(self, module, args, output):
-        for i in range(len(self._fwd_stack) - 1, -1, -1):
-            if self._fwd_stack[i][0] is module and self._fwd_stack[i][1] is None:
-                del self._fwd_stack[i]
-                break
+        self.states.untrack(module)
         return None
 
     # ------------------------------------------------------------------ engine contract
@@ -239,8 +235,14 @@ class Stage3Runtime:
     def sharded_params(self) -> list[ShardedParam]:
         return list(self._sps)
 
+    def begin_backward(self) -> None:
+        """The engine's backward prologue: from here until :meth:`finish_backward` a module's forward is an
+        activation-checkpoint recomputation."""
+        self.states.begin_backward()
+
     def finish_backward(self) -> None:
         """After ``loss.backward()``: every reduced gradient is in its grad storage; nothing stays gathered."""
+        self.states.end_backward()
         self.reducer.finish()
         self._reset_gathered()
         if self.swapper is not None:
@@ -328,9 +330,10 @@ class Stage3Runtime:
 
     # ------------------------------------------------------------------ iteration boundaries
     def _root_pre_forward(self, module, args):
-        if self._calls:  # the root called from inside its own forward: not a new iteration
+        if self.states.any_open():  # the root called from inside its own forward: not a new iteration
             return None
         self._reset_gathered()
+        self.states.begin_iteration()
         if _external_version() != self._external_version:
             self._rebuild_after_external_change()
         self.trace.begin_iteration(torch.is_grad_enabled())
@@ -338,10 +341,16 @@ class Stage3Runtime:
         return None
 
     def _root_post_forward(self, module, args, output):
-        if not torch.is_grad_enabled() and not self._calls:
+        if torch.is_grad_enabled():
+            # the first gradient of any backward through the root's outputs: the pass is in backward from here
+            register_output_grad_hooks(output, self._on_root_output_grad, None)
+        elif not self.states.any_open():
             self._drop_read_holds()
             self._release_unheld(park=True)
         return None
+
+    def _on_root_output_grad(self, _call) -> None:
+        self.states.begin_backward()
 
     def _rebuild_after_external_change(self) -> None:
         self._build_groups()
@@ -351,9 +360,7 @@ class Stage3Runtime:
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module, args, kwargs):
         group = self._groups[module]
-        call = ModuleCall(group, recompute=_in_backward())
-        self._calls.setdefault(id(module), []).append(call)
-        self._fwd_stack.append((module, call))
+        call = self.states.start_forward(module, group)
         self._acquire(group, HoldReason.FORWARD)
         if torch.is_grad_enabled():
             wrapped = wrap_inputs_for_post_backward(args, kwargs, self._post_backward, call)
@@ -362,14 +369,11 @@ class Stage3Runtime:
         return None
 
     def _post_forward(self, module, args, output):
-        stack = self._calls.get(id(module))
-        if not stack:  # hooks of an iteration that was reset under us (e.g. an exception); nothing held
+        ended = self.states.end_forward(module)
+        if ended is None:  # hooks of an iteration that was reset under us (e.g. an exception); nothing held
             return None
-        call = stack.pop()
-        if not stack:
-            del self._calls[id(module)]
-        self._pop_fwd(call)
-        if call.recompute:
+        call, recomputed = ended
+        if recomputed:
             # Recomputation under activation checkpointing. Non-reentrant checkpointing saves *frozen* parameters
             # by reference (trainable ones as detached aliases) and compares their shapes with the original
             # forward's right after recomputing (transformers#47254): frozen ones stay whole until the next
@@ -387,9 +391,8 @@ class Stage3Runtime:
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, call: ModuleCall) -> None:
-        if call.pre_backward_done:
+        if not self.states.start_backward_of(call):
             return
-        call.pre_backward_done = True
         self._settle_recomputation()
         self._queue_end_of_backward()
         self._acquire(call.group, HoldReason.BACKWARD)
@@ -406,9 +409,8 @@ class Stage3Runtime:
                 self._calls_awaiting_grad.setdefault(ds_id, []).append(call)
 
     def _post_backward(self, call: ModuleCall) -> None:
-        if not call.pre_backward_done or call.post_backward_done:
+        if not self.states.end_backward_of(call):
             return
-        call.post_backward_done = True
         self._settle_recomputation()
         self._release_group(call.group, HoldReason.BACKWARD)
 
@@ -418,6 +420,7 @@ class Stage3Runtime:
             self.grad_guard(sp.name)
         grad = param.grad
         param.grad = None
+        self.states.begin_backward()
         self._settle_recomputation()
         self._queue_end_of_backward()
         if grad is not None:
@@ -449,12 +452,6 @@ class Stage3Runtime:
         for sp in holds:
             sp.release(HoldReason.READ)
 
-    def _pop_fwd(self, call: ModuleCall) -> None:
-        for i in range(len(self._fwd_stack) - 1, -1, -1):
-            if self._fwd_stack[i][1] is call:
-                del self._fwd_stack[i]
-                return
-
     # ------------------------------------------------------------------ parameters read without calling their module
     def _on_param_read(self, param: nn.Parameter) -> None:
         """``module.weight`` read while partitioned. Inside a forward (``nn.MultiheadAttention`` reading
@@ -462,11 +459,12 @@ class Stage3Runtime:
         forward, for this forward and its backward; it is also registered as that module's external parameter, so
         from the next iteration on it is gathered with the module's group (DeepSpeed does the same)."""
         sp = sharded_param_of(param)
-        if sp is None or sp.persistent or sp.state is ParamState.AVAILABLE or not self._fwd_stack:
+        innermost = self.states.innermost()
+        if sp is None or sp.persistent or sp.state is ParamState.AVAILABLE or innermost is None:
             return
-        grouped = [(m, c) for m, c in self._fwd_stack if c is not None]
-        if grouped:
-            module, call = grouped[-1]  # the innermost module in forward that has a group
+        grouped = self.states.innermost_with_group()
+        if grouped is not None:
+            module, call = grouped
             group = call.group
             if sp not in group.sps:
                 group.sps.append(sp)
@@ -476,7 +474,7 @@ class Stage3Runtime:
         else:
             # only modules without a group of their own are in forward: hold it until this backward ends (the
             # next iteration gathers it with the module it is registered on below)
-            module = self._fwd_stack[-1][0]
+            module = innermost[0]
             sp.acquire(HoldReason.READ)
             self._read_holds.append(sp)
         _register_external(module, param)
@@ -487,9 +485,10 @@ class Stage3Runtime:
     def annotate_forward_error(self, error: BaseException) -> None:
         """A forward failed: if the innermost module in forward has partitioned parameters it did not gather, say
         which module and what to do (they were used through a reference hf_zero cannot see)."""
-        if not self._fwd_stack or not hasattr(error, "add_note"):
+        innermost = self.states.innermost()
+        if innermost is None or not hasattr(error, "add_note"):
             return
-        module, _ = self._fwd_stack[-1]
+        module, _ = innermost
         partitioned = [sp.name for p in module.parameters() if (sp := sharded_param_of(p)) is not None
                        and sp.state is ParamState.PARTITIONED]
         if partitioned:
@@ -510,7 +509,7 @@ class Stage3Runtime:
         need = [sp for sp in group.sps if sp.state is ParamState.PARTITIONED]
         need_numel = sum(sp.numel for sp in need)
         if need and self.gatherer.live_numel + need_numel > self.max_live_numel:
-            self._release_unheld(park=not _in_backward())
+            self._release_unheld(park=not self.states.in_backward)
         if need:
             self.gatherer.gather(need, f"module {group.fqn!r}", async_op=True)
         self._prefetch()
@@ -545,19 +544,10 @@ class Stage3Runtime:
                                     if sp.state is ParamState.PARTITIONED)
 
     def _settle_recomputation(self) -> None:
-        """At a backward event, no recomputation is running (it runs synchronously inside one saved-tensor
-        unpack). So recomputed calls still open were stopped early -- non-reentrant checkpointing stops the
-        recomputation once it has every tensor it needs, skipping the rest of the forward and its post-forward
-        hooks -- and their holds are released here, as are the frozen params kept for the shape check."""
-        if self._calls:
-            for key in list(self._calls):
-                stack = self._calls[key]
-                for call in [c for c in stack if c.recompute]:
-                    stack.remove(call)
-                    self._pop_fwd(call)
-                    self._release_group(call.group, HoldReason.FORWARD)
-                if not stack:
-                    del self._calls[key]
+        """At a backward event: the holds of recomputations stopped early (see TrainingStates.stop_recomputations)
+        are released, as are the frozen params kept whole for checkpointing's shape check."""
+        for call in self.states.stop_recomputations():
+            self._release_group(call.group, HoldReason.FORWARD)
         if self._deferred:
             self._release_deferred()
 
@@ -590,8 +580,7 @@ class Stage3Runtime:
     def _reset_gathered(self) -> None:
         """Between iterations: forget every hold (leaks from early-stopped recomputation, unused backward
         paths) and partition everything that is not persistent."""
-        self._calls.clear()
-        self._fwd_stack.clear()
+        self.states.clear()
         self._read_holds.clear()
         self._awaiting_grad.clear()
         self._calls_awaiting_grad.clear()
@@ -620,11 +609,6 @@ def _persistent_buffers(module: nn.Module):
         for n, b in mod._buffers.items():
             if b is not None and n not in mod._non_persistent_buffers_set:
                 yield (f"{prefix}.{n}" if prefix else n), b
-
-
-def _in_backward() -> bool:
-    # NOTE: the autograd engine's current graph task; FSDP2 asks the same question the same way.
-    return torch._C._current_graph_task_id() != -1
 
 
 _EXTERNAL_VERSION = [0]
