@@ -51,6 +51,17 @@ def _swap_files(engine) -> dict[str, int]:
     return off.swap.file_nbytes() if off is not None and off.swap is not None else {}
 
 
+def _assert_one_backend(engine, offloaded: bool) -> None:
+    """One back-end object steps every placement; an offloaded group's master, the key of the optimizer's state,
+    is a meta tensor (the master's shape and dtype, no bytes), not an empty stand-in."""
+    opt = engine.optimizer
+    assert opt.backend.offloaded is offloaded and (opt.offload is opt.backend if offloaded else opt.offload is None)
+    keys = [p for pg in opt.param_groups for p in pg["params"]]
+    assert [(p.is_meta, p.numel(), p.dtype) for p in keys] == \
+        [(offloaded, g.shard_numel, torch.float32) for g in engine.groups]
+    assert [id(k) for k in opt.state] == [id(k) for k in keys] and all(int(opt.state[k]["step"]) > 0 for k in keys)
+
+
 def _train_modes(stage: int, root: str):
     root = f"{root}/stage{stage}"
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -58,6 +69,7 @@ def _train_modes(stage: int, root: str):
     for mode in _modes(stage):
         engine, *_ = hf_zero.initialize(model=make_model(), config=_config(stage, mode, root))
         losses = engine_run(engine, world, rank)
+        _assert_one_backend(engine, offloaded=mode != "none")
         files = _swap_files(engine)
         swap_dir = engine.optimizer.offload.swap.path if files else None
         engine.save_checkpoint(f"{root}/ckpt-{mode}")

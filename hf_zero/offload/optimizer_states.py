@@ -16,8 +16,8 @@ moments and writes the 16-bit weights in the same pass, and those are copied bac
 sets of tile buffers alternate: tile i+1 is read, and tile i-1 written, while tile i is computed, so at most
 ``2 * 3 * sub_group_size * 4`` bytes of offloaded state are resident at any time.
 
-The group's ``master`` attribute becomes an empty placeholder tensor (still the key of ``optimizer.state`` and the
-entry of ``param_groups``, as schedulers and ``state_dict`` expect); :meth:`OptimizerOffload.state_tensors` and
+Each group releases its own master (``release_master``: it stays a meta tensor of the master's shape and dtype, the
+key of ``optimizer.state`` and the entry of ``param_groups``, holding no bytes); :meth:`OptimizerOffload.state_tensors` and
 :meth:`~OptimizerOffload.load_state_tensors` give checkpoints the full per-group tensors, so a checkpoint holds the
 same optimizer state with or without offload. For fp32 training ``param16`` *was* ``master``: it keeps that storage
 as the model's weights and the master copy moves out.
@@ -85,7 +85,11 @@ class _Tile:
 
 
 class OptimizerOffload:
-    """Owns master weights and Adam moments of every group when optimizer offload is on; see the module docstring."""
+    """Owns master weights and Adam moments of every group when optimizer offload is on; see the module docstring.
+    The optimizer back-end of those runs (hf_zero.zero.optimizer_backend): one ``step`` for every placement."""
+
+    uses_adam_hyper = True
+    offloaded = True
 
     def __init__(self, groups: Sequence, *, device: str, nvme_path: str | None, pin_memory: bool, ratio: float,
                  sub_group_size: int, aio: AioParams, rank: int):
@@ -113,16 +117,17 @@ class OptimizerOffload:
         for gi, g in enumerate(self.groups):
             k, n = self.keep[gi], g.shard_numel
             master = g.master
-            # A group may hand over no master at all (ZeRO-3 with swapped partitions builds none): the starting
-            # values are then read range by range with g.initial_master, never materialised whole.
-            built = master.numel() == n
+            # A group may hand over no master at all (ZeRO-3 with swapped partitions builds none, a meta tensor):
+            # the starting values are then read range by range with g.initial_master, never materialised whole.
+            built = not master.is_meta
+            on = g.grad.device  # the group's device (its master may hold no bytes)
             # Views where the master may stay where it is (no copy); a clone where a view would keep the whole
             # fp32 buffer alive after its offloaded part went to NVMe (16-bit training).
             keep_view = built and (g.param16 is master or (device == "cpu" and master.device.type == "cpu"))
             if keep_view:
                 resident_master = master[:k]
             else:
-                resident_master = torch.empty(k, dtype=torch.float32, device=master.device)
+                resident_master = torch.empty(k, dtype=torch.float32, device=on)
                 g.initial_master(0, k, resident_master)
             self._resident.append({"master": resident_master, "exp_avg": torch.zeros_like(resident_master),
                                    "exp_avg_sq": torch.zeros_like(resident_master)})
@@ -142,7 +147,7 @@ class OptimizerOffload:
                     g.initial_master(lo, hi, buf[:hi - lo])
                     self.swap.write_async(f"group{gi}.master", buf[:hi - lo], lo - k).result()
             # The master moves out. fp32 training: param16 is the same tensor and stays as the model's weights.
-            g.master = torch.empty(0, dtype=torch.float32, device=master.device)
+            g.release_master()
         # NVMe: two sets of tile buffers, used alternately (compute on one while the other is read / written)
         max_tile = max((t.hi - t.lo for t in self.tiles), default=0)
         self._tile_bufs = ([{s: _host_empty(max_tile, pin_memory) for s in STATE_NAMES} for _ in range(2)]
@@ -150,8 +155,9 @@ class OptimizerOffload:
 
     # ---- the step ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, hyper: Sequence[AdamHyper], divisor: float) -> None:
-        """One Adam step of every group; ``hyper[gi]``: group gi's hyper-parameters for this step."""
+    def step(self, states, hyper: Sequence[AdamHyper], divisor: float) -> None:
+        """One Adam step of every group; ``hyper[gi]``: group gi's hyper-parameters for this step. ``states``
+        (the optimizer's, holding the step counts) is not needed: the moments are here."""
         for gi, g in enumerate(self.groups):
             k = self.keep[gi]
             if k:

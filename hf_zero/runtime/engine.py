@@ -180,8 +180,8 @@ class HfZeroEngine(nn.Module):
         if getattr(self, "stage3", None) is not None:
             self.stage3.set_timers(timers)
         optimizer = getattr(self, "optimizer", None)
-        if optimizer is not None and getattr(optimizer, "offload", None) is not None:
-            optimizer.offload.timers = timers
+        if optimizer is not None and getattr(optimizer, "backend", None) is not None:
+            optimizer.backend.timers = timers
 
     # ---- construction ---------------------------------------------------------------------------------------------
     def _init_stages_0_to_2(self, plan: OptimizerPlan, names: dict, grad_dtype: torch.dtype) -> list[ShardedGroup]:
@@ -511,8 +511,9 @@ class HfZeroEngine(nn.Module):
             self.reducer.remove()
         if self.stage3 is not None:
             self.stage3.remove()
-        if self.optimizer is not None and self.optimizer.offload is not None:  # waits for swap I/O, deletes this rank's NVMe swap files
-            self.optimizer.offload.close()
+        backend = getattr(self.optimizer, "backend", None)
+        if backend is not None:  # an offload back-end waits for swap I/O, deletes this rank's NVMe swap files
+            backend.close()
 
     # ---- Hugging Face integration surface (owned by the HF integration) ----
     def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule=None) -> None:

@@ -9,8 +9,9 @@ One ``step()``:
      exactly one rank, so this is the true norm of the full gradient, not a local one);
   2. fp16 overflow decision from that norm -- identical on every rank because the norm is; skip the step if so;
   3. one combined divisor = loss scale / clip coefficient, applied inside the update;
-  4. the update: the fused Adam kernel (one pass reads grad/param/moments, writes param, moments and the 16-bit
-     copy) for Adam/AdamW, or the wrapped torch optimizer for anything else;
+  4. the update, by the one optimizer back-end (optimizer_backend.py): the fused Adam kernel (one pass reads
+     grad/param/moments, writes param, moments and the 16-bit copy), the wrapped torch optimizer for anything
+     but Adam, or the CPU / NVMe optimizer offload;
   5. publication: 16-bit shards all-gathered back into the model's parameters (stages 1/2), or copied (stage 0).
 """
 
@@ -24,9 +25,11 @@ import torch
 
 from hf_zero.comm import all_reduce_
 from hf_zero.offload.swapper import wait_all
+from hf_zero.ops.adam import AdamHyper
 from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import ShardLayout
 from hf_zero.zero.loss_scaler import LossScaler
+from hf_zero.zero.optimizer_backend import FusedAdamBackend, OptimizerBackend, TorchOptimizerBackend
 from hf_zero.zero.sharded_group import ShardedGroup
 
 __all__ = ["ZeroOptimizer", "UpdateRule"]
@@ -46,15 +49,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  publisher: Callable[[], None] | None = None, offload=None,
                  state_dtype: torch.dtype = torch.float32):
         self.groups = list(groups)
-        # Optimizer offload (hf_zero.offload.OptimizerOffload), or None: when set it has already moved each group's
-        # master and moments out (g.master is an empty placeholder, still the key of self.state) and runs the step.
-        self.offload = offload
         masters = [{"params": [g.master], **h} for g, h in zip(self.groups, hyperparams)]
         self.inner = inner_cls(masters, **inner_defaults)
         super().__init__(self.inner.param_groups, self.inner.defaults)
         # one set of param_groups / state, shared with the inner optimizer: schedulers see what is stepped
         self.inner.param_groups = self.param_groups
         self.inner.state = self.state
+        # Where masters and states live and what updates them, chosen once: the optimizer offload
+        # (hf_zero.offload.OptimizerOffload, which has moved each group's master and moments out already), the
+        # fused Adam kernel, or the torch optimizer
+        self.backend: OptimizerBackend = (offload if offload is not None else
+                                          FusedAdamBackend(self.groups, state_dtype) if fused_adam else
+                                          TorchOptimizerBackend(self.groups, self.inner))
         self.fused_adam = fused_adam
         self.loss_scaler = loss_scaler
         self.clip_norm = clip_norm
@@ -109,15 +115,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.clip_norm > 0 and math.isfinite(norm):
             clip_coef = min(1.0, self.clip_norm / (norm + 1e-6))
         divisor = scale / clip_coef
-        if self.offload is not None:
-            self._offload_step(divisor)
-        elif self.fused_adam:
-            self._fused_adam_step(divisor)
+        if self.backend.uses_adam_hyper:
+            states = [self.state[g.master] for g in self.groups]
+            self.backend.step(states, self._next_adam_hypers(states), divisor)
         else:
-            self._inner_step(divisor)
+            self.backend.step(None, None, divisor)
         self._zero_grad_shards()
         self.publish()
         return None
+
+    @property
+    def offload(self):
+        """The back-end when it is an optimizer offload (its masters and states out of the groups), else None."""
+        return self.backend if self.backend.offloaded else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the model's gradients; the gradient shards are cleared by step() itself."""
@@ -164,55 +174,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             g.clear_grad()
             g.master.grad = None
 
-    def _inner_step(self, divisor: float) -> None:
-        for g in self.groups:
-            grad = g.grad if g.grad.dtype == g.master.dtype else g.grad.to(g.master.dtype)
-            if divisor != 1.0:
-                grad.div_(divisor)
-            g.master.grad = grad
-        self.inner.step()
-        for g in self.groups:
-            wait_all(g.write_param16(0, g.shard_numel, g.master))
-
-    def _fused_adam_step(self, divisor: float) -> None:
-        from hf_zero.ops.adam import AdamHyper, adam_step_
-
-        for g, group in zip(self.groups, self.param_groups):
-            state = self.state[g.master]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(g.master, dtype=self.state_dtype)
-                state["exp_avg_sq"] = torch.zeros_like(g.master, dtype=self.state_dtype)
-            state["step"] += 1
-            hyper = AdamHyper.of_group(group, int(state["step"].item()))
-            # The 16-bit weights are written in the same pass: into param16, or (swapped ZeRO-3 partitions,
-            # param16 None) into a scratch buffer that write_param16 then sends to the swap files.
-            out16 = g.param16
-            if out16 is None and g.compute_dtype != torch.float32:
-                out16 = torch.empty(g.shard_numel, dtype=g.compute_dtype, device=g.master.device)
-            if g.master.dtype != torch.float32 or self.state_dtype != torch.float32:
-                _adam_step_low_precision(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], **hyper.kwargs(),
-                                         grad_scale=divisor)
-                if g.param16 is None:  # swapped ZeRO-3 partitions: the updated bf16 master goes to their files
-                    wait_all(g.write_param16(0, g.shard_numel, g.master))
-                continue
-            adam_step_(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], **hyper.kwargs(), grad_scale=divisor,
-                       out16=None if out16 is None or out16 is g.master else out16)
-            if g.param16 is None:
-                wait_all(g.write_param16(0, g.shard_numel, g.master if out16 is None else out16))
-
-    def _offload_step(self, divisor: float) -> None:
-        """Adam with the states where the offload object keeps them; the step count stays in self.state."""
-        from hf_zero.ops.adam import AdamHyper
-
+    def _next_adam_hypers(self, states: list[dict]) -> list[AdamHyper]:
+        """Count this step in each group's state and freeze its Adam hyper-parameters for it (once per group)."""
         hyper = []
-        for g, group in zip(self.groups, self.param_groups):
-            state = self.state[g.master]
-            if not state:
+        for state, group in zip(states, self.param_groups):
+            if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
             state["step"] += 1
             hyper.append(AdamHyper.of_group(group, int(state["step"].item())))
-        self.offload.step(hyper, divisor)
+        return hyper
 
     # state -------------------------------------------------------------------------------------------------------
     def state_dict(self):
@@ -303,21 +273,3 @@ def _per_element(value, master: torch.Tensor) -> bool:
     """A state tensor cut like the master (exp_avg, ...): 1-d, one value per master element -- also for a group
     with no trainable parameter (a LoRA run's no-decay group: 0 elements); 0-d tensors (step) are scalars."""
     return torch.is_tensor(value) and value.dim() > 0 and value.numel() == master.numel()
-
-
-_SLICE = 1 << 20  # elements per fp32 working slice of the low-precision Adam step
-
-
-def _adam_step_low_precision(master, grad, exp_avg, exp_avg_sq, **kwargs) -> None:
-    """Adam on bf16 master weights and/or bf16 moments (bf16.bf16_master_weights_and_grads /
-    bf16_optimizer_states): the math in fp32 on slices of at most ``_SLICE`` elements, results rounded back into
-    the storage dtypes, so no full fp32 copy of the shard ever exists."""
-    from hf_zero.ops.adam import adam_step_
-
-    for lo in range(0, master.numel(), _SLICE):
-        hi = min(lo + _SLICE, master.numel())
-        p32, m32, v32 = master[lo:hi].float(), exp_avg[lo:hi].float(), exp_avg_sq[lo:hi].float()
-        adam_step_(p32, grad[lo:hi], m32, v32, **kwargs)
-        for dst, src in ((master, p32), (exp_avg, m32), (exp_avg_sq, v32)):
-            if dst.dtype != torch.float32:
-                dst[lo:hi].copy_(src)

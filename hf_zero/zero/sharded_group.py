@@ -28,9 +28,10 @@ Where each tensor lives after a step, per configuration (the one table of it; st
                                                    storage is a view of it  is a view of it      for its module
     stage 3, swapped     read range by range       None: write_param16      as stage 3           gathered from the
     (offload_param nvme) (never whole if offload)  writes to swap files                          swap files
-    + offload_optimizer  (0,) placeholder, still   unchanged (written tile  unchanged (copied to unchanged
-                         the key of optimizer.state; by tile)               the CPU per tile)
-                         the values live in OptimizerOffload (resident tier, then CPU memory or NVMe files)
+    + offload_optimizer  meta tensor (shape and    unchanged (written tile  unchanged (copied to unchanged
+                         dtype, no bytes): the key by tile)                 the CPU per tile)
+                         of optimizer.state; the values live in OptimizerOffload (resident tier, then CPU
+                         memory or NVMe files), the optimizer back-end of those runs
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class ShardedGroup:
             self.layout.shard_of(local_tensor(p).detach().reshape(-1).float(), i, rank, self.master_chunk(i))
         self.persistent_grad = persistent_grad
         self._grad_dtype = grad_dtype
+        self._device = device
         self.grad = torch.zeros(numel if persistent_grad else 0, dtype=grad_dtype, device=device)
         self.param16 = self.master if compute_dtype == master_dtype else self.master.to(compute_dtype)
         if world_size == 1:
@@ -101,6 +103,12 @@ class ShardedGroup:
             lo = self.layout.offsets[i]
             local = local_tensor(p)
             local.data = self.param16[lo:lo + local.numel()].view(local.shape)
+
+    def release_master(self) -> None:
+        """The optimizer back-end keeps the master elsewhere (offload_optimizer): drop this copy. ``master`` stays a
+        meta tensor of its shape and dtype -- what the master is, holding no bytes -- as the key of the optimizer's
+        state and param_groups. fp32 training: ``param16`` keeps the storage as the model's weights."""
+        self.master = torch.empty(self.master.shape, dtype=self.master.dtype, device="meta")
 
     def master_chunk(self, index: int) -> torch.Tensor:
         lo, hi = self.layout.offsets[index], self.layout.offsets[index + 1]
@@ -125,7 +133,7 @@ class ShardedGroup:
     def ensure_grad(self) -> None:
         """Make sure the gradient shard exists (zeros) before reductions add into it."""
         if self.grad.numel() != self.layout.shard_numel:
-            self.grad = torch.zeros(self.layout.shard_numel, dtype=self._grad_dtype, device=self.master.device)
+            self.grad = torch.zeros(self.layout.shard_numel, dtype=self._grad_dtype, device=self._device)
 
     def clear_grad(self) -> None:
         """After the step: zero a persistent shard, free a transient one."""

@@ -28,7 +28,8 @@ class Stage3Group:
     With ``offload_param: nvme`` some shards are in swap files, so there is no flat 16-bit buffer: ``param16`` is
     None and :meth:`write_param16` sends each updated range to the parameters' own storage (file or tensor).
     ``master_offloaded``: the optimizer offload will own the fp32 master, so it is not built here (``master`` is
-    an empty placeholder); the offload reads the starting values range by range with :meth:`initial_master`.
+    a meta tensor: its shape and dtype, no bytes); the offload reads the starting values range by range with
+    :meth:`initial_master`.
     """
 
     def __init__(self, sps, *, world_size: int, rank: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
@@ -47,7 +48,7 @@ class Stage3Group:
         swapped = any(sp.swapped for sp in self.sps)
         self.grad = torch.zeros(numel, dtype=grad_dtype, device=device)
         if swapped:
-            self.master = torch.empty(0 if master_offloaded else numel, dtype=torch.float32, device=device)
+            self.master = torch.empty(numel, dtype=torch.float32, device="meta" if master_offloaded else device)
             self.param16 = None
             if not master_offloaded:
                 self.initial_master(0, numel, self.master)
@@ -61,6 +62,10 @@ class Stage3Group:
             if self.param16 is not None:
                 sp.use_shard_storage(self.param16[lo:hi])
             sp.use_grad_storage(self.grad[lo:hi])
+
+    def release_master(self) -> None:
+        """See :meth:`ShardedGroup.release_master <hf_zero.zero.sharded_group.ShardedGroup.release_master>`."""
+        self.master = torch.empty(self.master.shape, dtype=self.master.dtype, device="meta")
 
     def _pieces(self, lo: int, hi: int):
         """``(sp, start, stop, offset)`` for each parameter chunk overlapping the shard range ``[lo, hi)``:

@@ -86,7 +86,7 @@ def _fragment(param: torch.Tensor, what: str) -> _Fragment | None:
     frag = _FRAGMENTS.get(param)
     if frag is not None and frag._optimizer() is None:
         return None  # its engine is gone: the parameter is an ordinary tensor again
-    if frag is not None and frag.group.master.numel() == 0 and frag.group.shard_numel > 0:
+    if frag is not None and frag.group.master.is_meta and frag.group.shard_numel > 0:
         raise NotImplementedError(f"hf_zero {what}: the fp32 weights and optimizer states are offloaded "
                                   "(zero_optimization.offload_optimizer); read them before enabling the offload "
                                   "or from a checkpoint")
