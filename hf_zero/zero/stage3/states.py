@@ -147,16 +147,15 @@ class TrainingStates:
     # ---- backward ------------------------------------------------------------------------------------------------
     def start_backward_of(self, call: ModuleCall) -> bool:
         """The first gradient of one of ``call``'s outputs arrived: its backward starts. False if it had already."""
-        self.in_backward = True
-        if call.state is not TrainingState.IDLE:
-            return False
-        call.state = TrainingState.PRE_BACKWARD
-        return True
+        return self._advance(call, TrainingState.IDLE, TrainingState.PRE_BACKWARD)
 
     def end_backward_of(self, call: ModuleCall) -> bool:
         """``call``'s backward is over. False unless it was in PRE_BACKWARD (never started, or already ended)."""
-        self.in_backward = True
-        if call.state is not TrainingState.PRE_BACKWARD:
+        return self._advance(call, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
+    def _advance(self, call: ModuleCall, source: TrainingState, target: TrainingState) -> bool:
+        self.in_backward = True  # only backward events move a call out of IDLE
+        if call.state is not source:
             return False
-        call.state = TrainingState.POST_BACKWARD
+        call.state = target
         return True
