@@ -79,12 +79,12 @@ def _compressed_under_zero3():
     out.square().mean().backward()
     rt.finish_backward()
     expected.square().mean().backward()
-    # the learned scores are a partitioned parameter too; this rank's reduced gradient chunk matches the reference
+    # the learned scores are a partitioned parameter too; this rank's reduced gradient shard matches the reference
     mask = model.blocks[1].fc1.weight_transforms["sparse_pruning"]
     sp = next(s for s in rt.sharded_params() if s.param is mask.scores)
     ref_grad = ref.blocks[1].fc1.weight_transforms["sparse_pruning"].scores.grad.reshape(-1)
-    chunk = ref_grad[dist.get_rank() * sp.chunk_numel:][:sp.chunk_numel]
-    torch.testing.assert_close(sp.grad_storage[:chunk.numel()], chunk, atol=1e-6, rtol=1e-4)
+    shard = ref_grad[dist.get_rank() * sp.shard_numel:][:sp.shard_numel]
+    torch.testing.assert_close(sp.grad_storage[:shard.numel()], shard, atol=1e-6, rtol=1e-4)
     # stats gather what they read; masks (buffers) are replicated and identical to the reference
     stats = CompressionScheduler(model).stats()
     assert abs(stats["compression/channel_pruning/density"] - 0.75) < 1e-6

@@ -1,4 +1,4 @@
-"""The shard layout: pack/unpack are inverses, and a packed reduce-scatter / all-gather gives each rank its chunks."""
+"""The shard layout: pack/unpack are inverses, and a packed reduce-scatter / all-gather gives each rank its shards."""
 
 import torch
 import torch.distributed as dist
@@ -12,7 +12,7 @@ NUMELS = (5, 3, 1, 8, 7)
 
 def test_layout_offsets_and_padding():
     layout = ShardLayout(NUMELS, 4)
-    assert layout.chunks == (2, 1, 1, 2, 2)
+    assert layout.shard_numels == (2, 1, 1, 2, 2)
     assert layout.offsets == (0, 2, 3, 4, 6, 8)
     assert layout.owned_range(0, 2) == (4, 5) and layout.owned_range(0, 3) == (5, 5)
     assert layout.owned_range(2, 1) == (1, 1)
@@ -34,7 +34,7 @@ def test_pack_unpack_roundtrip_and_scale():
     layout.pack(flats[1:4], 1, sub)
     torch.testing.assert_close(sub, packed[:, lo:hi] * 2)
     # shard_of agrees with the packed row
-    out = torch.empty(layout.chunks[3])
+    out = torch.empty(layout.shard_numels[3])
     layout.shard_of(flats[3], 3, 2, out)
     torch.testing.assert_close(out, packed[2, layout.offsets[3]:layout.offsets[4]] * 2)
 

@@ -1,12 +1,12 @@
 """ZeRO-3 parameter offload (``offload_param`` cpu and nvme) on 2 ranks matches the run without it.
 
-One launch trains the parity MLP (stage 3, a frozen layer, persistent biases) with the partitions in CPU memory,
+One launch trains the parity MLP (stage 3, a frozen layer, persistent biases) with the shards in CPU memory,
 in NVMe swap files, and in swap files together with the optimizer states on CPU or NVMe: losses and parameters
 match the single-process reference (1e-5 relative, fp32) and are bitwise equal to the run without offload; the
-swap files hold exactly this rank's partitions (chunk bytes of every parameter that is not persistent) and are
+swap files hold exactly this rank's shards (the bytes of every parameter that is not persistent) and are
 gone after ``destroy``; the saved checkpoint is the same; checkpoints cross-load. A bf16 run checks the cast of
-swapped partitions (fp32 masters are built from the values before the cast). A tiny Llama built under
-``zero.Init`` with the nvme config has its partitions on disk from the start and trains like the resident one,
+swapped shards (fp32 masters are built from the values before the cast). A tiny Llama built under
+``zero.Init`` with the nvme config has its shards on disk from the start and trains like the resident one,
 with the gathers served by read-ahead.
 """
 
@@ -51,7 +51,7 @@ def _swap_state(engine) -> dict:
         return {}
     swapped = [sp for sp in engine.stage3.sharded_params() if sp.swapped]
     return {"nbytes": sw.nbytes, "files": sorted(os.listdir(sw.dir.path)), "path": str(sw.dir.path),
-            "expected_nbytes": sum(sp.chunk_numel * 4 for sp in swapped),
+            "expected_nbytes": sum(sp.shard_numel * 4 for sp in swapped),
             "swapped": sorted(sp.name for sp in swapped),
             "resident_numel": sum(sp.local_shard.numel() for sp in swapped)}
 
@@ -117,7 +117,7 @@ def _llama(root: str | None) -> dict:
         params = list(model.parameters())
         built = {"swapped": sum(p._hf_zero_sharded.swapped for p in params), "params": len(params),
                  "resident": sum(p._hf_zero_sharded.local_shard.numel() for p in params),
-                 "disk": sw.nbytes, "chunks": sum(p._hf_zero_sharded.chunk_numel * 4 for p in params)}
+                 "disk": sw.nbytes, "shards": sum(p._hf_zero_sharded.shard_numel * 4 for p in params)}
     engine, *_ = hf_zero.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(3)
     losses = []
@@ -157,7 +157,7 @@ def test_param_offload_parity(launched):
         for name, ref in ref_params.items():
             torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"offload {mode} {name}: {m}")
-            # offload changes where the partitions live, not the arithmetic
+            # offload changes where the shards live, not the arithmetic
             torch.testing.assert_close(params[name], out["none"][1][name], rtol=0, atol=0)
 
 
@@ -170,7 +170,7 @@ def test_swap_files_hold_the_partitions_and_are_removed(launched):
             swap = modes[mode][2]
             # every weight matrix (frozen one included) is on disk; the biases (persistent) stay in memory
             assert swap["swapped"] == ["0.weight", "2.weight", "4.weight"], swap["swapped"]
-            # 13x37, 37x29, 29x7 fp32 weights over 2 ranks: chunks of 241, 537 and 102 elements
+            # 13x37, 37x29, 29x7 fp32 weights over 2 ranks: shards of 241, 537 and 102 elements
             assert swap["nbytes"] == swap["expected_nbytes"] == 4 * (241 + 537 + 102), swap
             assert swap["files"] == sorted(f"p{i}.swp" for i in _ids(swap["files"])) and len(swap["files"]) == 3
             assert swap["resident_numel"] == 0
@@ -213,14 +213,14 @@ def test_zero_init_swaps_out_while_building_and_trains_the_same(launched):
     _, launch = launched
     for rank_out in launch:
         built = rank_out["llama_nvme"]["built"]
-        # every partition went to disk as its module was built: nothing resident, files hold the chunks
+        # every shard went to disk as its module was built: nothing resident, files hold the shards
         assert built["swapped"] == built["params"] and built["resident"] == 0, built
-        assert built["disk"] == built["chunks"], built
+        assert built["disk"] == built["shards"], built
     resident, nvme = launch[0]["llama_resident"], launch[0]["llama_nvme"]
     torch.testing.assert_close(torch.tensor(nvme["losses"]), torch.tensor(resident["losses"]), rtol=1e-5, atol=0)
     for name, t in resident["state"].items():
         torch.testing.assert_close(nvme["state"][name], t, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
-    # after the first (recorded) iteration the gathers find their partitions already read ahead
+    # after the first (recorded) iteration the gathers find their shards already read ahead
     assert nvme["stats"]["ahead_hits"] > 0, nvme["stats"]
 
 

@@ -38,9 +38,9 @@ def test_sharded_param_states_and_compat_attributes():
     assert p.shape == (0,)
     with pytest.raises(ValueError, match="already partitioned"):
         ShardedParam(p, "w", rank=0, world_size=2)
-    q = nn.Parameter(torch.ones(5))  # uneven: chunk 3, rank 1 owns 2 elements + 1 padding
+    q = nn.Parameter(torch.ones(5))  # uneven: shard 3, rank 1 owns 2 elements + 1 padding
     sq = ShardedParam(q, "q", rank=1, world_size=2)
-    assert sq.chunk_numel == 3 and torch.equal(sq.local_shard, torch.tensor([1.0, 1.0, 0.0]))
+    assert sq.shard_numel == 3 and torch.equal(sq.local_shard, torch.tensor([1.0, 1.0, 0.0]))
 
 
 def test_trace_prefetch_resync_and_reuse():
@@ -92,14 +92,14 @@ def test_engine_contract_world_1_bf16():
     for sp in sps:
         assert torch.equal(sp.initial_fp32_shard()[:sp.numel], originals[sp.name].reshape(-1))
         assert sp.local_shard.dtype == torch.bfloat16
-    flat = torch.empty(sum(sp.chunk_numel for sp in sps), dtype=torch.bfloat16)
+    flat = torch.empty(sum(sp.shard_numel for sp in sps), dtype=torch.bfloat16)
     grads = torch.zeros(flat.numel(), dtype=torch.float32)
     offset = 0
     for sp in sps:
-        sp.use_shard_storage(flat[offset:offset + sp.chunk_numel])
-        sp.use_grad_storage(grads[offset:offset + sp.chunk_numel])
+        sp.use_shard_storage(flat[offset:offset + sp.shard_numel])
+        sp.use_grad_storage(grads[offset:offset + sp.shard_numel])
         assert sp.local_shard.data_ptr() == flat[offset:].data_ptr()
-        offset += sp.chunk_numel
+        offset += sp.shard_numel
     assert torch.equal(flat.float(), torch.cat([sp.initial_fp32_shard() for sp in sps]).bfloat16().float())
     x = torch.randn(3, 8)
     ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).bfloat16()
@@ -114,7 +114,7 @@ def test_engine_contract_world_1_bf16():
     assert all(p.grad is None for p in model.parameters())
     flat.add_(-0.1 * grads.bfloat16())  # the "optimizer" writes the engine's buffer
     rt.after_step()
-    assert torch.equal(model[2].bias.data, flat[-sps[-1].chunk_numel:][:4])  # persistent param re-published
+    assert torch.equal(model[2].bias.data, flat[-sps[-1].shard_numel:][:4])  # persistent param re-published
     rt.remove()
     assert model[0].weight.shape == (16, 8) and not hasattr(model[0].weight, "ds_id")
     assert torch.equal(model[0].weight.data.reshape(-1), flat[:128])
@@ -148,7 +148,7 @@ def test_shard_state_reshards_frozen_shards_and_buffers(tmp_path):
     assert sorted(saved) == ["stage3.buffer.1.num_batches_tracked", "stage3.buffer.1.running_mean",
                              "stage3.buffer.1.running_var", "stage3.frozen.0.weight"]
     assert "stage3.frozen.0.weight" not in rt.shard_state(exclude_frozen=True)
-    # a checkpoint written by 2 ranks (chunks of 8 of the 15 elements), loaded on this 1-rank runtime
+    # a checkpoint written by 2 ranks (shards of 8 of the 15 elements), loaded on this 1-rank runtime
     flat = torch.cat([full_weight.reshape(-1) * 2, torch.zeros(1)])
     buffers = {k: v.clone() + 1 for k, v in saved.items() if k.startswith("stage3.buffer.")}
     for r, piece in enumerate((flat[:8], flat[8:])):

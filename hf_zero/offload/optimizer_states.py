@@ -16,11 +16,11 @@ moments and writes the 16-bit weights in the same pass, and those are copied bac
 sets of tile buffers alternate: tile i+1 is read, and tile i-1 written, while tile i is computed, so at most
 ``2 * 3 * sub_group_size * 4`` bytes of offloaded state are resident at any time.
 
-Each group releases its own master (``release_master``: it stays a meta tensor of the master's shape and dtype, the
-key of ``optimizer.state`` and the entry of ``param_groups``, holding no bytes); :meth:`OptimizerOffload.state_tensors` and
-:meth:`~OptimizerOffload.load_state_tensors` give checkpoints the full per-group tensors, so a checkpoint holds the
-same optimizer state with or without offload. For fp32 training ``param16`` *was* ``master``: it keeps that storage
-as the model's weights and the master copy moves out.
+Each group releases its own master (``release_master``: it stays a meta tensor of the master's shape and dtype,
+the key of ``optimizer.state`` and the entry of ``param_groups``, holding no bytes);
+:meth:`OptimizerOffload.state_tensors` and :meth:`~OptimizerOffload.load_state_tensors` give checkpoints the full
+per-group tensors, so a checkpoint holds the same optimizer state with or without offload. For fp32 training
+``param16`` *was* ``master``: it keeps that storage as the model's weights and the master copy moves out.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class OptimizerOffload:
         for gi, g in enumerate(self.groups):
             k, n = self.keep[gi], g.shard_numel
             master = g.master
-            # A group may hand over no master at all (ZeRO-3 with swapped partitions builds none, a meta tensor):
+            # A group may hand over no master at all (ZeRO-3 with swapped shards builds none, a meta tensor):
             # the starting values are then read range by range with g.initial_master, never materialised whole.
             built = not master.is_meta
             on = g.grad.device  # the group's device (its master may hold no bytes)
@@ -164,7 +164,7 @@ class OptimizerOffload:
                 r = self._resident[gi]
                 wait_all(self._adam(g, hyper[gi], divisor, 0, k, r["master"], r["exp_avg"], r["exp_avg_sq"]))
         if self.device == "cpu":
-            writes = []  # 16-bit weights on their way to swapped ZeRO-3 partitions (offload_param nvme)
+            writes = []  # 16-bit weights on their way to swapped ZeRO-3 shards (offload_param nvme)
             for t in self.tiles:
                 g, h, base = self.groups[t.group], self._host[t.group], self.keep[t.group]
                 sl = slice(t.lo - base, t.hi - base)
@@ -208,7 +208,7 @@ class OptimizerOffload:
     def _adam(g, h: AdamHyper, divisor: float, lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor) -> list[Future]:
         """Adam on elements [lo, hi) of group g, whose states are ``master``/``exp_avg``/``exp_avg_sq`` (hi-lo,).
-        Returns the writes of the 16-bit weights still in flight (swapped ZeRO-3 partitions); ``master`` must not
+        Returns the writes of the 16-bit weights still in flight (swapped ZeRO-3 shards); ``master`` must not
         be reused before they finish."""
         grad = g.grad[lo:hi]
         if grad.device != master.device:

@@ -1,8 +1,8 @@
-"""``offload_param: {device: nvme}``: ZeRO-3 partitions kept in per-rank swap files instead of memory.
+"""``offload_param: {device: nvme}``: ZeRO-3 shards kept in per-rank swap files instead of memory.
 
 A swapped :class:`~hf_zero.zero.stage3.ShardedParam` holds its values through a :class:`SwappedShard`, the swapped
 implementation of zero's ``ShardStorage`` interface (hf_zero/zero/stage3/storage.py): one stream per parameter in
-the :class:`ParamSwapper`'s directory (``p<ds_id>``, ``chunk_numel`` elements). This module knows keys, dtypes and
+the :class:`ParamSwapper`'s directory (``p<ds_id>``, ``shard_numel`` elements). This module knows keys, dtypes and
 element counts, never a ShardedParam::
 
     built (zero.Init) -> sp.to_swapped(swapper): the shard is written to p<id>, the resident copy dropped
@@ -14,7 +14,7 @@ element counts, never a ShardedParam::
 Why one stream per parameter rather than one file per optimizer group: parameters are swapped out while the model
 is being built, before any group exists, and a parameter is the unit every reader asks for (a module's gather).
 
-Read-ahead: the stage-3 runtime knows which modules come next (its recorded trace) and asks for their partitions
+Read-ahead: the stage-3 runtime knows which modules come next (its recorded trace) and asks for their shards
 early with :meth:`ParamSwapper.read_ahead` (given their storages); a gather then only copies from the finished
 buffer. Read-aheads are dropped before the optimizer writes new values (:meth:`ParamSwapper.discard_read_ahead`),
 so none is ever stale. Memory stays bounded: resident are only the read-ahead buffers (the runtime bounds them by
@@ -96,13 +96,13 @@ class SwappedShard:
 
 
 class ParamSwapper:
-    """This rank's swapped ZeRO-3 partitions under ``nvme_path``, one stream per key; see the module docstring.
+    """This rank's swapped ZeRO-3 shards under ``nvme_path``, one stream per key; see the module docstring.
     Implements zero's ``ShardStore``: :meth:`store` turns resident values into a :class:`SwappedShard`."""
 
     def __init__(self, nvme_path: str | os.PathLike, *, rank: int, aio: AioParams) -> None:
         self.nvme_path = os.fspath(nvme_path)
         self.dir = SwapDir(nvme_path, kind="params", rank=rank, sizes_nbytes={}, aio=aio, config_key=CONFIG_KEY)
-        self.timers = NO_TIMERS  # the engine's: waiting for a partition's read counts as "offload_io"
+        self.timers = NO_TIMERS  # the engine's: waiting for a shard's read counts as "offload_io"
         self._ahead: dict[str, tuple[torch.Tensor, Future]] = {}  # key -> (buffer, read in flight)
         self._initial: set[str] = set()  # keys with a <key>.init stream (fp32 values before the cast)
         self.read_numel = 0  # statistics: elements read from and written to the drive
@@ -114,7 +114,7 @@ class ParamSwapper:
               label: str) -> SwappedShard:
         """Write ``values`` (and the fp32 original, if they were cast) to the streams of ``key``."""
         if values.device.type != "cpu":
-            raise ValueError(f"{label}: offload_param swaps CPU partitions; this one is on {values.device}")
+            raise ValueError(f"{label}: offload_param swaps CPU shards; this one is on {values.device}")
         self.dir.add(key, values.numel() * values.element_size())
         futures = [self.dir.write_async(key, values.contiguous(), 0)]
         if initial_fp32 is not None:

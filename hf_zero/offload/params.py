@@ -1,15 +1,15 @@
-"""``zero_optimization.offload_param``: where ZeRO-3 parameter partitions live.
+"""``zero_optimization.offload_param``: where ZeRO-3 parameter shards live.
 
 What is supported, checked once when the engine is built (never silently ignored):
 
-* ``device: cpu`` with ZeRO-3 on CPU parameters (gloo training): the partitions already live in CPU memory and
+* ``device: cpu`` with ZeRO-3 on CPU parameters (gloo training): the shards already live in CPU memory and
   are gathered from there; nothing moves. Parity with the run without the section is tested.
-* ``device: nvme`` with ZeRO-3 on CPU parameters: every partition that is not persistent lives in a per-rank swap
+* ``device: nvme`` with ZeRO-3 on CPU parameters: every shard that is not persistent lives in a per-rank swap
   file under ``nvme_path`` and is read for its gather (ahead of time, following the recorded module order); the
   optimizer writes the updated values back. See :mod:`hf_zero.offload.param_swap`. ``zero.Init`` with the same
-  config swaps partitions out while the model is built, so the model is never whole in memory.
+  config swaps shards out while the model is built, so the model is never whole in memory.
 * either device with parameters on an accelerator: refused with an error that names the key. It needs host
-  staging of the partitions before each all-gather and has not run on a GPU yet (none was available).
+  staging of the shards before each all-gather and has not run on a GPU yet (none was available).
 * stages 0-2: the section has no effect (as in DeepSpeed); a warning says so.
 """
 
@@ -37,11 +37,11 @@ def check_param_offload(zero: ZeroPolicy, *, param_device: torch.device) -> None
         return
     if param_device.type != "cpu":
         raise ValueError(f"hf_zero: zero_optimization.offload_param.device={off.device!r} with parameters on "
-                         f"{param_device} is not supported yet (the stage-3 gather does not stage partitions "
+                         f"{param_device} is not supported yet (the stage-3 gather does not stage shards "
                          "through host memory). Remove offload_param, or offload the optimizer states instead "
                          "(offload_optimizer.device 'cpu' or 'nvme')")
     if off.device == "cpu":
-        logger.info("hf_zero: offload_param.device='cpu': the ZeRO-3 partitions are in CPU memory (CPU training)")
+        logger.info("hf_zero: offload_param.device='cpu': the ZeRO-3 shards are in CPU memory (CPU training)")
 
 
 def check_offload_config(zero: ZeroPolicy, *, param_device: torch.device, fused_adam: bool) -> None:

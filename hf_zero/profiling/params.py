@@ -7,7 +7,7 @@ attributes both DeepSpeed and hf_zero publish on a partitioned ``nn.Parameter`` 
 ``profiling`` imports nothing from ``zero``)::
 
     ds_numel    int     elements of the whole parameter
-    ds_tensor   Tensor  this rank's shard, (chunk_numel,); empty while the shard is swapped to NVMe
+    ds_tensor   Tensor  this rank's shard, (shard_numel,); empty while the shard is swapped to NVMe
     ds_persist  bool    the full parameter is also kept on every rank (small parameters)
 
 Everything else is an ordinary tensor and counts with ``numel()``.

@@ -33,7 +33,7 @@ __all__ = ["GroupGradReducer", "ReduceMode"]
 
 class ReduceMode(enum.Enum):
     ALL_REDUCE = "all_reduce"          # stage 0: every rank keeps the full averaged gradient
-    REDUCE_SCATTER = "reduce_scatter"  # stages 1/2: every rank keeps its chunks
+    REDUCE_SCATTER = "reduce_scatter"  # stages 1/2: every rank keeps its shards
 
 
 @dataclass
@@ -73,7 +73,7 @@ class GroupGradReducer:
         self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         # buckets run in reverse parameter order: the order backward produces gradients in most models
         for g in groups:
-            for start, stop in bucket_ranges(g.layout.chunks, self.world_size, bucket_numel):
+            for start, stop in bucket_ranges(g.layout.shard_numels, self.world_size, bucket_numel):
                 self.buckets.append(_Bucket(g, start, stop))
         self.buckets.reverse()
         for b in self.buckets:

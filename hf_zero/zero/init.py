@@ -10,7 +10,7 @@ How, without patching tensor constructors: two public global hooks of ``torch.nn
 
 Parameters of the outermost module(s), which no parent adopts, are partitioned on ``__exit__``.
 
-With ``zero_optimization.offload_param.device: nvme`` in the config (or ``remote_device="nvme"``), each partition
+With ``zero_optimization.offload_param.device: nvme`` in the config (or ``remote_device="nvme"``), each shard
 is written to this rank's swap files under ``nvme_path`` right after it is cut, so a model larger than memory can
 be built: the peak is one submodule's full parameters. The engine built with the same config finds them there.
 
@@ -88,7 +88,7 @@ def _read_config(config_dict_or_path, config) -> dict:
 def partition_module(module: nn.Module, *, group=None, dtype: torch.dtype | None = None,
                      pin_memory: bool = False, swapper=None) -> list[ShardedParam]:
     """Partition every not-yet-partitioned parameter of ``module`` (recursively). Call on every rank.
-    ``swapper`` (a :class:`~hf_zero.offload.param_swap.ParamSwapper`): write each partition to swap files."""
+    ``swapper`` (a :class:`~hf_zero.offload.param_swap.ParamSwapper`): write each shard to swap files."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     gatherer_for(group)  # its side channel is created collectively, so at the same point on every rank
@@ -116,7 +116,7 @@ def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int
 
 
 def _param_swapper(raw: dict, remote_device, rank: int):
-    """The ParamSwapper zero.Init swaps partitions into, or None (see :func:`hf_zero.config.param_offload_policy`)."""
+    """The ParamSwapper zero.Init swaps shards into, or None (see :func:`hf_zero.config.param_offload_policy`)."""
     from hf_zero.offload.param_swap import param_swapper_for
 
     policy = param_offload_policy(raw, remote_device)
@@ -132,7 +132,7 @@ class Init:
     ``mem_efficient_linear`` (hf_zero's linear layers are torch's), ``param_swapper``. ``config_dict_or_path`` /
     ``config`` is read for ``zero_optimization.offload_param`` and ``aio`` only (the engine reads the rest).
     ``remote_device`` may be None (the config's offload_param device), "none" or "cpu" (parameters stay where they
-    are built) or "nvme" (partitions go to ``offload_param.nvme_path``). Shards keep the dtype the parameters were
+    are built) or "nvme" (shards go to ``offload_param.nvme_path``). Shards keep the dtype the parameters were
     built in unless ``dtype`` is given, so the engine can build exact fp32 master weights from them.
     ``module=``: partition an already built module immediately (no context needed).
     """
@@ -145,7 +145,7 @@ class Init:
                  sequence_data_parallel_group=None) -> None:
         if remote_device not in (None, "none", "cpu", "nvme"):
             raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected None, 'none', 'cpu' or 'nvme' "
-                             f"(partitions stay where they are built, or go to offload_param.nvme_path)")
+                             f"(shards stay where they are built, or go to offload_param.nvme_path)")
         self.enabled = enabled
         self.dtype = dtype
         self.pin_memory = pin_memory

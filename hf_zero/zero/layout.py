@@ -1,17 +1,20 @@
 """How parameters are cut into per-rank shards. One layout serves ZeRO stages 1, 2 and 3 and checkpoint resharding.
 
-Every parameter is flattened and cut into ``world_size`` equal chunks of ``chunk_numel = ceil(numel / world_size)``
-elements (the last chunks zero-padded). Rank ``r`` owns chunk ``r`` of every parameter. A rank's *flat shard* of a
-group of parameters is the concatenation of its chunks, in parameter order::
+Every parameter is flattened and cut into ``world_size`` equal shards of ``shard_numel = ceil(numel / world_size)``
+elements (the last shards zero-padded). Rank ``r`` owns shard ``r`` of every parameter. A rank's *flat shard* of a
+group of parameters is the concatenation of its shards, in parameter order::
 
-    param p (numel 5), q (numel 3), world_size 2:      p -> chunks [p0 p1 p2] [p3 p4 _ ]
-                                                       q -> chunks [q0 q1]    [q2 _ ]
+    param p (numel 5), q (numel 3), world_size 2:      p -> shards [p0 p1 p2] [p3 p4 _ ]
+                                                       q -> shards [q0 q1]    [q2 _ ]
     rank 0 flat shard: [p0 p1 p2 q0 q1]                rank 1 flat shard: [p3 p4 _ q2 _]
 
-Why per-parameter chunks rather than one flat buffer cut in N (DeepSpeed's stage 1/2 layout): every rank's shard
+Why per-parameter shards rather than one flat buffer cut in N (DeepSpeed's stage 1/2 layout): every rank's shard
 of every bucket has the same size, so a bucket's gradients reduce-scatter with one equal-split collective
 (``reduce_scatter_tensor`` on NCCL and gloo alike), the same shard serves stage 3's per-module gathers, and a
-checkpoint written on N ranks can be re-cut for M ranks from the per-parameter chunks alone.
+checkpoint written on N ranks can be re-cut for M ranks from the per-parameter shards alone.
+
+Words: a rank's piece of a tensor is its *shard*, everywhere in hf_zero (a parameter's shard, a group's flat shard);
+*partitioned* is the state of a parameter that is cut into shards (DeepSpeed's word, kept in its API names).
 
 A *packed* buffer of shape ``(world_size, span)`` holds, in row ``r``, rank ``r``'s shard of a contiguous range of
 parameters: the input of a reduce-scatter and the output of an all-gather.
@@ -24,30 +27,30 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ShardLayout", "chunk_numel"]
+__all__ = ["ShardLayout", "param_shard_numel"]
 
 
-def chunk_numel(numel: int, world_size: int) -> int:
+def param_shard_numel(numel: int, world_size: int) -> int:
     return -(-numel // world_size)
 
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Chunk sizes and shard offsets of an ordered list of parameters over ``world_size`` ranks."""
+    """Shard sizes and shard offsets of an ordered list of parameters over ``world_size`` ranks."""
 
     numels: tuple[int, ...]
     world_size: int
 
     def __post_init__(self) -> None:
-        chunks = tuple(chunk_numel(n, self.world_size) for n in self.numels)
+        shard_numels = tuple(param_shard_numel(n, self.world_size) for n in self.numels)
         offsets = [0]
-        for c in chunks:
+        for c in shard_numels:
             offsets.append(offsets[-1] + c)
-        object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "shard_numels", shard_numels)
         object.__setattr__(self, "offsets", tuple(offsets))
 
-    chunks: tuple[int, ...] = ()  # filled in __post_init__: chunk_numel of each parameter
-    offsets: tuple[int, ...] = ()  # len(numels) + 1 offsets of each parameter's chunk inside a rank's flat shard
+    shard_numels: tuple[int, ...] = ()  # filled in __post_init__: param_shard_numel of each parameter
+    offsets: tuple[int, ...] = ()  # len(numels) + 1 offsets of each parameter's shard inside a rank's flat shard
 
     @property
     def shard_numel(self) -> int:
@@ -60,7 +63,7 @@ class ShardLayout:
 
     def owned_range(self, index: int, rank: int) -> tuple[int, int]:
         """Which elements ``[lo, hi)`` of the flattened parameter ``index`` rank ``rank`` owns (may be empty)."""
-        c = self.chunks[index]
+        c = self.shard_numels[index]
         lo = min(rank * c, self.numels[index])
         return lo, min(lo + c, self.numels[index])
 
@@ -72,14 +75,14 @@ class ShardLayout:
         base = self.offsets[start]
         for i, flat in enumerate(flats, start):
             lo = self.offsets[i] - base
-            self._copy_rows(out[:, lo:lo + self.chunks[i]], flat, self.numels[i], self.chunks[i], scale)
+            self._copy_rows(out[:, lo:lo + self.shard_numels[i]], flat, self.numels[i], self.shard_numels[i], scale)
 
     def unpack(self, packed: torch.Tensor, start: int, outs: Sequence[torch.Tensor]) -> None:
-        """Inverse of :meth:`pack`: copy each parameter's chunks out of ``packed`` into its flat tensor in ``outs``."""
+        """Inverse of :meth:`pack`: copy each parameter's shards out of ``packed`` into its flat tensor in ``outs``."""
         base = self.offsets[start]
         for i, flat in enumerate(outs, start):
             lo = self.offsets[i] - base
-            c, n = self.chunks[i], self.numels[i]
+            c, n = self.shard_numels[i], self.numels[i]
             block = packed[:, lo:lo + c]  # (world_size, c)
             full_rows = n // c if c else 0
             if full_rows:
@@ -89,7 +92,7 @@ class ShardLayout:
                 flat[full_rows * c:].copy_(block[full_rows, :rem])
 
     def shard_of(self, flat: torch.Tensor, index: int, rank: int, out: torch.Tensor) -> None:
-        """Copy rank ``rank``'s chunk of the flattened parameter ``index`` into ``out`` (chunk_numel, zero-padded)."""
+        """Copy rank ``rank``'s shard of the flattened parameter ``index`` into ``out`` (shard_numel, zero-padded)."""
         lo, hi = self.owned_range(index, rank)
         out[:hi - lo].copy_(flat[lo:hi])
         out[hi - lo:].zero_()

@@ -62,7 +62,7 @@ class FusedAdamBackend:
             if "exp_avg" not in state:
                 state["exp_avg"] = torch.zeros_like(g.master, dtype=self.state_dtype)
                 state["exp_avg_sq"] = torch.zeros_like(g.master, dtype=self.state_dtype)
-            # The 16-bit weights are written in the same pass: into param16, or (swapped ZeRO-3 partitions,
+            # The 16-bit weights are written in the same pass: into param16, or (swapped ZeRO-3 shards,
             # param16 None) into a scratch buffer that write_param16 then sends to the swap files.
             out16 = g.param16
             if out16 is None and g.compute_dtype != torch.float32:
@@ -70,7 +70,7 @@ class FusedAdamBackend:
             if g.master.dtype != torch.float32 or self.state_dtype != torch.float32:
                 _adam_step_low_precision(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], **h.kwargs(),
                                          grad_scale=divisor)
-                if g.param16 is None:  # swapped ZeRO-3 partitions: the updated bf16 master goes to their files
+                if g.param16 is None:  # swapped ZeRO-3 shards: the updated bf16 master goes to their files
                     wait_all(g.write_param16(0, g.shard_numel, g.master))
                 continue
             adam_step_(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], **h.kwargs(), grad_scale=divisor,

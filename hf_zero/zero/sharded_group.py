@@ -7,11 +7,11 @@ so the optimizer and checkpoint code never branch on the stage.
 Buffers, each ``(shard_numel,)`` flat and in the layout's order::
 
     master   fp32            the weights the optimizer updates (also the source of the published 16-bit weights)
-    grad     grad_dtype      reduced gradients of this rank's chunks. Stage 2 keeps it across micro-steps
+    grad     grad_dtype      reduced gradients of this rank's shards. Stage 2 keeps it across micro-steps
                              (gradients are reduced every micro-step); stages 0/1 allocate it at the boundary
                              only and free it after the step, since between micro-steps ``param.grad`` holds them
     param16  compute dtype   master cast to the model's dtype, written by the optimizer in the same pass;
-                             for fp32 training it *is* ``master`` (no copy). Stage 3 with swapped partitions
+                             for fp32 training it *is* ``master`` (no copy). Stage 3 with swapped shards
                              has none (None): updated values go out through :meth:`ShardedGroup.write_param16`
 
 Where each tensor lives after a step, per configuration (the one table of it; stage 3's group is
@@ -49,19 +49,19 @@ from hf_zero.zero.local import local_tensor
 __all__ = ["ShardedGroup", "bucket_ranges"]
 
 
-def bucket_ranges(chunks: Sequence[int], world_size: int, bucket_numel: int) -> list[tuple[int, int]]:
-    """Consecutive parameter index ranges whose packed size (world_size * chunk) stays under ``bucket_numel``.
+def bucket_ranges(shard_numels: Sequence[int], world_size: int, bucket_numel: int) -> list[tuple[int, int]]:
+    """Consecutive parameter index ranges whose packed size (world_size * shard) stays under ``bucket_numel``.
 
     A parameter larger than the bucket gets a bucket of its own.
     """
     ranges, start, size = [], 0, 0
-    for i, c in enumerate(chunks):
+    for i, c in enumerate(shard_numels):
         if i > start and size + c * world_size > bucket_numel:
             ranges.append((start, i))
             start, size = i, 0
         size += c * world_size
-    if start < len(chunks):
-        ranges.append((start, len(chunks)))
+    if start < len(shard_numels):
+        ranges.append((start, len(shard_numels)))
     return ranges
 
 
@@ -80,11 +80,11 @@ class ShardedGroup:
         self.layout = ShardLayout(tuple(local_tensor(p).numel() for p in self.params), world_size)
         numel = self.layout.shard_numel
         device = self.params[0].device if self.params else torch.device("cpu")
-        # (shard_numel,) fp32: this rank's chunks of every parameter, copied before the model is cast to 16 bit
+        # (shard_numel,) fp32: this rank's shards of every parameter, copied before the model is cast to 16 bit
         # fp32, or bf16 with bf16.bf16_master_weights_and_grads (then it is also the 16-bit shard: one copy)
         self.master = torch.zeros(numel, dtype=master_dtype, device=device)
         for i, p in enumerate(self.params):
-            self.layout.shard_of(local_tensor(p).detach().reshape(-1).float(), i, rank, self.master_chunk(i))
+            self.layout.shard_of(local_tensor(p).detach().reshape(-1).float(), i, rank, self.master_shard_of(i))
         self.persistent_grad = persistent_grad
         self._grad_dtype = grad_dtype
         self._device = device
@@ -110,7 +110,7 @@ class ShardedGroup:
         state and param_groups. fp32 training: ``param16`` keeps the storage as the model's weights."""
         self.master = torch.empty(self.master.shape, dtype=self.master.dtype, device="meta")
 
-    def master_chunk(self, index: int) -> torch.Tensor:
+    def master_shard_of(self, index: int) -> torch.Tensor:
         lo, hi = self.layout.offsets[index], self.layout.offsets[index + 1]
         return self.master[lo:hi]
 
@@ -146,7 +146,7 @@ class ShardedGroup:
         """Write the updated 16-bit shards of every rank back into the full parameters (all-gather by buckets)."""
         if self.world_size == 1:
             return  # the parameters are views of param16 (see _bind_params)
-        for start, stop in bucket_ranges(self.layout.chunks, self.world_size, bucket_numel):
+        for start, stop in bucket_ranges(self.layout.shard_numels, self.world_size, bucket_numel):
             lo, hi = self.layout.span(start, stop)
             packed = torch.empty(self.world_size, hi - lo, dtype=self.param16.dtype, device=self.param16.device)
             all_gather_packed(packed, self.param16[lo:hi], group=group)

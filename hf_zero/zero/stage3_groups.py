@@ -2,10 +2,11 @@
 
 A :class:`Stage3Group` offers the optimizer what a stage 1/2 :class:`~hf_zero.zero.sharded_group.ShardedGroup`
 does (fp32 master shard, gradient shard, 16-bit shard in the same :class:`~hf_zero.zero.layout.ShardLayout`, and
-the same methods), without being one: its 16-bit shard and gradient shard are not copies. Each :class:`~hf_zero.zero.stage3.ShardedParam` is re-pointed at its slice of the
-group's flat buffers, so the fused Adam pass writes the model's shards directly and the stage-3 gradient
-reduce-scatter adds straight into the optimizer's gradient shard. There is nothing to publish after a step beyond
-the runtime's own ``after_step`` (persistent parameters).
+the same methods), without being one: its 16-bit shard and gradient shard are not copies. Each
+:class:`~hf_zero.zero.stage3.ShardedParam` is re-pointed at its slice of the group's flat buffers, so the fused
+Adam pass writes the model's shards directly and the stage-3 gradient reduce-scatter adds straight into the
+optimizer's gradient shard. There is nothing to publish after a step beyond the runtime's own ``after_step``
+(persistent parameters).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Stage3Group:
             self.param16 = self.master if compute_dtype == master_dtype else self.master.to(compute_dtype)
         for i, sp in enumerate(self.sps):
             lo, hi = self.layout.offsets[i], self.layout.offsets[i + 1]
-            assert hi - lo == sp.chunk_numel, (sp.name, hi - lo, sp.chunk_numel)
+            assert hi - lo == sp.shard_numel, (sp.name, hi - lo, sp.shard_numel)
             if self.param16 is not None:
                 sp.use_shard_storage(self.param16[lo:hi])
             sp.use_grad_storage(self.grad[lo:hi])
@@ -68,8 +69,8 @@ class Stage3Group:
         self.master = torch.empty(self.master.shape, dtype=self.master.dtype, device="meta")
 
     def _pieces(self, lo: int, hi: int):
-        """``(sp, start, stop, offset)`` for each parameter chunk overlapping the shard range ``[lo, hi)``:
-        elements ``[start, stop)`` of sp's chunk are ``[offset, offset + stop - start)`` of the range."""
+        """``(sp, start, stop, offset)`` for each parameter shard overlapping the shard range ``[lo, hi)``:
+        elements ``[start, stop)`` of sp's shard are ``[offset, offset + stop - start)`` of the range."""
         offsets = self.layout.offsets
         i = max(bisect.bisect_right(offsets, lo) - 1, 0)
         while i < len(self.sps) and offsets[i] < hi:
@@ -88,7 +89,7 @@ class Stage3Group:
 
     def write_param16(self, lo: int, hi: int, values: torch.Tensor) -> list[Future]:
         """Make elements ``[lo, hi)`` of the 16-bit shard equal ``values``: the flat buffer the parameters' storages
-        are views of, or (swapped partitions) each parameter's own storage. Returns the writes still in flight."""
+        are views of, or (swapped shards) each parameter's own storage. Returns the writes still in flight."""
         if self.param16 is not None:
             dst = self.param16[lo:hi]
             if dst.data_ptr() != values.data_ptr():  # fp32 training: the master slice *is* the weights

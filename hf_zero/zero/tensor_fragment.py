@@ -1,15 +1,15 @@
 """DeepSpeed's ``safe_get_*`` / ``safe_set_*``: a parameter's fp32 master, gradient and optimizer state as full
-tensors (assembled from every rank's chunk) or as this rank's chunk, at every ZeRO stage.
+tensors (assembled from every rank's shard) or as this rank's shard, at every ZeRO stage.
 
     loss = engine(batch); engine.backward(loss)
     grad = safe_get_full_grad(model.fc.weight)                       # fp32, model.fc.weight's shape, every rank
     m = safe_get_full_optimizer_state(model.fc.weight, "exp_avg")   # after the first step
     engine.step()
 
-Where the values live (:class:`~hf_zero.zero.sharded_group.ShardedGroup`, the same layout at every stage): chunk
-``index`` of the group's flat ``master`` / ``grad`` / optimizer-state shards, ``chunk_numel`` elements per rank,
-rank r holding elements ``[r * chunk_numel, (r + 1) * chunk_numel)`` of the flattened parameter (zero-padded past
-its end). Stage 0 is a world of one whose ``grad`` is already averaged over every rank.
+Where the values live (:class:`~hf_zero.zero.sharded_group.ShardedGroup`, the same layout at every stage): the shard
+of parameter ``index`` inside the group's flat ``master`` / ``grad`` / optimizer-state shards, ``shard_numel``
+elements per rank, rank r holding elements ``[r * shard_numel, (r + 1) * shard_numel)`` of the flattened parameter
+(zero-padded past its end). Stage 0 is a world of one whose ``grad`` is already averaged over every rank.
 
 - The *full* functions are collectives over the engine's data-parallel group when it shards (stages 1-3): call
   them on every rank, in the same order. ``safe_set_full_*`` take the full value, the same on every rank.
@@ -17,8 +17,8 @@ its end). Stage 0 is a world of one whose ``grad`` is already averaged over ever
   2/3 and at the accumulation boundary at stages 0/1 -- until ``engine.step`` clears it; before the reduction
   (stages 0/1 between boundaries) it is this rank's ``param.grad``, as in DeepSpeed; None when there is neither.
   With fp16 loss scaling it is still multiplied by the loss scale, as DeepSpeed's.
-- *Local* functions return this rank's chunk, 1-D and padded (DeepSpeed defines them for ZeRO-3 partitions). The
-  local setters are refused at stages 0-2, where every rank holds the full weights: writing one chunk would leave
+- *Local* functions return this rank's shard, 1-D and padded (DeepSpeed defines them for ZeRO-3 shards). The
+  local setters are refused at stages 0-2, where every rank holds the full weights: writing one shard would leave
   the ranks disagreeing; use the full setter there.
 - A parameter the optimizer does not own (frozen, or no engine) gives None from the getters, as in DeepSpeed.
 """
@@ -94,7 +94,7 @@ def _fragment(param: torch.Tensor, what: str) -> _Fragment | None:
 
 
 def _full(frag: _Fragment, shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The full fp32 tensor (``like``'s shape) from every rank's chunk of ``shard`` (a flat per-rank buffer)."""
+    """The full fp32 tensor (``like``'s shape) gathered from every rank's flat buffer ``shard``."""
     group = frag.group
     lo, hi = frag.span
     numel = group.layout.numels[frag.index]
@@ -111,8 +111,8 @@ def _shape(param: torch.Tensor) -> torch.Size:
     return torch.Size(ds_shape) if ds_shape is not None else param.shape
 
 
-def _own_chunk(frag: _Fragment, value: torch.Tensor) -> torch.Tensor:
-    """This rank's chunk (chunk_numel,) of a full value, zero-padded."""
+def _own_shard(frag: _Fragment, value: torch.Tensor) -> torch.Tensor:
+    """This rank's shard (shard_numel,) of a full value, zero-padded."""
     group = frag.group
     numel = group.layout.numels[frag.index]
     flat = value.detach().reshape(-1)
@@ -137,15 +137,15 @@ def _has_reduced_grad(frag: _Fragment) -> bool:
     return frag.group.grad.numel() == frag.group.shard_numel and frag.group.shard_numel > 0
 
 
-def _write_weights(frag: _Fragment, chunk: torch.Tensor, full: torch.Tensor | None) -> None:
-    """Master chunk <- ``chunk``, and the model's copies with it: the 16-bit shard, and the full weights where a
+def _write_weights(frag: _Fragment, shard: torch.Tensor, full: torch.Tensor | None) -> None:
+    """Master shard <- ``shard``, and the model's copies with it: the 16-bit shard, and the full weights where a
     rank holds them (stages 0-2, or a ZeRO-3 parameter currently gathered/persistent)."""
     from hf_zero.offload.swapper import wait_all
     from hf_zero.zero.stage3.param import ParamState, sharded_param_of
 
     group = frag.group
     lo, hi = frag.span
-    group.master[lo:hi].copy_(chunk)
+    group.master[lo:hi].copy_(shard)
     wait_all(group.write_param16(lo, hi, group.master[lo:hi]))
     param = group.params[frag.index]
     sp = sharded_param_of(param)
@@ -179,14 +179,14 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     frag = _require(param, "safe_set_full_fp32_param")
-    _write_weights(frag, _own_chunk(frag, value), value)
+    _write_weights(frag, _own_shard(frag, value), value)
 
 
 def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     frag = _require(param, "safe_set_full_grad")
     if _has_reduced_grad(frag):
         lo, hi = frag.span
-        frag.group.grad[lo:hi].copy_(_own_chunk(frag, value))
+        frag.group.grad[lo:hi].copy_(_own_shard(frag, value))
     else:  # not reduced yet: the value is this rank's gradient, averaged with the others' at the boundary
         param.grad = value.detach().to(param.dtype).reshape(param.shape).clone()
 
@@ -198,10 +198,10 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
         state.copy_(value)
         return
     lo, hi = frag.span
-    state[lo:hi].copy_(_own_chunk(frag, value))
+    state[lo:hi].copy_(_own_shard(frag, value))
 
 
-# ---- local (this rank's chunk) ----------------------------------------------------------------------------------
+# ---- local (this rank's shard) ----------------------------------------------------------------------------------
 
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     frag = _fragment(param, "safe_get_local_fp32_param")
@@ -260,8 +260,8 @@ def _require_local(param: torch.Tensor, what: str) -> _Fragment:
     if not is_sharded(param):
         full_name = what.replace("_local_", "_full_")
         raise ValueError(f"hf_zero {what}: at ZeRO stages 0-2 every rank holds the full weights, so writing one "
-                         f"rank's chunk would leave the ranks disagreeing; use {full_name} (DeepSpeed defines the "
-                         "local setters for ZeRO-3 partitions only)")
+                         f"rank's shard would leave the ranks disagreeing; use {full_name} (DeepSpeed defines the "
+                         "local setters for ZeRO-3 shards only)")
     return frag
 
 
@@ -269,6 +269,6 @@ def _local_value(frag: _Fragment, value: torch.Tensor) -> torch.Tensor:
     lo, hi = frag.span
     flat = value.detach().reshape(-1)
     if flat.numel() != hi - lo:
-        raise ValueError(f"hf_zero: a local value must be this rank's chunk of {hi - lo} elements "
+        raise ValueError(f"hf_zero: a local value must be this rank's shard of {hi - lo} elements "
                          f"(safe_get_local_* returns one), got {flat.numel()}")
     return flat

@@ -1,6 +1,6 @@
 """Packed all-gathers of ShardedParams, one :class:`Gatherer` per process group.
 
-A gather of parameters ``p0..pk`` is one collective: each rank sends its chunks back to back (the flat shard of
+A gather of parameters ``p0..pk`` is one collective: each rank sends its shards back to back (the flat shard of
 zero/layout.py) plus a divergence trailer, and receives the packed ``(world_size, span + TRAILER_NUMEL)`` buffer,
 which is unpacked into one flat ``(numel,)`` buffer per parameter.
 
@@ -123,7 +123,7 @@ class Gatherer:
             self.header_check_count += 1  # all_gather_packed runs it, before the payload
         dtype, device = sps[0].dtype, sps[0].storage.device
         send = torch.empty(span + TRAILER_NUMEL, dtype=dtype, device=device)
-        # each partition straight into the send buffer, from memory or (offload_param nvme) from its swap file
+        # each shard straight into the send buffer, from memory or (offload_param nvme) from its swap file
         reads = [sp.storage.read_async(send[layout.offsets[i]:layout.offsets[i + 1]]) for i, sp in enumerate(sps)]
         reads = [f for f in reads if not f.done() or f.exception() is not None]  # resident copies are done
         if reads:

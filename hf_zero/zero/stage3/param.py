@@ -3,7 +3,7 @@
 The visible ``nn.Parameter`` stays registered on its module(s), so FQNs, ``named_parameters()`` and optimizer
 param groups keep working. What changes is its ``.data``::
 
-    PARTITIONED  param.data = placeholder (0,)        the shard (chunk_numel,) in ``storage`` is the only copy
+    PARTITIONED  param.data = placeholder (0,)        the shard (shard_numel,) in ``storage`` is the only copy
     GATHERING    param.data = placeholder (0,)        an all-gather into a packed buffer is in flight
     AVAILABLE    param.data = full (shape) view       of a flat (numel,) buffer unpacked from the all-gather
 
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from hf_zero.zero.layout import ShardLayout, chunk_numel
+from hf_zero.zero.layout import ShardLayout, param_shard_numel
 
 from .storage import ResidentStorage, ShardStorage, ShardStore
 
@@ -81,12 +81,12 @@ def is_sharded(param: torch.Tensor) -> bool:
 
 
 class ShardedParam:
-    """Rank ``rank``'s chunk of one parameter and the state of its full copy. See the module docstring."""
+    """Rank ``rank``'s shard of one parameter and the state of its full copy. See the module docstring."""
 
     param: nn.Parameter          # ND when AVAILABLE, (0,) otherwise; registered on its module(s)
-    storage: ShardStorage        # the shard: 1D (chunk_numel,), zero-padded past the parameter's end on the last
+    storage: ShardStorage        # the shard: 1D (shard_numel,), zero-padded past the parameter's end on the last
                                  # ranks; resident or swapped (see the module docstring)
-    grad_storage: torch.Tensor | None  # 1D (chunk_numel,) where reduced gradient chunks are added, or None
+    grad_storage: torch.Tensor | None  # 1D (shard_numel,) where reduced gradient shards are added, or None
     _full: torch.Tensor | None   # 1D (numel,) while AVAILABLE
 
     def __init__(self, param: nn.Parameter, name: str, *, rank: int, world_size: int, group=None,
@@ -98,7 +98,7 @@ class ShardedParam:
         self.shape = param.shape
         self.numel = param.numel()
         self.rank, self.world_size, self.group = rank, world_size, group
-        self.chunk_numel = chunk_numel(self.numel, world_size)
+        self.shard_numel = param_shard_numel(self.numel, world_size)
         self.layout = ShardLayout((self.numel,), world_size)
         self.ds_id = next(_next_ds_id)
         self.persistent = False
@@ -107,7 +107,7 @@ class ShardedParam:
         self.pending: PendingGather | None = None
         self.grad_storage = None
         flat = param.data.detach().reshape(-1)
-        shard = torch.empty(self.chunk_numel, dtype=dtype or param.dtype, device=param.device)
+        shard = torch.empty(self.shard_numel, dtype=dtype or param.dtype, device=param.device)
         self.layout.shard_of(flat, 0, rank, shard)
         self.storage = ResidentStorage(shard)
         self._full = None
@@ -139,13 +139,13 @@ class ShardedParam:
         self.storage.read_initial_fp32(out, lo)
 
     def initial_fp32_shard(self) -> torch.Tensor:
-        """The shard's values before any cast to the compute dtype, as a new fp32 (chunk_numel,) tensor."""
-        out = torch.empty(self.chunk_numel, dtype=torch.float32, device=self.storage.device)
+        """The shard's values before any cast to the compute dtype, as a new fp32 (shard_numel,) tensor."""
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.storage.device)
         self.read_initial_fp32(out)
         return out
 
     def shard_values(self) -> torch.Tensor:
-        """The shard's current values (chunk_numel,): the resident tensor itself, or a copy read back."""
+        """The shard's current values (shard_numel,): the resident tensor itself, or a copy read back."""
         return self.storage.values()
 
     def store_shard(self, values: torch.Tensor, lo: int = 0) -> None:
@@ -167,10 +167,10 @@ class ShardedParam:
         self.storage.drop_initial()
 
     def use_shard_storage(self, view: torch.Tensor, *, copy: bool = True) -> None:
-        """From now on the resident shard *is* ``view`` (chunk_numel,), e.g. a slice of the engine's flat buffer.
+        """From now on the resident shard *is* ``view`` (shard_numel,), e.g. a slice of the engine's flat buffer.
         ``copy=False``: ``view`` holds the values already (the buffer it belongs to was moved as a whole)."""
-        if view.shape != (self.chunk_numel,):
-            raise ValueError(f"{self.name}: shard storage must have shape ({self.chunk_numel},), got "
+        if view.shape != (self.shard_numel,):
+            raise ValueError(f"{self.name}: shard storage must have shape ({self.shard_numel},), got "
                              f"{tuple(view.shape)}")
         try:
             self.storage.rebind(view, copy=copy)
@@ -198,9 +198,9 @@ class ShardedParam:
         self._publish_compat()
 
     def use_grad_storage(self, view: torch.Tensor) -> None:
-        """Reduced gradient chunks are added into ``view`` (chunk_numel,) from now on."""
-        if view.shape != (self.chunk_numel,):
-            raise ValueError(f"{self.name}: grad storage must have shape ({self.chunk_numel},), got "
+        """Reduced gradient shards are added into ``view`` (shard_numel,) from now on."""
+        if view.shape != (self.shard_numel,):
+            raise ValueError(f"{self.name}: grad storage must have shape ({self.shard_numel},), got "
                              f"{tuple(view.shape)}")
         if not self.requires_grad:
             raise ValueError(f"{self.name} is frozen (requires_grad=False) and has no gradient storage")
@@ -307,12 +307,12 @@ class ShardedParam:
         return self.param.data.reshape(-1)
 
     def update_shard_from_full(self) -> None:
-        """Copy this rank's chunk of the (possibly edited) full parameter into the local shard."""
+        """Copy this rank's shard of the (possibly edited) full parameter into the local shard."""
         flat = self.full_flat
         with torch.no_grad():
-            chunk = torch.empty(self.chunk_numel, dtype=self.dtype, device=self.storage.device)
-            self.layout.shard_of(flat.to(self.dtype), 0, self.rank, chunk)
-            self.store_shard(chunk)
+            shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.storage.device)
+            self.layout.shard_of(flat.to(self.dtype), 0, self.rank, shard)
+            self.store_shard(shard)
 
     def _set_full(self, full_flat: torch.Tensor) -> None:
         self._full = full_flat
@@ -331,5 +331,5 @@ class ShardedParam:
         p.ds_persist = self.persistent
 
     def __repr__(self) -> str:
-        return (f"ShardedParam({self.name!r}, shape={tuple(self.shape)}, chunk_numel={self.chunk_numel}, "
+        return (f"ShardedParam({self.name!r}, shape={tuple(self.shape)}, shard_numel={self.shard_numel}, "
                 f"state={self.state.name}, persistent={self.persistent})")

@@ -1,9 +1,9 @@
-"""Gradient reduce-scatter in packed buckets: full gradients in, each rank's summed chunk out.
+"""Gradient reduce-scatter in packed buckets: full gradients in, each rank's summed shard out.
 
 A gradient arriving for parameter ``p`` (full shape, compute dtype) is packed -- already multiplied by
-``grad_scale`` -- into columns ``[off, off + chunk_numel)`` of the current bucket ``(world_size, capacity)``.
+``grad_scale`` -- into columns ``[off, off + shard_numel)`` of the current bucket ``(world_size, capacity)``.
 When the next gradient does not fit, the bucket is reduce-scattered: rank ``r`` receives ``(used,)``, the sum over
-ranks of row ``r``, i.e. its chunk of every parameter in the bucket, and *adds* each chunk into the parameter's
+ranks of row ``r``, i.e. its shard of every parameter in the bucket, and *adds* each shard into the parameter's
 grad storage (gradient accumulation across micro-steps is this addition). With ``overlap_comm`` one bucket stays
 in flight while the next one fills.
 """
@@ -41,7 +41,7 @@ class Stage3GradReducer:
         self.timers = NO_TIMERS  # the engine's: time blocked in reduce-scatters counts as "communication"
 
     def add(self, sp: ShardedParam, grad: torch.Tensor) -> None:
-        width = sp.chunk_numel
+        width = sp.shard_numel
         if self._bucket is not None and (self._used + width > self._bucket.shape[1] or
                                          self._bucket.dtype != grad.dtype):
             self.flush()
@@ -80,5 +80,5 @@ class Stage3GradReducer:
                                  self.group)
             for sp, off in entries:
                 if sp.grad_storage is None:
-                    sp.grad_storage = torch.zeros(sp.chunk_numel, dtype=torch.float32, device=out.device)
-                sp.grad_storage.add_(out[off:off + sp.chunk_numel])
+                    sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=out.device)
+                sp.grad_storage.add_(out[off:off + sp.shard_numel])

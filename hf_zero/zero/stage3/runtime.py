@@ -78,7 +78,7 @@ class Stage3Runtime:
         self.persistence_threshold = int(param_persistence_threshold)
         self.gatherer = gatherer_for(group)
         self.gatherer.timeout_s = float(divergence_timeout_s)
-        # offload_param nvme (hf_zero.offload.ParamSwapper): every partition that is not persistent lives in a
+        # offload_param nvme (hf_zero.offload.ParamSwapper): every shard that is not persistent lives in a
         # swap file; the gathers read it from there, ahead of time when the trace says what comes next
         self.swapper = swapper
         self._sps = self._partition_all()
@@ -226,7 +226,7 @@ class Stage3Runtime:
     # ------------------------------------------------------------------ engine contract
     def set_timers(self, timers) -> None:
         """Time spent blocked in gathers and gradient reduce-scatters goes to ``timers`` as "communication";
-        waits for swapped partitions as "offload_io"."""
+        waits for swapped shards as "offload_io"."""
         self.gatherer.timers = timers
         self.reducer.timers = timers
         if self.swapper is not None:
@@ -268,7 +268,7 @@ class Stage3Runtime:
     # ------------------------------------------------------------------ checkpoint (engine)
     def shard_state(self, *, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
         """This rank's tensors the optimizer does not own, for its checkpoint file: the shards of frozen
-        parameters (``stage3.frozen.<name>``, chunk_numel each) and the module's persistent buffers
+        parameters (``stage3.frozen.<name>``, shard_numel each) and the module's persistent buffers
         (``stage3.buffer.<name>``, whole, identical on every rank). Trainable values are the optimizer's masters."""
         out: dict[str, torch.Tensor] = {}
         if not exclude_frozen:
@@ -298,7 +298,7 @@ class Stage3Runtime:
     def remove(self) -> None:
         """Remove every hook and give each rank the full parameters back as ordinary tensors.
 
-        With partitions swapped to NVMe the whole model may not fit in memory; then this refuses (before changing
+        With shards swapped to NVMe the whole model may not fit in memory; then this refuses (before changing
         anything) instead of being killed by the OOM killer half-way."""
         swapped = sum(sp.numel * sp.dtype.itemsize for sp in self._sps if sp.swapped)
         available = _mem_available_bytes()
@@ -306,8 +306,9 @@ class Stage3Runtime:
             raise MemoryError(
                 f"hf_zero: giving the model back as ordinary tensors (engine.destroy) needs {swapped} bytes "
                 f"({swapped / 2**30:.2f} GiB) on every rank for the parameters in offload_param's swap files, and "
-                f"{available} bytes ({available / 2**30:.2f} GiB) are available. Save it instead with engine.save_16bit_model() or save_checkpoint() (both stream "
-                "module by module); the swap files are removed when the process exits")
+                f"{available} bytes ({available / 2**30:.2f} GiB) are available. Save it instead with "
+                "engine.save_16bit_model() or save_checkpoint() (both stream module by module); the swap files are "
+                "removed when the process exits")
         for h in self._handles + [h for _, hs in self._module_handles.values() for h in hs]:
             h.remove()
         self._handles.clear()
@@ -537,8 +538,8 @@ class Stage3Runtime:
             names = sorted({by_gid[g].fqn for sp in picked for g in self._groups_of_sp[sp.ds_id]})
             self.gatherer.gather(picked, f"prefetch of modules {names}", async_op=True)
         if self.swapper is not None:
-            # Swapped partitions: start reading the groups after those (at least the next one) from the drive,
-            # so their gathers find the data in memory. Only this rank's chunks are read: 1/world of the bytes.
+            # Swapped shards: start reading the groups after those (at least the next one) from the drive,
+            # so their gathers find the data in memory. Only this rank's shards are read: 1/world of the bytes.
             window = self.trace.upcoming(2 * self.prefetch_numel, min_groups=1)
             self.swapper.read_ahead(sp.storage for gid in window for sp in by_gid[gid].sps
                                     if sp.state is ParamState.PARTITIONED)

@@ -1,6 +1,6 @@
 """Where a ZeRO-3 shard's values live: the :class:`ShardStorage` interface, and :class:`ResidentStorage`.
 
-A :class:`~hf_zero.zero.stage3.param.ShardedParam` reads and writes its ``(chunk_numel,)`` values only through its
+A :class:`~hf_zero.zero.stage3.param.ShardedParam` reads and writes its ``(shard_numel,)`` values only through its
 storage, so no caller asks where they are::
 
     ResidentStorage    a tensor in memory (CPU or accelerator); it may be a view of the engine's flat 16-bit
