@@ -187,3 +187,13 @@ def test_zero_and_offload_never_see_the_schema():
     reads = [where for src, dst, where in _edges()
              if src in SCHEMA_FREE and dst == "config" and where.split(" -> ")[1] not in CONFIG_MODULES_THEY_MAY_USE]
     assert not reads, "zero/offload reading the config schema instead of a policy:\n" + "\n".join(reads)
+
+
+def test_every_package_docstring_says_what_it_may_import():
+    """Each package's ``__init__`` docstring states what it owns and what it may import, pointing at this table."""
+    vague = []
+    for name in sorted(set(LAYERS) - {"<top>"}):
+        doc = ast.get_docstring(ast.parse((ROOT / name / "__init__.py").read_text())) or ""
+        if "import" not in doc or "LAYERS" not in doc:
+            vague.append(name)
+    assert not vague, f"package docstrings that do not say what the package may import (and cite LAYERS): {vague}"

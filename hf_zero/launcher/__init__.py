@@ -12,6 +12,9 @@
   training script with ``--local_rank=N`` as DeepSpeed's launcher passes it.
 
 Nothing here imports torch at module level: the worker runs once per rank before the training script.
+
+Owns the launch command line only. Bottom layer: imports no other hf_zero package (the layer table is ``LAYERS`` in
+``tests/test_layering.py``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@
   only each stage's own weights.
 
 Names are imported on first use (``import hf_zero`` stays cheap).
+
+Owns the split of a model into stages, the schedules and the pipeline's tied weights. May import zero, offload,
+profiling, comm, ops and config; never runtime, integrations, or its peers compression and tensor_parallel (the
+layer table is ``LAYERS`` in ``tests/test_layering.py``).
 """
 
 from __future__ import annotations

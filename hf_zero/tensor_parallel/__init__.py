@@ -6,7 +6,9 @@
                                                  # embedding and LM head vocabulary parallel
     loss = model(input_ids, labels=labels).loss  # vocabulary-parallel cross-entropy; no rank holds full logits
 
-Layering: this package depends on torch and hf_zero's lower layers only; the engine (runtime) wires it in.
+Owns the TP mesh, the per-module sharding plans and the vocabulary-parallel loss. May import zero, offload,
+profiling, comm, ops and config; never runtime (which wires it in), integrations, or its peers pipeline and
+compression (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
 """
 
 from hf_zero.tensor_parallel.apply import TPInfo, apply_tp, tp_info

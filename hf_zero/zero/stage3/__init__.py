@@ -1,5 +1,10 @@
 """ZeRO stage 3: parameters partitioned across ranks, gathered per module for forward and backward.
 
+Where a shard's bytes live and who may free them: ``param.py`` (:class:`ShardedParam`: its ``storage``, resident or
+swapped, moved only by ``to_swapped``/``to_resident``; its full copy freed only when the last hold --
+``acquire/release(HoldReason)`` -- is gone); ``runtime.py`` takes and drops those holds at the training-state
+transitions of ``states.py``.
+
 =============== =====================================================================
 param.py        one partitioned parameter (:class:`ShardedParam`) and its state enum
 storage.py      where a shard's bytes live (resident / swapped) and who may free them
