@@ -223,7 +223,7 @@ def memory_table(runs: list[dict]) -> list[float]:
                                  host_bw_gbs=10.0))
     anchors = {}
     for run in runs:
-        if run["stage"] == 0 and run["world"] == 1 and "ranks" in run:
+        if run["stage"] == 0 and run["world"] == 1 and "ranks" in run and len(run["ranks"][0]["step_s"]) > 1:
             pred = predict(run)
             anchors[(run["model"], run["batch"], run["seq"])] = cpu.calibrate(
                 run["ranks"][0]["step_s"][1:], **_workload(run, pred))
@@ -243,9 +243,10 @@ def memory_table(runs: list[dict]) -> list[float]:
             err = (pred["peak"] - r["measured"]) / r["measured"]
             errors.append(err)
             eng = r.get("engine_predicted_s")
+            last = r["step_s"][-1] if r["step_s"] else None
+            cols = [f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}" for v, w in ((last, 11), (eng, 12), (cross, 11))]
             print(f"{head} {rank:>4} {r['measured'] / 2**20:>13.1f} {pred['peak'] / 2**20:>14.1f} {100 * err:>6.1f}% | "
-                  f"{r['step_s'][-1]:>11.2f} {eng if eng is not None else float('nan'):>12.2f} "
-                  f"{cross if cross is not None else float('nan'):>11.2f}")
+                  + " ".join(cols))
     if errors:
         print(f"rows {len(errors)}: max |error| {100 * max(abs(e) for e in errors):.1f}%, mean |error| "
               f"{100 * sum(abs(e) for e in errors) / len(errors):.1f}%, worst under-prediction "
@@ -253,59 +254,74 @@ def memory_table(runs: list[dict]) -> list[float]:
     return errors
 
 
-def deepspeed_table(runs: list[dict], ds_python: str | None) -> None:
-    """hf_zero's counted FLOPs, parameter totals and estimates beside DeepSpeed's, per model (first batch shape)."""
+def deepspeed_table(runs: list[dict], ds_python: str | None, ds_results: str | None, shape: str) -> None:
+    """hf_zero's counted FLOPs, parameter totals and estimates beside DeepSpeed's, per model, at ``shape``."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hf_zero.profiling import count_flops, count_params
     from hf_zero.profiling.analytic import analytic_flops
     from hf_zero.profiling.memory import estimate_memory
 
-    counted = [r for r in runs if "ranks" in r and "counted_flops" in r["ranks"][0]]
-    if not counted:
-        return
-    world = counted[0]["world"]
-    first = {}
-    for r in counted:
-        first.setdefault(r["model"], (r["batch"], r["seq"]))
-    by = {(r["model"], r["batch"], r["seq"], r["stage"]): r for r in counted}
-    peaks = {(r["model"], r["batch"], r["seq"], r["stage"]): max(x["measured"] for x in r["ranks"])
-             for r in runs if "ranks" in r and r["world"] == world and r["offload"] == "none"}
+    batch, seq = (int(x) for x in shape.split("x"))
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    worlds = [r["world"] for r in runs]
+    world = max(worlds) if worlds else 2
     ds = {}
-    if ds_python:
-        for model_name, (batch, seq) in first.items():
+    if ds_results:
+        for path in ds_results.split(","):
+            with open(path) as f:
+                ds.update(json.loads(f.read().strip().splitlines()[-1]))
+    elif ds_python:
+        # one process per model: DeepSpeed's zero.Init leaves F.linear patched for the rest of the process, so a
+        # later plain model would be counted through zero3_linear_wrap (twice) as well
+        for model_name in models:
             proc = subprocess.run([ds_python, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                            "ds_reference.py"),
-                                   json.dumps({model_name: MODELS[model_name]}), f"{batch}x{seq}", str(world)],
+                                   json.dumps({model_name: MODELS[model_name]}), shape, str(world)],
                                   env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": ""},
-                                  capture_output=True, text=True, timeout=1800)
+                                  capture_output=True, text=True, timeout=3600)
             if proc.returncode == 0:
                 ds.update(json.loads(proc.stdout.strip().splitlines()[-1]))
             else:
                 print(f"DeepSpeed reference for {model_name} failed: {proc.stderr.strip().splitlines()[-1:]}")
     G, M = 1e9, 2**20
-    print(f"\nFLOPs per training step (forward + backward) and parameters; model states per rank on {world} ranks "
-          f"(fp32 AdamW). DeepSpeed: get_model_profile on the plain model and FlopsProfiler on a ZeRO-3 engine over a "
-          f"zero.Init model (1 gloo rank), training = 3 x forward; estimate_zero2/3_model_states_mem_needs "
-          f"(no offload) from the true parameter count.")
-    for model_name, (batch, seq) in first.items():
+    print(f"\nFLOPs per training step (forward + backward, {shape}) and parameters; model states per rank on {world} "
+          f"ranks (fp32 AdamW). hf_zero: counted at the dispatcher on the plain model and on a ZeRO-3 engine "
+          f"({world} ranks, where that run was measured). DeepSpeed: get_model_profile on the plain model and "
+          f"FlopsProfiler on a ZeRO-3 engine over a zero.Init model (1 gloo rank), training = 3 x forward; "
+          f"estimate_zero2/3_model_states_mem_needs (no offload) from the true parameter count.")
+    for model_name in models:
         cfg = llama_config(model_name, seq)
-        z0, z3 = by.get((model_name, batch, seq, 0)), by.get((model_name, batch, seq, 3))
-        an = analytic_flops(cfg, batch, seq).training
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+        counted = count_flops(model, input_ids=ids, labels=ids).model
+        params = count_params(model).total
+        del model
+        z3 = next((r["ranks"][0] for r in runs if r["model"] == model_name and (r["batch"], r["seq"]) == (batch, seq)
+                   and r["stage"] == 3 and "ranks" in r and "counted_flops" in r["ranks"][0]), None)
         d = ds.get(model_name)
-        print(f"{model_name} ({batch}x{seq}):")
-        print(f"  FLOPs   analytic {an / G:.3f} G | hf_zero counted: stage 0 {z0['ranks'][0]['counted_flops'] / G:.3f} G,"
-              f" ZeRO-3 {z3['ranks'][0]['counted_flops'] / G:.3f} G"
-              + (f" | DeepSpeed: stage 0 {3 * d['forward_flops'] / G:.3f} G, ZeRO-3 {3 * d['zero3_forward_flops'] / G:.3f} G"
+        print(f"{model_name} ({params / 1e6:.2f}M params):")
+        print(f"  FLOPs   analytic {analytic_flops(cfg, batch, seq).training / G:.3f} G | hf_zero counted: plain "
+              f"{counted / G:.3f} G, ZeRO-3 " + (f"{z3['counted_flops'] / G:.3f} G" if z3 else "not run")
+              + (f" | DeepSpeed: plain {3 * d['forward_flops'] / G:.3f} G, ZeRO-3 {3 * d['zero3_forward_flops'] / G:.3f} G"
                  if d else ""))
-        print(f"  params  hf_zero: stage 0 {z0['ranks'][0]['params']:,}, ZeRO-3 {z3['ranks'][0]['params']:,}"
-              + (f" | DeepSpeed: profile stage 0 {d['params']:,}, ZeRO-3 {d['zero3_params']:,}; model_to_params "
+        print(f"  params  hf_zero: plain {params:,}, ZeRO-3 " + (f"{z3['params']:,}" if z3 else "not run")
+              + (f" | DeepSpeed: profile plain {d['params']:,}, ZeRO-3 {d['zero3_params']:,}; model_to_params "
                  f"after zero.Init {d['zero3_model_to_params'][0]:,} (largest layer {d['zero3_model_to_params'][1]:,})"
                  if d else ""))
         for stage in (2, 3):
             est = estimate_memory(cfg, ds_config(stage, "none", batch, "/tmp"), world_size=world, micro_batch=batch,
                                   seq_len=seq, accelerator="cpu")
+            measured = [max(x["measured"] for x in r["ranks"]) for r in runs
+                        if "ranks" in r and (r["model"], r["batch"], r["seq"], r["world"], r["stage"], r["offload"])
+                        == (model_name, batch, seq, world, stage, "none")]
             key = f"estimate_zero{stage}_gpu_bytes"
             print(f"  stage {stage}: hf_zero model states {est.model_states() / M:.1f} MiB, peak "
-                  f"{est.peak('accelerator') / M:.1f} MiB; measured peak {peaks.get((model_name, batch, seq, stage), 0) / M:.1f} MiB"
-                  + (f" | DeepSpeed estimate_zero{stage} {d[key] / M:.1f} MiB (model states only, 16-bit + Adam)"
+                  f"{est.peak('accelerator') / M:.1f} MiB; measured peak "
+                  + (f"{measured[0] / M:.1f} MiB" if measured else "not run")
+                  + (f" | DeepSpeed estimate_zero{stage}: {d[key] / M:.1f} MiB (model states only, 16-bit + Adam)"
                      if d else ""))
 
 
@@ -319,6 +335,9 @@ def main(argv=None) -> int:
     p.add_argument("--load", default=None, help="print the table from measurements saved by --save (no training); "
                                                 "several files separated by commas are concatenated")
     p.add_argument("--ds-python", default=None, help="python of a virtual environment with a real DeepSpeed")
+    p.add_argument("--ds-results", default=None, help="outputs of benchmarks/ds_reference.py (comma-separated), instead of "
+                                                      "running it")
+    p.add_argument("--ds-shape", default="1x128", help="batch shape of the FLOPs / DeepSpeed table")
     args = p.parse_args(argv)
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "131072" and not args.load:
         # glibc reads it when the process starts: run again with it (the forked ranks inherit the setting)
@@ -331,7 +350,8 @@ def main(argv=None) -> int:
     else:
         runs = measure(args)
     memory_table(runs)
-    deepspeed_table(runs, args.ds_python)
+    if args.ds_python or args.ds_results:
+        deepspeed_table(runs, args.ds_python, args.ds_results, args.ds_shape)
     return 0
 
 

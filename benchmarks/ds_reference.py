@@ -2,8 +2,9 @@
 
     DS_ACCELERATOR=cpu /work/venvs/ds/bin/python benchmarks/ds_reference.py '{"tiny": {...config...}}' 2x128 2
 
-Prints one JSON object per model: ``get_model_profile`` on the plain model (forward FLOPs, params), DeepSpeed's
-``FlopsProfiler`` around a forward of a ZeRO-3 engine (one gloo rank; the model built under ``zero.Init``),
+Prints one JSON object per model (give one model per process: zero.Init leaves F.linear patched for the rest
+of the process, so a later plain model would be double counted too): ``get_model_profile`` on the plain model
+(forward FLOPs, params), DeepSpeed's ``FlopsProfiler`` around a forward of a ZeRO-3 engine (one gloo rank; the model built under ``zero.Init``),
 ``model_to_params`` of that model and the model-state estimators ``estimate_zero2/3_model_states_mem_needs`` for
 ``world`` GPUs (no offload). Imports only DeepSpeed, torch and transformers (never hf_zero).
 """
