@@ -33,7 +33,7 @@ def _storages(engine) -> int:
             tensors += list(bufs.values())
     seen = {}
     for t in tensors:
-        if t is not None and t.numel():
+        if t is not None and t.numel() and t.device.type != "meta":  # a released master is a meta placeholder
             s = t.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
