@@ -112,17 +112,17 @@ def test_bert_counted_equals_analytic(attn, masked):
     assert report.by_module["bert.encoder.layer.0"] == report.by_module["bert.encoder.layer.1"] > 0
 
 
-def _engine_counts(stage: int):
+def _engine_counts(stage: int, family: str = "llama"):
     import torch.distributed as dist
 
-    cfg, model = llama("sdpa")
+    cfg, model = llama("sdpa") if family == "llama" else bert("sdpa")
     unsharded = count_params(model)
     ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100}}
     engine, *_ = hf_zero.initialize(model=model, config=ds)
     g = torch.Generator().manual_seed(dist.get_rank())
-    ids = torch.randint(0, 128, (B, S), generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
     counter = FlopCounter(engine.module)
     for _ in range(2):  # the second step: ZeRO-3 runs from its recorded trace, prefetching
         with counter.window("forward"):
@@ -137,12 +137,18 @@ def _engine_counts(stage: int):
 
 
 def _all_stages():
-    return {stage: _engine_counts(stage) for stage in (0, 2, 3)}
+    return ({stage: _engine_counts(stage) for stage in (0, 2, 3)},
+            {stage: _engine_counts(stage, "bert") for stage in (0, 2, 3)})
 
 
 def test_engine_flops_and_params_at_stages_0_2_3_on_two_ranks():
     results = run_distributed(_all_stages, 2, timeout_s=240)
-    for rank, by_stage in enumerate(results):
+    for rank, (_, bert_by_stage) in enumerate(results):  # BERT (tied MLM head, CPU SDPA): exact at every stage
+        for stage, r in bert_by_stage.items():
+            assert r["report"].forward == 2 * r["analytic"].forward, ("bert", rank, stage)
+            assert r["report"].model == 2 * r["analytic"].training, ("bert", rank, stage)
+            assert r["counts"].total == r["unsharded"].total, ("bert", rank, stage)
+    for rank, by_stage in enumerate(llama_by_stage for llama_by_stage, _ in results):
         for stage, r in by_stage.items():
             report, expected = r["report"], r["analytic"]
             assert report.forward == 2 * expected.forward, (rank, stage)
