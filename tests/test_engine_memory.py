@@ -51,6 +51,7 @@ def test_optimizer_state_and_stage2_gradients_are_one_nth_per_rank():
         # stage 1 keeps the full gradient between micro-steps; stage 2 reduced and freed it during backward
         assert by_stage[1]["full_grad_bytes_after_backward"] == 4 * by_stage[1]["trainable"]
         assert by_stage[2]["full_grad_bytes_after_backward"] == 0
-        # the gradient shard: persistent at stage 2 (reduced every micro-step), only at the boundary at stage 1
+        # the gradient shard: from the window's first backward at stage 2 (reduced every micro-step), only at the
+        # boundary at stage 1
         assert by_stage[2]["shard_grad_bytes"] == 4 * by_stage[2]["shard_numel"]
         assert by_stage[1]["shard_grad_bytes"] == 0

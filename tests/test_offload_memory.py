@@ -107,8 +107,9 @@ def test_nvme_offload_bounds_resident_memory(tmp_path):
     assert nvme["hwm"] < bound, (nvme["hwm"] / MiB, bound / MiB)
     assert bound < nvme["rss_after_init"] + states  # the bound is tighter than keeping the states resident
 
-    # control: with device cpu the same measurement sees the 12*N bytes of resident state
-    assert cpu["rss_after_init"] - cpu["rss_before_init"] > 0.9 * states, \
+    # control: with device cpu the same measurement sees the 12*N bytes of resident state (less the fp32 weights the
+    # cast to bf16 frees, 4*N, plus the bf16 weights, 2*N: ~10*N; the gradient shard comes with the first backward)
+    assert cpu["rss_after_init"] - cpu["rss_before_init"] > 0.75 * states, \
         (cpu["rss_after_init"] - cpu["rss_before_init"]) / MiB
     assert nvme["hwm"] < cpu["hwm"] - 0.8 * (states - TILE_BUFFERS), (nvme["hwm"] / MiB, cpu["hwm"] / MiB)
 

@@ -1,4 +1,5 @@
-"""The memory estimator is pinned to the engine: its model-state bytes equal a real engine's tensors."""
+"""The memory estimator is pinned to the engine: its model-state bytes equal a real engine's tensors; those bytes are
+the ZeRO formulas' plus the documented buffers, and the buffers are sized as comm/buckets.py documents."""
 
 import pytest
 import torch
@@ -44,11 +45,25 @@ CASES = [(stage, dtype, offload) for stage in (0, 1, 2, 3) for dtype in ("fp32",
 
 
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+# Small enough that the tiny model's buckets are cut by it (the real one, 16 MiB, only cuts models of 4M+ params)
+CAP_BYTES = 8 << 10
+
+
+def _buffers(engine) -> dict:
+    """Bucket sizes (bytes, parameters in each) and, at stage 3, the peak of gathered full parameters."""
+    if engine.reducer is not None:
+        r = engine.reducer
+        return {"buckets": [((lambda lo, hi: (hi - lo) * r.world_size * b.group.grad.element_size())(
+            *b.group.layout.span(b.start, b.stop)), b.stop - b.start) for b in r.buckets]}
+    return {"peak_gathered": engine.stage3.gatherer.peak_live_bytes}
 
 
 def _measure(cases, frozen: bool, lora: bool = False):
     from transformers import LlamaForCausalLM
 
+    import hf_zero.comm.buckets as buckets
+
+    buckets.BUCKET_CAP_BYTES = CAP_BYTES
     out = {}
     for stage, dtype, offload in cases:
         torch.manual_seed(0)
@@ -72,16 +87,19 @@ def _measure(cases, frozen: bool, lora: bool = False):
         engine, *_ = hf_zero.initialize(model=model, config=ds)
         ids = torch.randint(0, 128, (2, 8))
         engine.backward(engine(input_ids=ids, labels=ids).loss)
+        grad_shard = sum(g.grad.numel() * g.grad.element_size() for g in engine.groups)
         engine.step()
         engine.zero_grad()
-        out[(stage, dtype, offload)] = (predicted.model_states(), _storages(engine))
+        out[(stage, dtype, offload)] = (predicted.model_states(), _storages(engine),
+                                        dict(_buffers(engine), grad_shard_after_backward=grad_shard,
+                                             grad_shard_after_step=sum(g.grad.numel() for g in engine.groups)))
         engine.destroy()
     return out
 
 
 def _check(results, what: str) -> None:
     for rank, by_case in enumerate(results):
-        for case, (predicted, held) in by_case.items():
+        for case, (predicted, held, _) in by_case.items():
             assert predicted == held, f"rank {rank} {what} {case}: estimated {predicted} B, the engine holds {held} B"
 
 
@@ -90,6 +108,37 @@ def test_model_state_bytes_equal_the_engines_tensors():
     _check(results, "")
     # the cases really differ: ZeRO-3 on 2 ranks holds a third less than stage 0 (norms stay whole)
     assert results[0][(3, "fp32", "none")][1] < 0.75 * results[0][(0, "fp32", "none")][1]
+    _check_formulas_and_buffers(results)
+
+
+def _check_formulas_and_buffers(results) -> None:
+    """fp32 AdamW on 2 ranks, bytes per rank after a step: stages 1/2 hold the full parameters (4 B/param) plus a
+    shard of master and moments (12 B per shard element; the gradient shard is freed after the step), stage 3 a
+    shard of everything (16 B per shard element: weights = master, gradient, moments) plus the parameters kept
+    whole under stage3_param_persistence_threshold (100 here). The buckets are cut at the cap."""
+    from transformers import LlamaForCausalLM
+
+    numels = [p.numel() for p in LlamaForCausalLM(_config()).parameters()]
+    full, shard = sum(numels), sum(-(-n // 2) for n in numels)
+    persistent = sum(n for n in numels if n <= 100)
+    formula = {1: 4 * full + 12 * shard, 2: 4 * full + 12 * shard, 3: 4 * persistent + 16 * shard}
+    largest_module = max(numels)  # every Llama module owns one weight here
+    for rank, by_case in enumerate(results):
+        for stage in (1, 2, 3):
+            _, held, buffers = by_case[(stage, "fp32", "none")]
+            assert held == formula[stage], f"rank {rank} stage {stage}: {held} B held, formula {formula[stage]} B"
+            # the gradient shard: 4 B per shard element at the end of backward; stages 1/2 free it after the step
+            assert buffers["grad_shard_after_backward"] == 4 * shard
+            assert buffers["grad_shard_after_step"] == (shard if stage == 3 else 0)
+            if stage < 3:
+                sizes = buffers["buckets"]
+                assert sum(b for b, _ in sizes) == 2 * 4 * shard  # every parameter in exactly one bucket
+                assert len(sizes) > 3 and all(b <= CAP_BYTES or n == 1 for b, n in sizes), sizes
+            else:
+                # one module's weight at a time plus the prefetch window and the persistent parameters, not the
+                # model (stage3_max_reuse_distance left out of the config: 0)
+                assert 0 < buffers["peak_gathered"] <= 4 * (largest_module + CAP_BYTES // 4 + persistent), buffers
+                assert buffers["peak_gathered"] < 4 * full / 2
 
 
 # frozen parameters: every stage once (bf16, where frozen weights differ most from trainable ones), offload once

@@ -1,7 +1,7 @@
 """Thin layer over torch.distributed: start-up, the DeepSpeed-style functional API, and ZeRO's collectives.
 
-Owns process groups and every collective hf_zero issues. Bottom layer: imports torch only, no other hf_zero
-package (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
+Owns process groups, every collective hf_zero issues and the size of their buckets (buckets.py). Bottom layer:
+imports torch only, no other hf_zero package (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
 """
 
 from . import faults

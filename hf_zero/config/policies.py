@@ -125,6 +125,19 @@ def _offload(section: "OffloadConfig", aio: "AioConfig") -> OffloadPolicy | None
     return None
 
 
+# stage3_max_reuse_distance when the config leaves it out. DeepSpeed's 1e9 keeps every parameter used in forward
+# gathered until its backward (the turn-around is always "within" 1e9 elements), i.e. a whole copy of the model
+# per rank at the end of forward: no memory below DDP's. 0 re-gathers each module for its backward (FSDP2's
+# reshard_after_forward), a cost the prefetch hides. A value in the config is honoured as written.
+STAGE3_REUSE_DISTANCE_DEFAULT = 0
+
+
+def _stage3_reuse_distance(cfg: "HfZeroConfig") -> int:
+    if "stage3_max_reuse_distance" in (cfg.raw.get("zero_optimization") or {}):
+        return int(cfg.zero.stage3_max_reuse_distance)
+    return STAGE3_REUSE_DISTANCE_DEFAULT
+
+
 def zero_policy(cfg: "HfZeroConfig") -> ZeroPolicy:
     zero = cfg.zero
     return ZeroPolicy(
@@ -136,7 +149,7 @@ def zero_policy(cfg: "HfZeroConfig") -> ZeroPolicy:
         stage3=Stage3Policy(
             prefetch_bucket_numel=int(zero.stage3_prefetch_bucket_size),
             max_live_numel=int(zero.stage3_max_live_parameters),
-            max_reuse_distance=int(zero.stage3_max_reuse_distance),
+            max_reuse_distance=_stage3_reuse_distance(cfg),
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
             divergence_timeout_s=float(zero.stage3_divergence_timeout_s)))
 

@@ -177,7 +177,8 @@ class ZeroConfig:
         2**63 - 1, help="Stage 3: upper bound on the elements kept unpartitioned by the persistence threshold.")
     stage3_max_live_parameters: int = spec(1_000_000_000, help="Stage 3: parameter elements resident per rank.")
     stage3_max_reuse_distance: int = spec(
-        1_000_000_000, help="Stage 3: keep a parameter gathered if it is used again within this many elements.")
+        1_000_000_000, help="Stage 3: keep a parameter gathered if it is used again within this many elements. "
+                            "Left out of the config, hf_zero uses 0 (re-gather for backward; docs/zero_memory.md).")
     stage3_gather_16bit_weights_on_model_save: bool | Auto = spec(
         False, auto=True, aliases=("stage3_gather_fp16_weights_on_model_save",),
         help="Stage 3: gather full 16-bit weights when saving the model (save_16bit_model, Trainer.save_model).")

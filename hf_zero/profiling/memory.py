@@ -9,8 +9,9 @@ stages 0-2 (``ShardedGroup``; stage 0 shards over a world of one)::
                  the group's 16-bit shard (fp32: of the master itself), so they are not counted twice
     master       fp32, one shard: sum over trainable parameters of ceil(numel / world)
     param16      compute-dtype copy of the shard (none for fp32, none at a world of one: it *is* the parameters)
-    gradients    stage 2: the shard, kept; stages 0/1: full ``param.grad`` between micro-steps and the shard at
-                 the boundary (transients)
+    gradients    transients: the shard from the first reducing backward of an accumulation window to the step
+                 (every micro-step at stage 2, the boundary at stages 0/1), and at stages 0/1 the full
+                 ``param.grad`` between micro-steps
     optimizer    Adam/AdamW 8 B per shard element (exp_avg, exp_avg_sq), SGD with momentum 4 B, else 0
 
 stage 3 (``Stage3Group``): master, param16 (= master for fp32) and the gradient shard per trainable parameter; the
@@ -26,6 +27,8 @@ temporaries at their peak, traced under ``FakeTensorMode`` -- see :mod:`hf_zero.
 stage 3 keeps gathered from forward), ``gradient_reduction`` (the end of backward: full gradients, the reducer's
 bucket and output) and ``step`` (the boundary gradient shard, the stage-1/2 publish all-gather). Peak = states +
 the largest phase, per device.
+Buckets and the ZeRO-3 prefetch are those the engine allocates: at most the configured size and
+:data:`hf_zero.comm.buckets.BUCKET_CAP_BYTES` (one parameter larger than that gets a bucket of its own).
 """
 
 from __future__ import annotations
@@ -164,8 +167,6 @@ def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compu
         add("parameters (full)", "accelerator", params, "every parameter, compute dtype")
         if c != _FP32 and not bound:
             add("param16 shard", "accelerator", shard * c, "16-bit copy of the master shard")
-        if stage == 2:
-            add("gradient shard", "accelerator", shard * g, "reduced every micro-step")
     else:
         persistent = [n for n in layout.numels if n <= persistence_threshold]
         frozen_shard = sum(_ceil_div(n, world_size) for n in frozen)
@@ -215,17 +216,24 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
     shard_world = 1 if stage == 0 else world_size
     shard = sum(_ceil_div(n, shard_world) for n, t in zip(layout.numels, layout.trainable) if t)
     padded = shard * shard_world
-    reduce_bucket = max(int(float(zero.get("reduce_bucket_size", 5e8))), 1)
-    allgather_bucket = int(float(zero.get("allgather_bucket_size", 5e8)))
+    from hf_zero.comm.buckets import capped_bucket_numel
+
+    largest = max((n for n, t in zip(layout.numels, layout.trainable) if t), default=0)
+    configured = max(int(float(zero.get("reduce_bucket_size", 5e8))), 1)
+    # stages 0-2 cut buckets at the cap (a larger parameter alone); stage 3 sizes its bucket rows from the cap
+    reduce_bucket = max(capped_bucket_numel(configured, g), largest) if stage < 3 else \
+        capped_bucket_numel(configured, c)
+    allgather_bucket = max(capped_bucket_numel(int(float(zero.get("allgather_bucket_size", 5e8))), c), largest)
     first_grad = min(layout.largest_module_numel, trainable) * c
     out = []
     add = lambda name, nbytes, phase, note="": out.append(Component(name, "accelerator", int(nbytes), phase, note))  # noqa: E731
     add("activations + backward temporaries", activations, "backward_start", "traced under FakeTensorMode")
     add("first parameter gradient", first_grad, "backward_start", "the last module's, before it is reduced")
     if stage < 3:
-        if stage < 2:  # the boundary's gradient shard exists from the start of the reducing backward to the step
-            for phase in ("backward_start", "gradient_reduction", "step"):
-                add("gradient shard (boundary)", shard * g, phase, "allocated at the boundary, freed after the step")
+        # the gradient shard exists from the start of the window's first reducing backward (every micro-step at
+        # stage 2, the boundary at stages 0/1) to the step
+        for phase in ("backward_start", "gradient_reduction", "step"):
+            add("gradient shard", shard * g, phase, "allocated by the reducing backward, freed after the step")
         # one bucket while every bucket fits: the full gradients it packs are all still alive when it launches
         bucket = min(reduce_bucket, padded)
         grads = trainable if bucket >= padded else min(trainable, bucket)
@@ -233,7 +241,7 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
         add("gradient bucket", bucket * g, "gradient_reduction", "(world, span) packed, reduce_bucket_size")
         if stage > 0:
             add("reduce-scatter output", _ceil_div(bucket, world_size) * g, "gradient_reduction",
-                "this rank's row of the bucket")
+                "this rank's row of the bucket (none on a window's first reduction: written into the shard)")
             if world_size > 1 and accelerator == "cpu":
                 add("gloo reduce-scatter staging", bucket * g, "gradient_reduction",
                     "gloo reduces a full copy of the bucket")
@@ -242,9 +250,11 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
     else:
         threshold = _int(zero.get("stage3_param_persistence_threshold"), 100_000)
         gathered_numel = sum(n for n in layout.numels if n > threshold)
-        prefetch = int(float(zero.get("stage3_prefetch_bucket_size", 5e7)))
+        from hf_zero.config.policies import STAGE3_REUSE_DISTANCE_DEFAULT
+
+        prefetch = capped_bucket_numel(int(float(zero.get("stage3_prefetch_bucket_size", 5e7))), c)
         live = int(float(zero.get("stage3_max_live_parameters", 1e9)))
-        reuse = int(float(zero.get("stage3_max_reuse_distance", 1e9)))
+        reuse = int(float(zero.get("stage3_max_reuse_distance", STAGE3_REUSE_DISTANCE_DEFAULT)))
         if reuse >= gathered_numel:  # every module comes back in backward within the distance: forward keeps it
             gathered = min(gathered_numel, max(live, layout.largest_module_numel))
             note = "forward keeps every module gathered for backward (stage3_max_reuse_distance)"

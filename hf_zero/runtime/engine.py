@@ -76,6 +76,10 @@ class HfZeroEngine(nn.Module):
         self.loss_scaler = LossScaler.from_policy(loss_scale_policy(config.fp16)) if fp16_scaling else None
         # every hf_zero collective from here on is bounded and checked (hf_zero/comm/faults.py)
         comm.faults.configure_from(config, process_group)
+        if self.device.type == "cpu":  # host memory is the training memory: keep glibc from hoarding freed tensors
+            from hf_zero.comm.host_memory import tune_host_malloc
+
+            tune_host_malloc()
         self._backward = BackwardSessions(
             begin=self._begin_backward, end=self._end_backward, gas=self.gradient_accumulation_steps,
             loss_scale=lambda: self.loss_scaler.scale if self.loss_scaler is not None else None,
@@ -195,7 +199,7 @@ class HfZeroEngine(nn.Module):
             seen.update(trainable)
             groups.append(ShardedGroup(trainable, [names.get(p, "?") for p in trainable], world_size=shard_world,
                                        rank=shard_rank, compute_dtype=self.compute_dtype, grad_dtype=grad_dtype,
-                                       persistent_grad=self.stage == 2, master_dtype=self._master_dtype))
+                                       persistent_grad=False, master_dtype=self._master_dtype))
         # masters were taken in fp32 before this cast; the model computes in 16 bit from here on
         if self.compute_dtype != torch.float32:
             for p in self.module.parameters():

@@ -6,6 +6,12 @@ all ready is packed into a ``(world_size, span)`` buffer (pre-divided by the wor
 gradients are freed at once, and the bucket is reduce-scattered (stages 1/2) or all-reduced (stage 0, a world of
 one in the layout) into the group's gradient shard, asynchronously when ``overlap_comm`` is on.
 
+Buffers, sized by need: a bucket holds at most ``reduce_bucket_size`` elements and
+:data:`~hf_zero.comm.buckets.BUCKET_CAP_BYTES`, so backward overlaps the reductions and at most
+``max_in_flight + 1`` packed buckets exist at once. When the group's shard holds nothing yet in this accumulation
+window (``ShardedGroup.grad_fresh``), the collective writes straight into the shard: no result buffer, no add
+(stage 0 packs into the shard itself and all-reduces it in place).
+
 Why buckets are launched strictly in a fixed order: every rank must issue the same collectives in the same order.
 Readiness order can differ between ranks (unused parameters, data-dependent branches), so bucket k is launched
 only after buckets 0..k-1; whatever is not ready when backward ends is flushed in that same order, with zeros for
@@ -25,6 +31,7 @@ from torch import nn
 
 from hf_zero.comm import all_reduce_, reduce_scatter_packed
 from hf_zero.profiling.timers import NO_TIMERS
+from hf_zero.zero.layout import capped_bucket_numel
 from hf_zero.zero.local import local_grad, local_tensor
 from hf_zero.zero.sharded_group import ShardedGroup, bucket_ranges
 
@@ -50,6 +57,7 @@ class _InFlight:
     work: object
     out: torch.Tensor   # (span,) result of the collective
     bucket: _Bucket
+    accumulate: bool    # add ``out`` into the shard (False: the collective wrote into the shard itself)
 
 
 class GroupGradReducer:
@@ -73,7 +81,8 @@ class GroupGradReducer:
         self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         # buckets run in reverse parameter order: the order backward produces gradients in most models
         for g in groups:
-            for start, stop in bucket_ranges(g.layout.shard_numels, self.world_size, bucket_numel):
+            capped = capped_bucket_numel(bucket_numel, g.grad.element_size())
+            for start, stop in bucket_ranges(g.layout.shard_numels, self.world_size, capped):
                 self.buckets.append(_Bucket(g, start, stop))
         self.buckets.reverse()
         for b in self.buckets:
@@ -83,15 +92,20 @@ class GroupGradReducer:
         self._reducing = False
         self._next = 0  # index of the next bucket to launch
         self._in_flight: list[_InFlight] = []
+        self._direct: set[int] = set()  # id() of the groups whose shard the collectives write in place
         self.timers = NO_TIMERS  # the engine's: time blocked in collectives counts as "communication"
 
     # ---- public -----------------------------------------------------------------------------------------------
     def begin(self, reducing: bool) -> None:
         """Called before backward. ``reducing=False`` lets gradients accumulate in ``param.grad`` untouched."""
         self._reducing = reducing
+        self._direct = set()
         if reducing:
             for g in self.groups:
                 g.ensure_grad()
+                if g.grad_fresh:  # every element of the shard is written by exactly one bucket of this pass
+                    self._direct.add(id(g))
+                    g.grad_fresh = False
         self._next = 0
         for b in self.buckets:
             b.ready.clear()
@@ -132,7 +146,11 @@ class GroupGradReducer:
     def _launch(self, bucket: _Bucket) -> None:
         g = bucket.group
         lo, hi = g.layout.span(bucket.start, bucket.stop)
-        packed = torch.empty(self.world_size, hi - lo, dtype=g.grad.dtype, device=g.grad.device)
+        direct = id(g) in self._direct
+        if direct and self.mode is ReduceMode.ALL_REDUCE:
+            packed = g.grad[lo:hi].view(1, hi - lo)  # a world of one in the layout: the shard is the whole bucket
+        else:
+            packed = torch.empty(self.world_size, hi - lo, dtype=g.grad.dtype, device=g.grad.device)
         flats = []
         for i in range(bucket.start, bucket.stop):
             p = g.params[i]
@@ -146,12 +164,12 @@ class GroupGradReducer:
         what = f"the gradient reduction of [{g.names[bucket.start]}{' ...' if bucket.stop - bucket.start > 1 else ''}]"
         with self.timers.phase("communication"):
             if self.mode is ReduceMode.REDUCE_SCATTER:
-                out = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
+                out = g.grad[lo:hi] if direct else torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
                 work = reduce_scatter_packed(out, packed, group=self.process_group, async_op=self.overlap, what=what)
             else:
                 out = packed[0]
                 work = all_reduce_(out, group=self.process_group, async_op=self.overlap, what=what)
-        self._in_flight.append(_InFlight(work, out, bucket))
+        self._in_flight.append(_InFlight(work, out, bucket, accumulate=not direct))
         self._drain(self.max_in_flight if self.overlap else 0)
 
     def _drain(self, keep: int) -> None:
@@ -160,9 +178,10 @@ class GroupGradReducer:
             item = self._in_flight.pop(0)
             with self.timers.phase("communication"):
                 item.work.wait()
-            g = item.bucket.group
-            lo, hi = g.layout.span(item.bucket.start, item.bucket.stop)
-            g.grad[lo:hi].add_(item.out)
+            if item.accumulate:
+                g = item.bucket.group
+                lo, hi = g.layout.span(item.bucket.start, item.bucket.stop)
+                g.grad[lo:hi].add_(item.out)
 
     def _reduce_late_gradients(self) -> None:
         late = [(b, i) for b in self.buckets for i in range(b.start, b.stop) if b.group.params[i].grad is not None]
@@ -172,6 +191,7 @@ class GroupGradReducer:
             return
         # every rank reduces every bucket once more; only gradients that arrived late are non-zero
         self._reducing = True
+        self._direct = set()  # the shard holds this pass's first reduction: add to it
         for b in self.buckets:
             b.launched = False
         self._next = 0

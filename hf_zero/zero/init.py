@@ -176,6 +176,10 @@ class Init:
         self._world = dist.get_world_size(self.group)
         self.swapper = _param_swapper(self.config, self._remote_device, dist.get_rank())
         gatherer_for(self.group)
+        if not torch.cuda.is_available():  # CPU training: host memory is the training memory (comm/host_memory.py)
+            from hf_zero.comm.host_memory import tune_host_malloc
+
+            tune_host_malloc()
         # Looked up at enter time, as transformers expects (it may have swapped it in); see the module docstring
         # for why it is not installed anywhere.
         self._fp_constructor_wrapper = globals()["zero_wrapper_for_fp_tensor_constructor"]

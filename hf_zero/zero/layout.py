@@ -27,7 +27,9 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ShardLayout", "param_shard_numel"]
+from hf_zero.comm.buckets import BUCKET_CAP_BYTES, capped_bucket_numel
+
+__all__ = ["ShardLayout", "param_shard_numel", "BUCKET_CAP_BYTES", "capped_bucket_numel"]
 
 
 def param_shard_numel(numel: int, world_size: int) -> int:

@@ -7,9 +7,11 @@ so the optimizer and checkpoint code never branch on the stage.
 Buffers, each ``(shard_numel,)`` flat and in the layout's order::
 
     master   fp32            the weights the optimizer updates (also the source of the published 16-bit weights)
-    grad     grad_dtype      reduced gradients of this rank's shards. Stage 2 keeps it across micro-steps
-                             (gradients are reduced every micro-step); stages 0/1 allocate it at the boundary
-                             only and free it after the step, since between micro-steps ``param.grad`` holds them
+    grad     grad_dtype      reduced gradients of this rank's shards. Allocated when the first reducing backward
+                             of an accumulation window begins (every micro-step at stage 2, the boundary at
+                             stages 0/1: between micro-steps ``param.grad`` holds them) and freed after the step,
+                             so the forward pass never carries it. ``grad_fresh``: nothing was reduced into it yet,
+                             so the first reduction of a bucket may write its result in place instead of adding
     param16  compute dtype   master cast to the model's dtype, written by the optimizer in the same pass;
                              for fp32 training it *is* ``master`` (no copy). Stage 3 with swapped shards
                              has none (None): updated values go out through :meth:`ShardedGroup.write_param16`
@@ -20,8 +22,9 @@ Where each tensor lives after a step, per configuration (the one table of it; st
     configuration        master (fp32)             param16                  grad                 module .data
     stage 0              own buffer (fp32: is      master cast (fp32: is    flat, at the         views of param16
                          param16)                  master)                  boundary only        (a world of one)
-    stages 1, 2          own (shard_numel,)        master cast (fp32: is    shard; stage 2 keeps full tensors,
-                                                   master)                  it across steps      all-gathered from
+    stages 1, 2          own (shard_numel,)        master cast (fp32: is    shard, from the      full tensors,
+                                                   master)                  window's first       all-gathered from
+                                                                            backward to the step
                                                                                                  param16 (publish)
     stage 3              own (shard_numel,)        flat buffer; every       flat shard; every    (0,) placeholder
                                                    param's resident         param's grad_storage until gathered
@@ -43,7 +46,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import all_gather_packed
-from hf_zero.zero.layout import ShardLayout
+from hf_zero.zero.layout import ShardLayout, capped_bucket_numel
 from hf_zero.zero.local import local_tensor
 
 __all__ = ["ShardedGroup", "bucket_ranges"]
@@ -89,6 +92,7 @@ class ShardedGroup:
         self._grad_dtype = grad_dtype
         self._device = device
         self.grad = torch.zeros(numel if persistent_grad else 0, dtype=grad_dtype, device=device)
+        self.grad_fresh = True  # see the module docstring
         self.param16 = self.master if compute_dtype == master_dtype else self.master.to(compute_dtype)
         if world_size == 1:
             self._bind_params()
@@ -134,6 +138,7 @@ class ShardedGroup:
         """Make sure the gradient shard exists (zeros) before reductions add into it."""
         if self.grad.numel() != self.layout.shard_numel:
             self.grad = torch.zeros(self.layout.shard_numel, dtype=self._grad_dtype, device=self._device)
+            self.grad_fresh = True
 
     def clear_grad(self) -> None:
         """After the step: zero a persistent shard, free a transient one."""
@@ -141,11 +146,14 @@ class ShardedGroup:
             self.grad.zero_()
         else:
             self.grad = self.grad.new_empty(0)
+        self.grad_fresh = True
 
     def publish(self, bucket_numel: int, group=None) -> None:
-        """Write the updated 16-bit shards of every rank back into the full parameters (all-gather by buckets)."""
+        """Write the updated 16-bit shards of every rank back into the full parameters (all-gather by buckets of
+        at most ``bucket_numel`` elements and :data:`~hf_zero.comm.buckets.BUCKET_CAP_BYTES`)."""
         if self.world_size == 1:
             return  # the parameters are views of param16 (see _bind_params)
+        bucket_numel = capped_bucket_numel(bucket_numel, self.param16.element_size())
         for start, stop in bucket_ranges(self.layout.shard_numels, self.world_size, bucket_numel):
             lo, hi = self.layout.span(start, stop)
             packed = torch.empty(self.world_size, hi - lo, dtype=self.param16.dtype, device=self.param16.device)

@@ -187,6 +187,7 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     if _has_reduced_grad(frag):
         lo, hi = frag.span
         frag.group.grad[lo:hi].copy_(_own_shard(frag, value))
+        frag.group.grad_fresh = False
     else:  # not reduced yet: the value is this rank's gradient, averaged with the others' at the boundary
         param.grad = value.detach().to(param.dtype).reshape(param.shape).clone()
 
@@ -234,6 +235,7 @@ def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
         raise RuntimeError("hf_zero safe_set_local_grad: the gradient has not been reduced yet (call it after "
                            "engine.backward at the accumulation boundary)")
     frag.group.grad[slice(*frag.span)].copy_(_local_value(frag, value))
+    frag.group.grad_fresh = False
 
 
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:

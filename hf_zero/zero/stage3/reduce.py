@@ -5,7 +5,9 @@ A gradient arriving for parameter ``p`` (full shape, compute dtype) is packed --
 When the next gradient does not fit, the bucket is reduce-scattered: rank ``r`` receives ``(used,)``, the sum over
 ranks of row ``r``, i.e. its shard of every parameter in the bucket, and *adds* each shard into the parameter's
 grad storage (gradient accumulation across micro-steps is this addition). With ``overlap_comm`` one bucket stays
-in flight while the next one fills.
+in flight while the next one fills. A bucket holds at most ``reduce_bucket_size`` elements and
+:data:`~hf_zero.comm.buckets.BUCKET_CAP_BYTES` (unless one gradient alone is larger), so reductions start early in
+backward and a partly filled last bucket is compacted from little memory.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from hf_zero.comm import reduce_scatter_packed
 from hf_zero.profiling.timers import NO_TIMERS
+from hf_zero.zero.layout import capped_bucket_numel
 
 from .divergence import wait_or_diagnose
 from .param import ShardedParam
@@ -46,7 +49,7 @@ class Stage3GradReducer:
                                          self._bucket.dtype != grad.dtype):
             self.flush()
         if self._bucket is None:
-            capacity = max(self.bucket_numel // self.world_size, width)
+            capacity = max(capped_bucket_numel(self.bucket_numel, grad.element_size()) // self.world_size, width)
             self._bucket = torch.empty(self.world_size, capacity, dtype=grad.dtype, device=grad.device)
             self._used = 0
         block = self._bucket[:, self._used:self._used + width]

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from hf_zero.comm import get_rank, get_world_size
 from hf_zero.zero.checkpoint_state import ShardReader
+from hf_zero.zero.layout import capped_bucket_numel
 from hf_zero.zero.leaf import z3_leaf_module
 
 from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
@@ -72,7 +73,10 @@ class Stage3Runtime:
         self.rank = get_rank(group)
         self.world_size = get_world_size(group)
         self.compute_dtype = compute_dtype
-        self.prefetch_numel = int(prefetch_bucket_size)
+        # a maximum, like the buckets: at most BUCKET_CAP_BYTES ahead (DeepSpeed's 5e7 elements would gather a
+        # 32M-parameter model whole at its first module); a next module larger than that is gathered when used
+        self.prefetch_numel = (capped_bucket_numel(prefetch_bucket_size, compute_dtype.itemsize)
+                               if int(prefetch_bucket_size) > 0 else 0)
         self.max_live_numel = int(max_live_parameters)
         self.max_reuse_numel = int(max_reuse_distance)
         self.persistence_threshold = int(param_persistence_threshold)
