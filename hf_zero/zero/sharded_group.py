@@ -24,8 +24,7 @@ Where each tensor lives after a step, per configuration (the one table of it; st
                          param16)                  master)                  boundary only        (a world of one)
     stages 1, 2          own (shard_numel,)        master cast (fp32: is    shard, from the      full tensors,
                                                    master)                  window's first       all-gathered from
-                                                                            backward to the step
-                                                                                                 param16 (publish)
+                                                                            backward to the step param16 (publish)
     stage 3              own (shard_numel,)        flat buffer; every       flat shard; every    (0,) placeholder
                                                    param's resident         param's grad_storage until gathered
                                                    storage is a view of it  is a view of it      for its module
