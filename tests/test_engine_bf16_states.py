@@ -31,9 +31,14 @@ def _run(stage: int, **bf16):
     engine, *_ = hf_zero.initialize(model=make_model(), config=cfg)
     losses = engine_run(engine, dist.get_world_size(), dist.get_rank(), steps=4, dtype=torch.bfloat16)
     shard = sum(g.shard_numel for g in engine.groups)
+    held_after_step = _held_bytes(engine)
+    # The gradient shard lives from a window's first backward to the step and is freed after it (stages 0-2):
+    # make it exist as a backward would, so the count is the peak the optimizer side holds.
+    for g in engine.groups:
+        g.ensure_grad()
     dtypes = {g.master.dtype for g in engine.groups}, {engine.optimizer.state[g.master]["exp_avg"].dtype
                                                          for g in engine.groups}
-    out = (losses, _held_bytes(engine), shard, dtypes)
+    out = (losses, _held_bytes(engine), shard, dtypes, held_after_step)
     engine.destroy()
     return out
 
@@ -60,6 +65,8 @@ def test_bf16_master_weights_and_optimizer_states_bytes():
             # per shard element: fp32 master 4 + bf16 copy 2 + bf16 grad 2 + fp32 moments 8
             assert cases["default"][1] == 16 * n, (stage, cases["default"][1], n)
             assert cases["default"][3] == ({torch.float32}, {torch.float32})
+            if stage == 2:  # freed after the step: 2 bytes (bf16 grad) per element fewer
+                assert cases["default"][4] == 14 * n, (stage, cases["default"][4], n)
             # bf16 master (also the 16-bit weights) 2 + bf16 grad 2 + fp32 moments 8
             assert cases["master"][1] == 12 * n, (stage, cases["master"][1], n)
             assert cases["master"][3] == ({torch.bfloat16}, {torch.float32})
