@@ -233,7 +233,15 @@ class FaultChannel:
         root = _root_store(c10d._get_default_store())
         io_timeout = datetime.timedelta(seconds=min(_GRACE_MAX_S, max(1.0, timeout_s() / 4)))
         if isinstance(root, dist.TCPStore):
-            return dist.TCPStore(root.host, root.port, is_master=False, timeout=io_timeout, wait_for_workers=False)
+            # Connecting gets the whole comms timeout: a channel is built the first time a group is used, when
+            # every rank of a large job (8 processes x several groups on 2 cores) connects at once and the
+            # store's single server thread accepts them one by one -- 5 s was not always enough (test_tp_3d).
+            # The host being gone is still found within the bound, by the collective's own wait. Once
+            # connected, each request is bounded by the short I/O timeout the watchdog relies on.
+            connect = datetime.timedelta(seconds=max(timeout_s(), io_timeout.total_seconds()))
+            client = dist.TCPStore(root.host, root.port, is_master=False, timeout=connect, wait_for_workers=False)
+            client.set_timeout(io_timeout)
+            return client
         return root  # a FileStore / HashStore: shared by the threads as is
 
     def _try(self, fn, *args, default=None, store=None):
