@@ -1,7 +1,8 @@
 """Predicted vs measured peak memory per rank (CPU: VmHWM growth over the process after imports), step time.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_estimate.py [--models tiny,small] [--batches 1x128,2x128] \
-        [--worlds 1,2] [--save runs.json] [--load runs.json] [--ds-python /work/venvs/ds/bin/python]
+        [--worlds 1,2] [--runs 3:none,3:cpu] [--save runs.json] [--load runs.json] \
+        [--ds-python /work/venvs/ds/bin/python]
 
 Each run trains a Llama built from config for ``--steps`` steps (fp32, AdamW, gradient clipping) on 1 or 2 gloo
 ranks and records each rank's VmHWM growth (from after ``import torch, transformers, hf_zero`` and process-group
@@ -163,6 +164,17 @@ def ds_config(stage: int, offload: str, batch: int, nvme_dir: str) -> dict:
     return ds
 
 
+def runs_of(spec: str | None) -> list[tuple[int, str]]:
+    """``--runs`` ("3:none,3:cpu"): the (stage, offload) rows to measure; every row of RUNS by default."""
+    if not spec:
+        return RUNS
+    picked = [(int(stage), offload) for stage, offload in (item.split(":") for item in spec.split(","))]
+    unknown = [r for r in picked if r not in RUNS]
+    if unknown:
+        raise SystemExit(f"--runs: {unknown} not among {RUNS}")
+    return picked
+
+
 def measure(args) -> list[dict]:
     import torch  # noqa: F401 -- imported once here, inherited by every forked rank
     import transformers  # noqa: F401
@@ -177,7 +189,7 @@ def measure(args) -> list[dict]:
         for model_name in args.models.split(","):
             for shape in args.batches.split(","):
                 batch, seq = (int(x) for x in shape.split("x"))
-                for stage, offload in RUNS:
+                for stage, offload in runs_of(args.runs):
                     run = dict(model=model_name, batch=batch, seq=seq, world=world, stage=stage, offload=offload)
                     count = offload == "none" and stage in (0, 3) and world == max(worlds)
                     results = _forked(world, (model_name, ds_config(stage, offload, batch, nvme), batch, seq,
@@ -331,6 +343,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1x128,2x128")
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--runs", default=None, help="stage:offload rows to measure, e.g. 3:none,3:cpu (default: all)")
     p.add_argument("--save", default=None, help="write the measurements to this JSON file")
     p.add_argument("--load", default=None, help="print the table from measurements saved by --save (no training); "
                                                 "several files separated by commas are concatenated")

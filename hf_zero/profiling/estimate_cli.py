@@ -73,7 +73,7 @@ def _variant(ds: dict, stage: int, offload: str, micro: int) -> dict:
     return out
 
 
-def _evaluate(config, model, ds: dict, args, world: int, micro: int, gc: bool, act_per_sample: int) -> dict:
+def _evaluate(config, model, ds: dict, args, world: int, micro: int, gc: bool, act_per_sample) -> dict:
     from hf_zero.profiling.analytic import analytic_flops, supports
     from hf_zero.profiling.hardware import peak_tflops
     from hf_zero.profiling.memory import _compute_dtype, estimate_memory
@@ -83,7 +83,7 @@ def _evaluate(config, model, ds: dict, args, world: int, micro: int, gc: bool, a
     trainable = re.compile(args.trainable).search if args.trainable else None
     est = estimate_memory(model, ds, world_size=world, micro_batch=micro, seq_len=args.seq_len,
                           accelerator=args.accelerator, trainable=trainable, gradient_checkpointing=gc,
-                          activations=act_per_sample * micro)
+                          activations=act_per_sample.scaled(micro))
     dtype = _compute_dtype(ds)
     counts = count_params(model)
     result = est.to_dict()
@@ -112,7 +112,7 @@ def _evaluate(config, model, ds: dict, args, world: int, micro: int, gc: bool, a
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_zero.profiling.activations import activation_bytes
+    from hf_zero.profiling.activations import activation_profile
     from hf_zero.profiling.memory import _compute_dtype, _ds, _load_config, build_meta_model
 
     if args.accelerator is None:
@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = _compute_dtype(ds)
     trainable = re.compile(args.trainable).search if args.trainable else None
     # activations are linear in the batch: trace one sequence per checkpointing setting, scale by micro batch
-    per_sample = {gc: activation_bytes(config, 1, args.seq_len, dtype=dtype, gradient_checkpointing=gc,
-                                       trainable=trainable, lora=lora)
+    per_sample = {gc: activation_profile(config, 1, args.seq_len, dtype=dtype, gradient_checkpointing=gc,
+                                         trainable=trainable, lora=lora)
                   for gc in ((False, True) if args.sweep else (args.gradient_checkpointing,))}
     if not args.sweep:
         result = _evaluate(config, model, ds, args, world, micro, args.gradient_checkpointing,

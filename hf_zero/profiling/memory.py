@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_zero.profiling.activations import ActivationProfile
+
 __all__ = ["Component", "MemoryEstimate", "ParamLayout", "estimate_memory", "model_state_bytes", "build_meta_model",
            "with_lora",
            "param_layout"]
@@ -202,14 +204,14 @@ def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compu
 
 
 def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: int, zero: dict,
-                activations: int, accelerator: str) -> list[Component]:
+                profile: ActivationProfile, accelerator: str) -> list[Component]:
     """The engine's transient buffers per phase (see the module docstring), beside the traced activations.
 
     ``backward_start``: activations and temporaries at their peak (the traced figure), plus the first parameter
     gradient (the last module's, about the largest one) and, at stage 3, what forward left gathered.
     ``gradient_reduction``: the end of backward, when the reducer packs the gradients into its bucket
     (stages 0-2: :class:`~hf_zero.zero.grad_reducer.GroupGradReducer`, every full ``param.grad`` of the bucket
-    still referenced while it is packed; stage 3: :class:`~hf_zero.zero.stage3.reduce.Stage3GradReducer`).
+    still referenced while it is packed; stage 3: the worst moment of :func:`_stage3_reduction`).
     ``step``: the optimizer step.
     """
     trainable = layout.trainable_total
@@ -227,7 +229,7 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
     first_grad = min(layout.largest_module_numel, trainable) * c
     out = []
     add = lambda name, nbytes, phase, note="": out.append(Component(name, "accelerator", int(nbytes), phase, note))  # noqa: E731
-    add("activations + backward temporaries", activations, "backward_start", "traced under FakeTensorMode")
+    add("activations + backward temporaries", profile.peak, "backward_start", "traced under FakeTensorMode")
     add("first parameter gradient", first_grad, "backward_start", "the last module's, before it is reduced")
     if stage < 3:
         # the gradient shard exists from the start of the window's first reducing backward (every micro-step at
@@ -263,20 +265,74 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
                            max(live, layout.largest_module_numel))
             note = "largest module + prefetch, capped by stage3_max_live_parameters"
         add("stage-3 gathered parameters", gathered * c, "backward_start", note)
-        # the bucket is (world, reduce_bucket_size / world) allocated whole; on a CPU only written pages are resident
-        row = _ceil_div(shard * world_size, world_size)
-        capacity = max(reduce_bucket // world_size, 1)
-        used_row = min(row, capacity)
-        resident = (used_row if accelerator == "cpu" else capacity) * world_size
-        add("gradient bucket", resident * c, "gradient_reduction", "(world, reduce_bucket_size / world)")
-        if world_size > 1:
-            add("bucket packed for the collective", used_row * world_size * c, "gradient_reduction",
-                "contiguous copy of the used columns")
-        add("reduce-scatter output", used_row * c, "gradient_reduction", "this rank's row of the bucket")
-        if world_size > 1 and accelerator == "cpu":
-            add("gloo reduce-scatter staging", used_row * world_size * c, "gradient_reduction",
-                "gloo reduces a full copy of the bucket")
+        overlap = zero.get("overlap_comm")
+        overlap = True if overlap is None else bool(overlap)  # stage 3's default
+        out += _stage3_reduction(layout, profile, world_size=world_size, c=c, overlap=overlap,
+                                 bucket_numel=configured, gathered=gathered * c, cpu=accelerator == "cpu")
     return out
+
+
+def _stage3_reduction(layout: ParamLayout, profile: ActivationProfile, *, world_size: int, c: int, overlap: bool,
+                      bucket_numel: int, gathered: int, cpu: bool) -> list[Component]:
+    """The largest moment of ZeRO-3's gradient reduction, replayed bucket by bucket as
+    :class:`~hf_zero.zero.stage3.reduce.Stage3GradReducer` fills them during backward.
+
+    Gradients arrive in backward's order (the trace's; without one, reverse parameter order) and are packed into a
+    ``(world, capacity)`` bucket, capacity = the capped ``reduce_bucket_size`` / world columns (at least one
+    shard). A gradient that does not fit first flushes the bucket, mid-backward: the activations backward still
+    holds at that gradient (the trace's figure there), the full gradient being packed, the gathered parameters,
+    the bucket, its contiguous copy for the collective (none when it is full), the reduce-scatter output (one row)
+    and gloo's staging of one row (measured: a flush on 2 CPU ranks adds copy + 2 rows), and with
+    ``overlap_comm`` the previous bucket still in flight (its packed buffer and output, kept until the next flush
+    drains it). The last bucket is flushed at the end of backward, with the one before still in flight: with 16 MiB
+    buckets that moment is the peak of small-batch runs whatever the batch, which a figure built from the start of
+    backward alone missed (tiny Llama, 2 ranks, 1x128: 141 MiB predicted, 172 measured).
+    """
+    trainable = [i for i, t in enumerate(layout.trainable) if t]
+    alive = dict(profile.at_grads)
+    order = [i for i, _ in profile.at_grads if i < len(layout.numels) and layout.trainable[i]]
+    if sorted(order) != trainable:  # no trace of this layout (closed form, another model): reverse order, and
+        order = trainable[::-1]     # the activations falling from their peak to nothing along backward
+        alive = {i: profile.peak * (len(order) - 1 - k) // max(len(order) - 1, 1) for k, i in enumerate(order)}
+    from hf_zero.comm.buckets import capped_bucket_numel
+
+    row_capacity = max(capped_bucket_numel(bucket_numel, c) // world_size, 1)
+    staged = world_size > 1 and cpu
+
+    def flush(used: int, capacity: int, inflight: int, at: int | None, index: int, total: int) -> list:
+        return [
+            ("activations still alive", alive.get(at, 0) if at is not None else 0,
+             "the trace's bytes when this gradient is accumulated"),
+            ("gradient being packed", layout.numels[at] * c if at is not None else 0, "the full gradient"),
+            ("stage-3 gathered parameters", gathered if at is not None else 0, "as at backward_start"),
+            ("gradient bucket", (used if cpu else capacity) * world_size * c,
+             f"bucket {index} of {total}: {used} of {capacity} columns x {world_size} rows"
+             + (" (written pages)" if cpu else "")),
+            ("bucket packed for the collective", used * world_size * c if used < capacity else 0,
+             "contiguous copy of the used columns"),
+            ("reduce-scatter output", used * c, "this rank's row of the bucket"),
+            ("gloo reduce-scatter staging", used * c if staged else 0, "one row"),
+            ("previous bucket in flight", inflight, "overlap_comm: its packed buffer and output"),
+        ]
+
+    moments, capacity, used, inflight = [], 0, 0, 0
+    for i in order:
+        width = _ceil_div(layout.numels[i], world_size)
+        if capacity and used + width > capacity:
+            moments.append((used, capacity, inflight, i))
+            inflight = (used * world_size * c + used * c) if overlap else 0
+            capacity = 0
+        if not capacity:
+            capacity, used = max(row_capacity, width), 0
+        used += width
+    if capacity:
+        moments.append((used, capacity, inflight, None))
+    if not moments:
+        return []
+    worst = max((flush(*m[:3], m[3], k + 1, len(moments)) for k, m in enumerate(moments)),
+                key=lambda parts: sum(b for _, b, _ in parts))
+    return [Component(name, "accelerator", int(nbytes), "gradient_reduction", note)
+            for name, nbytes, note in worst if nbytes]
 
 
 # ---- inputs ----------------------------------------------------------------------------------------------------
@@ -357,13 +413,14 @@ def _int(value: Any, default: int) -> int:
 
 def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: int = 1, micro_batch: int | None = None,
                     seq_len: int = 512, accelerator: str | None = None, trainable=None,
-                    gradient_checkpointing: bool = False, activations: int | None = None,
+                    gradient_checkpointing: bool = False, activations: "int | ActivationProfile | None" = None,
                     lora: dict | None = None) -> MemoryEstimate:
     """Per-rank memory of training ``model_or_config`` (an ``nn.Module``, a transformers config, or a path to a
     ``config.json``) with the DeepSpeed/hf_zero config ``ds_config`` (dict or JSON path) on ``world_size`` ranks.
 
     ``micro_batch`` defaults to the config's ``train_micro_batch_size_per_gpu`` (1 when "auto"); ``trainable``
-    (``name -> bool``) overrides which parameters train; ``activations`` (bytes) skips the trace; ``lora``
+    (``name -> bool``) overrides which parameters train; ``activations`` (bytes, or an
+    :class:`~hf_zero.profiling.activations.ActivationProfile`) skips the trace; ``lora``
     (``peft.LoraConfig`` keywords) adds LoRA adapters to a config-built model: master weights, gradients and
     optimizer states then exist for the adapters only (a PEFT model passed as ``model_or_config`` is estimated as
     it is).
@@ -398,12 +455,14 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
         persistence_threshold=_int(zero.get("stage3_param_persistence_threshold"), 100_000),
         sub_group_size=_int(zero.get("sub_group_size"), 1_000_000_000))
     if activations is None:
-        from hf_zero.profiling.activations import activation_bytes
+        from hf_zero.profiling.activations import activation_profile
 
-        activations = activation_bytes(config, micro, seq_len, dtype=compute,
-                                       gradient_checkpointing=gradient_checkpointing, trainable=trainable, lora=lora)
+        activations = activation_profile(config, micro, seq_len, dtype=compute,
+                                         gradient_checkpointing=gradient_checkpointing, trainable=trainable,
+                                         lora=lora)
+    profile = activations if isinstance(activations, ActivationProfile) else ActivationProfile(int(activations))
     transients = _transients(layout, stage=stage, world_size=world_size, c=c, g=g, zero=zero,
-                             activations=activations, accelerator=accelerator)
+                             profile=profile, accelerator=accelerator)
     if accelerator == "cpu":
         states.append(Component("runtime", "accelerator", CPU_RUNTIME_BYTES, "states",
                                  "process growth besides tensors (autograd, hooks, gloo), measured"))
