@@ -52,9 +52,12 @@ DEVICES = ("accelerator", "host", "nvme")
 PHASES = ("states", "backward_start", "gradient_reduction", "step")
 _FP32 = 4
 # What a CPU training process grows by besides the tensors counted here (autograd graph and engine threads, module
-# hooks, gloo buffers, allocator metadata): 24.5-25.5 MiB in every configuration of benchmarks/bench_estimate.py
-# (7.4M and 33.7M parameters, stages 0-3, offload, 1 and 2 ranks). On a GPU the allocator's peak has no such term.
-CPU_RUNTIME_BYTES = 25 * 2**20
+# hooks, gloo buffers, code pages first touched, allocator metadata and retained small blocks), measured as a rank's
+# RSS between two steps minus the bytes of every tensor it holds then (gc-visible storages; the model states above,
+# byte for byte): 35.2-37.1 MiB for the 7.4M Llama of benchmarks/bench_estimate.py (stages 0, 1, 2, 3; 1 and 2
+# ranks), 40.5 MiB for the 33.7M one (stage 3, 2 ranks); forked ranks, MALLOC_MMAP_THRESHOLD_=131072. (It was 25 MiB
+# when it was fitted to the peaks, with the transients of the time.) On a GPU the allocator's peak has no such term.
+CPU_RUNTIME_BYTES = 37 * 2**20
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -204,7 +207,7 @@ def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compu
 
 
 def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: int, zero: dict,
-                profile: ActivationProfile, accelerator: str) -> list[Component]:
+                profile: ActivationProfile, accelerator: str, accumulation: int = 1) -> list[Component]:
     """The engine's transient buffers per phase (see the module docstring), beside the traced activations.
 
     ``backward_start``: activations and temporaries at their peak (the traced figure), plus the first parameter
@@ -240,13 +243,16 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
         bucket = min(reduce_bucket, padded)
         grads = trainable if bucket >= padded else min(trainable, bucket)
         add("full gradients (param.grad)", grads * c, "gradient_reduction", "alive until their bucket is packed")
-        add("gradient bucket", bucket * g, "gradient_reduction", "(world, span) packed, reduce_bucket_size")
+        # GroupGradReducer: a window's first reduction writes into the fresh gradient shard -- stage 0 all-reduces
+        # the shard in place (no bucket), stages 1/2 reduce-scatter into it (no output); only stage 2's later
+        # micro-steps of an accumulation window (stages 0/1 reduce at the boundary alone) need an output to add
         if stage > 0:
+            add("gradient bucket", bucket * g, "gradient_reduction", "(world, span) packed, reduce_bucket_size")
+        if stage == 2 and accumulation > 1:
             add("reduce-scatter output", _ceil_div(bucket, world_size) * g, "gradient_reduction",
-                "this rank's row of the bucket (none on a window's first reduction: written into the shard)")
-            if world_size > 1 and accelerator == "cpu":
-                add("gloo reduce-scatter staging", bucket * g, "gradient_reduction",
-                    "gloo reduces a full copy of the bucket")
+                "this rank's row of the bucket, added to the shard (micro-steps after a window's first)")
+        if stage > 0 and world_size > 1 and accelerator == "cpu":
+            add("gloo reduce-scatter staging", bucket * g, "gradient_reduction", "gloo reduces a full copy of the bucket")
         if stage > 0 and world_size > 1:
             add("publish all-gather buffer", min(allgather_bucket, padded) * c, "step", "allgather_bucket_size")
     else:
@@ -257,8 +263,9 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
         prefetch = capped_bucket_numel(int(float(zero.get("stage3_prefetch_bucket_size", 5e7))), c)
         live = int(float(zero.get("stage3_max_live_parameters", 1e9)))
         reuse = int(float(zero.get("stage3_max_reuse_distance", STAGE3_REUSE_DISTANCE_DEFAULT)))
+        kept = None
         if reuse >= gathered_numel:  # every module comes back in backward within the distance: forward keeps it
-            gathered = min(gathered_numel, max(live, layout.largest_module_numel))
+            gathered = kept = min(gathered_numel, max(live, layout.largest_module_numel))
             note = "forward keeps every module gathered for backward (stage3_max_reuse_distance)"
         else:
             gathered = min(layout.largest_module_numel + min(prefetch, gathered_numel),
@@ -268,25 +275,29 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
         overlap = zero.get("overlap_comm")
         overlap = True if overlap is None else bool(overlap)  # stage 3's default
         out += _stage3_reduction(layout, profile, world_size=world_size, c=c, overlap=overlap,
-                                 bucket_numel=configured, gathered=gathered * c, cpu=accelerator == "cpu")
+                                 bucket_numel=configured, cpu=accelerator == "cpu", threshold=threshold,
+                                 prefetch=prefetch, kept=kept * c if kept is not None else None)
     return out
 
 
 def _stage3_reduction(layout: ParamLayout, profile: ActivationProfile, *, world_size: int, c: int, overlap: bool,
-                      bucket_numel: int, gathered: int, cpu: bool) -> list[Component]:
+                      bucket_numel: int, cpu: bool, threshold: int, prefetch: int, kept: int | None
+                      ) -> list[Component]:
     """The largest moment of ZeRO-3's gradient reduction, replayed bucket by bucket as
     :class:`~hf_zero.zero.stage3.reduce.Stage3GradReducer` fills them during backward.
 
     Gradients arrive in backward's order (the trace's; without one, reverse parameter order) and are packed into a
     ``(world, capacity)`` bucket, capacity = the capped ``reduce_bucket_size`` / world columns (at least one
-    shard). A gradient that does not fit first flushes the bucket, mid-backward: the activations backward still
-    holds at that gradient (the trace's figure there), the full gradient being packed, the gathered parameters,
-    the bucket, its contiguous copy for the collective (none when it is full), the reduce-scatter output (one row)
-    and gloo's staging of one row (measured: a flush on 2 CPU ranks adds copy + 2 rows), and with
-    ``overlap_comm`` the previous bucket still in flight (its packed buffer and output, kept until the next flush
-    drains it). The last bucket is flushed at the end of backward, with the one before still in flight: with 16 MiB
-    buckets that moment is the peak of small-batch runs whatever the batch, which a figure built from the start of
-    backward alone missed (tiny Llama, 2 ranks, 1x128: 141 MiB predicted, 172 measured).
+    shard). A gradient that does not fit first flushes the bucket, mid-backward; the last bucket is flushed at the
+    end of backward. At a flush, measured per allocation (tiny Llama, 1 and 2 gloo ranks, forked ranks, VmRSS
+    around each step of ``flush``): the bucket (on a CPU its written columns); its contiguous copy when it is part
+    full on several ranks (``[:, :used]`` of two rows is not contiguous; of one row it is); gloo's copy of the
+    whole packed input, which its work object keeps until the flush that drains it; the reduce-scatter output
+    (one row); with ``overlap_comm`` the previous bucket still in flight with its packed buffer, output and gloo
+    copy. Mid-backward also: the activations backward still holds at that gradient (the trace's figure), the full
+    gradient being packed, its parameter (gathered until its gradient is reduced) and the prefetch of the next
+    parameters in backward's order up to ``stage3_prefetch_bucket_size`` (each in flight as a packed buffer and a
+    send buffer: ``1 + 1/world`` times its bytes), or everything forward kept gathered (``kept``).
     """
     trainable = [i for i, t in enumerate(layout.trainable) if t]
     alive = dict(profile.at_grads)
@@ -298,29 +309,45 @@ def _stage3_reduction(layout: ParamLayout, profile: ActivationProfile, *, world_
 
     row_capacity = max(capped_bucket_numel(bucket_numel, c) // world_size, 1)
     staged = world_size > 1 and cpu
+    gathered_numels = [layout.numels[i] if layout.numels[i] > threshold else 0 for i in order]
 
-    def flush(used: int, capacity: int, inflight: int, at: int | None, index: int, total: int) -> list:
+    def gathered_at(pos: int) -> int:
+        if kept is not None:
+            return kept
+        ahead, total = 0, 0
+        for n in gathered_numels[pos + 1:]:
+            if total + n > prefetch:
+                break
+            total += n
+        ahead = total * c * (world_size + 1) // world_size
+        return gathered_numels[pos] * c + ahead
+
+    def flush(used: int, capacity: int, inflight: int, pos: int | None, index: int, total: int) -> list:
+        at = order[pos] if pos is not None else None
+        packed = used * world_size * c
+        copy = packed if world_size > 1 and used < capacity else 0
         return [
             ("activations still alive", alive.get(at, 0) if at is not None else 0,
              "the trace's bytes when this gradient is accumulated"),
             ("gradient being packed", layout.numels[at] * c if at is not None else 0, "the full gradient"),
-            ("stage-3 gathered parameters", gathered if at is not None else 0, "as at backward_start"),
-            ("gradient bucket", (used if cpu else capacity) * world_size * c,
+            ("stage-3 gathered parameters", gathered_at(pos) if pos is not None else 0,
+             "this parameter and the prefetch after it" if kept is None else "forward keeps every module"),
+            ("gradient bucket", packed if cpu else capacity * world_size * c,
              f"bucket {index} of {total}: {used} of {capacity} columns x {world_size} rows"
              + (" (written pages)" if cpu else "")),
-            ("bucket packed for the collective", used * world_size * c if used < capacity else 0,
-             "contiguous copy of the used columns"),
+            ("bucket packed for the collective", copy, "contiguous copy of the used columns"),
+            ("gloo reduce-scatter copy", packed if staged else 0, "kept by the work until it is drained"),
             ("reduce-scatter output", used * c, "this rank's row of the bucket"),
-            ("gloo reduce-scatter staging", used * c if staged else 0, "one row"),
-            ("previous bucket in flight", inflight, "overlap_comm: its packed buffer and output"),
+            ("previous bucket in flight", inflight, "overlap_comm: packed buffer, output, gloo's copy"),
         ]
 
     moments, capacity, used, inflight = [], 0, 0, 0
-    for i in order:
+    for pos, i in enumerate(order):
         width = _ceil_div(layout.numels[i], world_size)
         if capacity and used + width > capacity:
-            moments.append((used, capacity, inflight, i))
-            inflight = (used * world_size * c + used * c) if overlap else 0
+            moments.append((used, capacity, inflight, pos))
+            packed = used * world_size * c
+            inflight = (packed * (2 if staged else 1) + used * c) if overlap else 0
             capacity = 0
         if not capacity:
             capacity, used = max(row_capacity, width), 0
@@ -329,7 +356,7 @@ def _stage3_reduction(layout: ParamLayout, profile: ActivationProfile, *, world_
         moments.append((used, capacity, inflight, None))
     if not moments:
         return []
-    worst = max((flush(*m[:3], m[3], k + 1, len(moments)) for k, m in enumerate(moments)),
+    worst = max((flush(*m, k + 1, len(moments)) for k, m in enumerate(moments)),
                 key=lambda parts: sum(b for _, b, _ in parts))
     return [Component(name, "accelerator", int(nbytes), "gradient_reduction", note)
             for name, nbytes, note in worst if nbytes]
@@ -407,6 +434,15 @@ def _compute_dtype(ds: dict) -> torch.dtype:
     return torch.float32
 
 
+def _accumulation(ds: dict, micro: int, world_size: int) -> int:
+    """gradient_accumulation_steps as the config gives or implies it (train_batch_size / (micro x world))."""
+    gas = ds.get("gradient_accumulation_steps")
+    if gas not in (None, "auto"):
+        return int(gas)
+    total = ds.get("train_batch_size")
+    return max(int(total) // (micro * world_size), 1) if total not in (None, "auto") else 1
+
+
 def _int(value: Any, default: int) -> int:
     return default if value in (None, "auto") else int(value)
 
@@ -462,7 +498,7 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
                                          lora=lora)
     profile = activations if isinstance(activations, ActivationProfile) else ActivationProfile(int(activations))
     transients = _transients(layout, stage=stage, world_size=world_size, c=c, g=g, zero=zero,
-                             profile=profile, accelerator=accelerator)
+                             profile=profile, accelerator=accelerator, accumulation=_accumulation(ds, micro, world_size))
     if accelerator == "cpu":
         states.append(Component("runtime", "accelerator", CPU_RUNTIME_BYTES, "states",
                                  "process growth besides tensors (autograd, hooks, gloo), measured"))
