@@ -6,10 +6,10 @@ records live bytes by kind. Every parameter gradient is dropped as soon as it is
 returned is the peak of activations + temporaries (+ anything else that is not a parameter, buffer or gradient)
 alone -- usually the start of backward, with the logits and loss path alive. :func:`activation_profile` also
 records, as each parameter's gradient is accumulated, the bytes still alive and which parameter it was: the order
-in which ZeRO-3 packs gradients into its buckets, and what backward still holds when a bucket is reduced. Where parameter gradients live, and for
-how long, is the ZeRO stage's business: :mod:`hf_zero.profiling.memory` adds them per stage. Exact for the
-architecture, attention implementation, gradient checkpointing and frozen parameters as configured; the closed
-form is the fallback for models that cannot run under fake tensors.
+in which ZeRO-3 packs gradients into its buckets, and what backward still holds when a bucket is reduced. Where
+parameter gradients live, and for how long, is the ZeRO stage's business: :mod:`hf_zero.profiling.memory` adds
+them per stage. Exact for the architecture, attention implementation, gradient checkpointing and frozen
+parameters as configured; the closed form is the fallback for models that cannot run under fake tensors.
 """
 
 from __future__ import annotations

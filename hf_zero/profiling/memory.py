@@ -24,9 +24,10 @@ the master where it is (no copy).
 
 Transients on top of the states, per phase (:func:`_transients`): ``backward_start`` (activations and backward
 temporaries at their peak, traced under ``FakeTensorMode`` -- see :mod:`hf_zero.profiling.activations` -- with what
-stage 3 keeps gathered from forward), ``gradient_reduction`` (the end of backward: full gradients, the reducer's
-bucket and output) and ``step`` (the boundary gradient shard, the stage-1/2 publish all-gather). Peak = states +
-the largest phase, per device.
+stage 3 keeps gathered from forward), ``gradient_reduction`` (stages 0-2: the end of backward, full gradients and
+the reducer's bucket; stage 3: the worst bucket flush of the reducer replayed along backward, see
+:func:`_stage3_reduction`) and ``step`` (the boundary gradient shard, the stage-1/2 publish all-gather). Peak =
+states + the largest phase, per device.
 Buckets and the ZeRO-3 prefetch are those the engine allocates: at most the configured size and
 :data:`hf_zero.comm.buckets.BUCKET_CAP_BYTES` (one parameter larger than that gets a bucket of its own).
 """
@@ -252,7 +253,8 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
             add("reduce-scatter output", _ceil_div(bucket, world_size) * g, "gradient_reduction",
                 "this rank's row of the bucket, added to the shard (micro-steps after a window's first)")
         if stage > 0 and world_size > 1 and accelerator == "cpu":
-            add("gloo reduce-scatter staging", bucket * g, "gradient_reduction", "gloo reduces a full copy of the bucket")
+            add("gloo reduce-scatter staging", bucket * g, "gradient_reduction",
+                "gloo reduces a full copy of the bucket")
         if stage > 0 and world_size > 1:
             add("publish all-gather buffer", min(allgather_bucket, padded) * c, "step", "allgather_bucket_size")
     else:
@@ -498,7 +500,8 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
                                          lora=lora)
     profile = activations if isinstance(activations, ActivationProfile) else ActivationProfile(int(activations))
     transients = _transients(layout, stage=stage, world_size=world_size, c=c, g=g, zero=zero,
-                             profile=profile, accelerator=accelerator, accumulation=_accumulation(ds, micro, world_size))
+                             profile=profile, accelerator=accelerator,
+                             accumulation=_accumulation(ds, micro, world_size))
     if accelerator == "cpu":
         states.append(Component("runtime", "accelerator", CPU_RUNTIME_BYTES, "states",
                                  "process growth besides tensors (autograd, hooks, gloo), measured"))
