@@ -175,11 +175,15 @@ def test_stage3_peak_is_a_bucket_flush_whatever_the_batch():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from bench_estimate import ds_config, llama_config
 
+    from hf_zero.profiling.activations import activation_profile
+
+    config = llama_config("tiny", 128)
+    profiles = {batch: activation_profile(config, batch, 128) for batch in (1, 2)}  # one trace per batch
     measured_mib = {(2, 1): 172.0, (2, 2): 172.4, (1, 1): 215.6, (1, 2): 215.7}
     peaks = {}
     for (world, batch), mib in measured_mib.items():
-        est = estimate_memory(llama_config("tiny", 128), ds_config(3, "none", batch, "/tmp"), world_size=world,
-                              micro_batch=batch, seq_len=128, accelerator="cpu")
+        est = estimate_memory(config, ds_config(3, "none", batch, "/tmp"), world_size=world, micro_batch=batch,
+                              seq_len=128, accelerator="cpu", activations=profiles[batch])
         error = est.peak("accelerator") / 2**20 / mib - 1
         assert -0.10 <= error <= 0.15, (world, batch, error, est.table())
         peaks[world, batch] = est
