@@ -6,6 +6,12 @@ Each rank is a fresh spawned process with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
 set, one torch thread (2-core machines run 4 ranks), and a gloo process group already initialized unless
 ``init_process_group=False`` (for testing code that initializes it itself). A failure on any rank is reported with
 that rank's traceback; a rank that does not finish within ``timeout_s`` fails the call instead of hanging CI.
+
+Start-up cost: a spawned rank imports torch (and, for model tests, transformers' modeling code) from scratch, about
+5 CPU-seconds each -- most of a small test's time on 2 cores. ``fork_server=True`` starts the ranks from a fork
+server instead: one process per pytest session imports :data:`FORK_SERVER_PRELOAD` once, and every rank is forked
+from it with those modules loaded. The rank still gets the caller's current environment and working directory; only
+what those modules read from the environment at import is fixed when the server starts.
 """
 
 from __future__ import annotations
@@ -33,7 +39,11 @@ class DistributedFailure(AssertionError):
 
 
 def _worker(fn: Callable, args: Sequence[Any], kwargs: dict, rank: int, world_size: int, port: int,
-            init: bool, env: dict[str, str], results: Any) -> None:
+            init: bool, env: dict[str, str], results: Any, base: tuple[dict[str, str], str] | None = None) -> None:
+    if base is not None:  # forked from the fork server: take the caller's environment and directory, not its own
+        os.environ.clear()
+        os.environ.update(base[0])
+        os.chdir(base[1])
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -60,18 +70,23 @@ def _worker(fn: Callable, args: Sequence[Any], kwargs: dict, rank: int, world_si
 
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwargs: dict | None = None, *,
                     timeout_s: float = 180.0, init_process_group: bool = True,
-                    env: dict[str, str] | None = None) -> list[Any]:
+                    env: dict[str, str] | None = None, fork_server: bool = False) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` processes; return each rank's return value, rank-ordered.
 
     ``fn`` and its arguments must be picklable (a module-level function). Raises :class:`DistributedFailure`
     naming every rank that raised (with its traceback) or that was still running after ``timeout_s``.
+
+    ``fork_server``: fork the ranks from a server that has imported torch and transformers (module docstring).
     """
-    ctx = mp.get_context("spawn")
+    if fork_server:
+        ctx, base = _forkserver(), (dict(os.environ), os.getcwd())
+    else:
+        ctx, base = mp.get_context("spawn"), None
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, tuple(args), dict(kwargs or {}), rank, world_size, port, init_process_group,
-                               dict(env or {}), results))
+                               dict(env or {}), results, base))
              for rank in range(world_size)]
     for p in procs:
         p.start()
@@ -112,3 +127,16 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwa
         raise DistributedFailure(f"{len(failures)} of {world_size} ranks failed (ranks {sorted(failures)}):\n{body}",
                                  failures)
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+
+
+# What the fork server imports once (a module missing here is skipped by the server, then imported by the ranks
+# that need it). hf_zero is not among them: it is cheap to import, and some of its modules read the environment a
+# test sets.
+FORK_SERVER_PRELOAD = ("torch", "torch.distributed.tensor", "transformers", "transformers.models.llama.modeling_llama",
+                       "transformers.models.gpt2.modeling_gpt2", "peft")
+
+
+def _forkserver():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORK_SERVER_PRELOAD))  # read when the server starts (first use)
+    return ctx

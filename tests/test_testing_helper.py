@@ -43,3 +43,24 @@ def test_hang_becomes_a_failure_within_the_timeout():
         run_distributed(_deadlock, 2, timeout_s=15)
     assert sorted(info.value.per_rank) == [0, 1]
     assert all("did not finish within 15s" in tb for tb in info.value.per_rank.values())
+
+
+def _env_and_modules(name):
+    import os
+    import sys
+
+    return (os.environ.get(name), os.getcwd(), "transformers.models.llama.modeling_llama" in sys.modules,
+            _sum_of_ranks())
+
+
+def test_fork_server_ranks_see_the_callers_environment(monkeypatch, tmp_path):
+    # forked from a server started once with torch and transformers imported; environment and working directory are
+    # the caller's at the time of the call, not the server's
+    monkeypatch.setenv("HF_ZERO_TEST_MARK", "one")
+    monkeypatch.chdir(tmp_path)
+    first = run_distributed(_env_and_modules, 2, args=("HF_ZERO_TEST_MARK",), fork_server=True)
+    monkeypatch.setenv("HF_ZERO_TEST_MARK", "two")
+    second = run_distributed(_env_and_modules, 2, args=("HF_ZERO_TEST_MARK",), fork_server=True,
+                             env={"HF_ZERO_OTHER": "x"})
+    assert first == [("one", str(tmp_path), True, (r, 2, 1.0)) for r in range(2)]
+    assert second == [("two", str(tmp_path), True, (r, 2, 1.0)) for r in range(2)]

@@ -134,7 +134,8 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_worker, world_size=8, timeout_s=560)
+    # its own 8-rank group, forked from the server that has imported torch and transformers
+    return run_distributed(_worker, world_size=8, timeout_s=560, fork_server=True)
 
 
 @pytest.mark.parametrize("family", [c[0] for c in CASES])

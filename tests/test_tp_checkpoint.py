@@ -9,8 +9,8 @@ import functools
 import pytest
 import torch
 
+from _tp_spawns import SHARED_DIR, case, register
 from _tp_util import make_model, token_data
-from hf_zero.testing import run_distributed
 
 STEPS, SAVED_AT, CLIP, LR = 4, 2, 0.5, 1e-3
 KINDS = ("llama", "gpt2")
@@ -71,16 +71,16 @@ def _resume(root: str, tp: int):
     return out
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("tp_ckpt"))
-    return root, run_distributed(_save, 2, args=(root,), timeout_s=300)[0]
+# in the shared process groups (tests/_tp_spawns.py): written by the 2-rank group, which therefore runs first
+register(2, "ckpt_save", _save, (SHARED_DIR,))
+for _tp in (1, 4):
+    register(_tp, "ckpt_resume", _resume, (SHARED_DIR, _tp), after=(2,))
 
 
 @pytest.mark.parametrize("tp", [1, 4])
-def test_resharded_checkpoint_continues_the_loss_curve(saved, tp):
-    root, before = saved
-    after = run_distributed(_resume, tp, args=(root, tp), timeout_s=300)
+def test_resharded_checkpoint_continues_the_loss_curve(tp):
+    before = case(2, "ckpt_save")[0]
+    after = case(tp, "ckpt_resume")
     for kind in KINDS:
         ref = reference(kind)
         got = before[kind] + after[0][kind]

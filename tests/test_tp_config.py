@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
+from _tp_spawns import case, register
 from _tp_util import make_model
 from hf_zero.config.errors import ConfigError
 from hf_zero.tensor_parallel.config import parse_tp_config
-from hf_zero.testing import run_distributed
 
 
 def test_sizes_and_aliases():
@@ -69,8 +69,11 @@ def _refusals():
     return out
 
 
+register(2, "refusals", _refusals)  # in the shared 2-rank process group (tests/_tp_spawns.py)
+
+
 def test_refusals_name_the_cause():
-    out = run_distributed(_refusals, 2, timeout_s=240)[0]
+    out = case(2, "refusals")[0]
     assert "q_proj" in out["lora"] and "LoRA" in out["lora"]
     assert "tp_model_init(tp_size)=3" in out["size"] and "world size 2" in out["size"]
     assert out["dtype"].startswith("tensor_parallel.dtype") and "fp32" in out["dtype"]

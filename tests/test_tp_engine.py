@@ -10,8 +10,8 @@ import functools
 import pytest
 import torch
 
+from _tp_spawns import case, register
 from _tp_util import make_model, rel, token_data
-from hf_zero.testing import run_distributed
 
 STEPS, CLIP, LR = 3, 0.5, 1e-3
 # GPT-2 trains with SGD: its key bias has an exactly zero true gradient, and Adam would turn that element's
@@ -90,9 +90,12 @@ def _worker():
     return out
 
 
+register(4, "engine", _worker)  # in the shared 4-rank process group (tests/_tp_spawns.py)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_worker, 4, timeout_s=420)
+    return case(4, "engine")
 
 
 @pytest.mark.parametrize("kind,stage", RUNS)

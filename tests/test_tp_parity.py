@@ -9,8 +9,8 @@ import functools
 import pytest
 import torch
 
+from _tp_spawns import case, register
 from _tp_util import VOCAB, make_model, rel, token_data, train
-from hf_zero.testing import run_distributed
 
 STEPS = 3
 
@@ -60,11 +60,14 @@ def _tp_run(kind: str):
     return out
 
 
+for _tp in (2, 4):  # in the shared process groups of 2 and 4 ranks (tests/_tp_spawns.py)
+    register(_tp, "parity", _tp_worker, (("llama", "gpt2"),))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_tp_matches_single_process(tp):
-    per_rank = run_distributed(_tp_worker, tp, args=(("llama", "gpt2"),), timeout_s=300)
-    for kind in ("llama", "gpt2"):
-        _check(kind, tp, [r[kind] for r in per_rank])
+def test_tp_matches_single_process(tp, kind):
+    _check(kind, tp, [r[kind] for r in case(tp, "parity")])
 
 
 def _check(kind: str, tp: int, results: list[dict]):
