@@ -49,9 +49,11 @@ def _refusals():
     import hf_zero
     from hf_zero.tensor_parallel import tp_model_init
 
+    from peft import LoraConfig, get_peft_model
+
     out = {}
-    model = make_model("llama")
-    model.model.layers[0].self_attn.q_proj.lora_A = None  # what PEFT's LoRA layers carry
+    # LoRA on the projections is split with them (test_tp_lora.py); on the vocabulary-parallel embedding it is not
+    model = get_peft_model(make_model("llama"), LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]))
     try:
         tp_model_init(model, tp_size=2)
     except ValueError as e:
@@ -74,6 +76,6 @@ register(2, "refusals", _refusals)  # in the shared 2-rank process group (tests/
 
 def test_refusals_name_the_cause():
     out = case(2, "refusals")[0]
-    assert "q_proj" in out["lora"] and "LoRA" in out["lora"]
+    assert "'model.embed_tokens'" in out["lora"] and "LoRA" in out["lora"] and "vocabulary" in out["lora"]
     assert "tp_model_init(tp_size)=3" in out["size"] and "world size 2" in out["size"]
     assert out["dtype"].startswith("tensor_parallel.dtype") and "fp32" in out["dtype"]

@@ -9,6 +9,9 @@ Order of work (the model's code is never edited; only its parameters, hooks and 
      vocabulary-parallel loss as ``model.loss_function`` when the head is vocabulary parallel.
 The outcome is recorded in ``model.hf_zero_tp`` (a :class:`TPInfo`), which the engine, checkpoints and
 ``full_state_dict`` read.
+
+A PEFT model (``get_peft_model`` before sharding) is sharded through its base model; its LoRA adapters on planned
+linears are split with them (adapters.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from hf_zero.tensor_parallel.adapters import is_lora_layer, parallelize_lora_layer, peft_base_model
 from hf_zero.tensor_parallel.loss import VocabParallelCausalLMLoss
 from hf_zero.tensor_parallel.mesh import TPMesh
 from hf_zero.tensor_parallel.plans import match_modules, resolve_plan
@@ -124,11 +128,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
         raise ValueError("hf_zero: this model is already tensor parallel (apply_tp was called on it before)")
     if tp_mesh.ndim != 1:
         raise ValueError(f"hf_zero: apply_tp needs the 1-D tensor-parallel mesh (mesh['tp']), got {tp_mesh.ndim}-D")
-    adapted = next((n for n, m in model.named_modules() if hasattr(m, "lora_A")), None)
-    if adapted is not None:
-        raise ValueError(f"hf_zero: module {adapted!r} carries LoRA adapters: adapters on tensor-parallel layers are "
-                         "not supported yet (their matrices would not be split with the layer); train the adapters "
-                         "with ZeRO data parallelism instead (tensor_parallel.autotp_size 1)")
+    outer, model = model, peft_base_model(model)  # PEFT: the transformers model inside (plan, embeddings, loss)
     resolved, source = resolve_plan(model, plan, vocab_parallel_head=vocab_parallel_head)
     matched = match_modules(model, resolved)
     if not matched:
@@ -143,7 +143,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
     fused = {}
     for name, style in matched.items():
         module = modules[name]
-        parallelize_module(module, tp_mesh, _style(name, style, module))
+        if is_lora_layer(module):  # the base layer as planned, its adapters split to match
+            base = module.base_layer
+            parallelize_module(base, tp_mesh, _style(name, style, base))
+            fused.update(parallelize_lora_layer(name, module, style, tp_mesh))
+        else:
+            parallelize_module(module, tp_mesh, _style(name, style, module))
         if style == "fused_qkv_colwise":
             fused[f"{name}.weight"] = (3, 1)
             fused[f"{name}.bias"] = (3, 0)
@@ -153,7 +158,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
     if matched.get(_name_of(model, head)) == "vocab_lm_head" and hasattr(type(model), "loss_function"):
         model.loss_function = VocabParallelCausalLMLoss()
     model.hf_zero_tp = TPInfo(mesh=tp_mesh, plan=matched, plan_source=source, fused=fused, layout=layout)
-    return model
+    return outer
 
 
 def _name_of(model: nn.Module, module: nn.Module | None) -> str | None:
