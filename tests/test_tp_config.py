@@ -11,6 +11,7 @@ from _tp_spawns import case, register
 from _tp_util import make_model
 from hf_zero.config.errors import ConfigError
 from hf_zero.tensor_parallel.config import parse_tp_config
+from hf_zero.tensor_parallel.plans import resolve_plan
 
 
 def test_sizes_and_aliases():
@@ -39,6 +40,37 @@ def test_refused_keys_are_named(section, key):
     assert str(err.value).startswith(key)
 
 
+@pytest.mark.parametrize("section,key", [
+    ({"autotp_size": 2, "sequence_parallel": True}, "tensor_parallel.sequence_parallel"),
+    ({"autotp_size": 2, "tp": {"sequence_parallel": True}}, "tensor_parallel.tp.sequence_parallel"),
+    ({"autotp_size": 2, "sequence_parallel_size": 2}, "tensor_parallel.sequence_parallel_size"),
+    ({"autotp_size": 2, "enable_sequence_parallel": True}, "tensor_parallel.enable_sequence_parallel"),
+    ({"autotp_size": 2, "sp_size": 2}, "tensor_parallel.sp_size"),
+])
+def test_sequence_parallel_is_refused_with_the_reason(section, key):
+    # asked for, not silently ignored: the error names the key and says why it is not done
+    with pytest.raises(ConfigError) as err:
+        parse_tp_config(section)
+    msg = str(err.value)
+    assert msg.startswith(key), msg
+    assert "sequence parallelism with tensor parallelism is not implemented in hf_zero" in msg
+    assert "attention mask and rotary positions" in msg and "remove it" in msg
+
+
+def test_sequence_parallel_off_asks_nothing():
+    assert parse_tp_config({"autotp_size": 2, "sequence_parallel": False}).size == 2
+    assert parse_tp_config({"autotp_size": 2, "sequence_parallel_size": 1}).size == 2
+
+
+def test_sequence_parallel_plan_style_is_refused():
+    # transformers' style name in a plan (argument or a config's base_model_tp_plan): refused before any sharding
+    with pytest.raises(ValueError) as err:
+        resolve_plan(make_model("llama"), {"model.layers.*.input_layernorm": "sequence_parallel",
+                                           "model.layers.*.self_attn.q_proj": "colwise"})
+    msg = str(err.value)
+    assert "'sequence_parallel'" in msg and "model.layers.*.input_layernorm" in msg and "not implemented" in msg
+
+
 def test_overlap_comm_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_zero"):
         parse_tp_config({"autotp_size": 2, "tp_overlap_comm": True})
@@ -58,6 +90,14 @@ def _refusals():
         tp_model_init(model, tp_size=2)
     except ValueError as e:
         out["lora"] = str(e)
+    # PEFT after sharding: adapters sized for the whole layer are refused by the engine, naming the order to use
+    sharded = tp_model_init(make_model("llama"), tp_size=2)
+    try:
+        hf_zero.initialize(model=get_peft_model(sharded, LoraConfig(r=2, target_modules=["q_proj"])), config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "tensor_parallel": {"autotp_size": 2}})
+    except ValueError as e:
+        out["lora_after"] = str(e)
     try:  # kv heads 4 cannot be split over 8... a world of 2 cannot hold tp 3
         tp_model_init(make_model("llama"), tp_size=3)
     except ValueError as e:
@@ -77,5 +117,6 @@ register(2, "refusals", _refusals)  # in the shared 2-rank process group (tests/
 def test_refusals_name_the_cause():
     out = case(2, "refusals")[0]
     assert "'model.embed_tokens'" in out["lora"] and "LoRA" in out["lora"] and "vocabulary" in out["lora"]
+    assert "'model.layers.0.self_attn.q_proj'" in out["lora_after"] and "get_peft_model" in out["lora_after"]
     assert "tp_model_init(tp_size)=3" in out["size"] and "world size 2" in out["size"]
     assert out["dtype"].startswith("tensor_parallel.dtype") and "fp32" in out["dtype"]

@@ -19,7 +19,7 @@ from torch import nn
 
 from hf_zero.config.errors import ConfigError
 from hf_zero.tensor_parallel import apply_tp, build_mesh, tp_info
-from hf_zero.tensor_parallel.apply import is_tp_sharded
+from hf_zero.tensor_parallel.apply import check_adapters_sharded, is_tp_sharded
 from hf_zero.tensor_parallel.config import TPConfig
 from hf_zero.tensor_parallel.loss import vocab_parallel_cross_entropy
 from hf_zero.tensor_parallel.mesh import TPMesh
@@ -56,6 +56,7 @@ def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int
     elif tp_cfg.enabled and tp_cfg.size != info.size:
         raise ConfigError("tensor_parallel.autotp_size", f"{tp_cfg.size}, but the model was sharded over "
                                                          f"{info.size} ranks (tp_model_init / apply_tp)")
+    check_adapters_sharded(model)
     layout = info.layout
     if layout is None:
         if info.size != world_size:

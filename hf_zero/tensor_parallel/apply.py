@@ -30,7 +30,7 @@ from hf_zero.tensor_parallel.mesh import TPMesh
 from hf_zero.tensor_parallel.plans import match_modules, resolve_plan
 from hf_zero.tensor_parallel.styles import Conv1DColwise, Conv1DRowwise, ReplicatedGradAllReduce
 
-__all__ = ["apply_tp", "TPInfo", "tp_info", "is_tp_sharded"]
+__all__ = ["apply_tp", "TPInfo", "tp_info", "is_tp_sharded", "check_adapters_sharded"]
 
 
 @dataclass
@@ -65,6 +65,22 @@ def tp_info(model: nn.Module) -> TPInfo | None:
 def is_tp_sharded(t: torch.Tensor) -> bool:
     """Whether each TP rank holds a different part of ``t`` (False: a whole copy on every rank)."""
     return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
+
+
+def check_adapters_sharded(model: nn.Module) -> None:
+    """Refuse LoRA adapters added to layers that were already split (``get_peft_model`` after sharding): they were
+    sized for the whole layer and would not match its shards. PEFT goes first, then tensor parallelism."""
+    info = tp_info(model)
+    if info is None:
+        return
+    inner = peft_base_model(model)
+    for name in info.plan:
+        module = inner.get_submodule(name)
+        if is_lora_layer(module) and len(module.lora_A) and not any(
+                isinstance(p, DTensor) for p in [*module.lora_A.parameters(), *module.lora_B.parameters()]):
+            raise ValueError(f"hf_zero: module {name!r} got LoRA adapters after the model was made tensor parallel; "
+                             "apply PEFT (get_peft_model) first, then shard (initialize with "
+                             "tensor_parallel.autotp_size, tp_model_init or apply_tp)")
 
 
 def _is_conv1d(module: nn.Module) -> bool:

@@ -14,7 +14,10 @@ Every key DeepSpeed documents for AutoTP training is either honoured or refused 
     vocab_parallel_ce_backend "torch" only ("liger" refused: not installed with hf_zero)
     tp_overlap_comm          warned: DTensor's collectives run synchronously; the key changes nothing
     tp.tp_grain_size         1 only (uneven partitions follow torch.chunk)
-    partition_config, injection_policy_tuple, tp.mpu, tp.tp_group, keep_module_on_host,
+    sequence_parallel (also sequence_parallel_size, enable_sequence_parallel, sp_size, and under tp)
+                             refused when it asks for sequence parallelism (false / 0 / 1 accepted: nothing
+                             asked); see SEQUENCE_PARALLEL_REASON
+    partition_config, injection_policy_tuple, tp.mpu, tp.tp_group, keep_module_on_host, preset_model,
     replace_with_kernel_inject, quantize_*, ...   refused: pass plan= to hf_zero.tensor_parallel.apply_tp for a
                              custom plan; the others belong to DeepSpeed's inference engine
 """
@@ -27,14 +30,23 @@ from typing import Any, Mapping
 
 from hf_zero.config.errors import ConfigError, closest
 
-__all__ = ["TPConfig", "parse_tp_config"]
+__all__ = ["TPConfig", "parse_tp_config", "SEQUENCE_PARALLEL_REASON"]
 
 logger = logging.getLogger("hf_zero")
 
 SECTION = "tensor_parallel"
 _KNOWN = ("autotp_size", "tp", "dtype", "vocab_parallel_lm_head", "vocab_parallel_ce_backend", "tp_overlap_comm")
 _REFUSED = ("partition_config", "injection_policy_tuple", "keep_module_on_host", "replace_with_kernel_inject",
-            "quantize_config", "quantize_groups", "quantize_bits", "checkpoint", "base_dir", "enabled")
+            "quantize_config", "quantize_groups", "quantize_bits", "checkpoint", "base_dir", "enabled",
+            "preset_model")
+# Megatron / transformers spellings of "split the norms and residual stream along the sequence between TP regions"
+_SEQUENCE_PARALLEL = ("sequence_parallel", "sequence_parallel_size", "enable_sequence_parallel", "sp_size")
+SEQUENCE_PARALLEL_REASON = (
+    "sequence parallelism with tensor parallelism is not implemented in hf_zero: norms, residual adds and dropout "
+    "run on the whole sequence on every TP rank. Splitting them along the sequence would hand Hugging Face's "
+    "decoder layers a shortened hidden state, from which they build the attention mask and rotary positions, so "
+    "it needs the model's code changed; remove it (activation_checkpointing cuts what the replicated activations "
+    "cost)")
 _DTYPES = {"fp32": "fp32", "float32": "fp32", "torch.float32": "fp32", "fp16": "fp16", "float16": "fp16",
            "torch.float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
 
@@ -56,6 +68,11 @@ def _int(key: str, value: Any) -> int:
     return value
 
 
+def _no_sequence_parallel(key: str, value: Any) -> None:
+    if value not in (None, False, 0, 1) or value is True:
+        raise ConfigError(f"{SECTION}.{key}", f"{value!r}: {SEQUENCE_PARALLEL_REASON}")
+
+
 def parse_tp_config(section: Mapping[str, Any] | None) -> TPConfig:
     """Parse the raw ``tensor_parallel`` mapping (None: the section is absent)."""
     if not section:
@@ -63,6 +80,9 @@ def parse_tp_config(section: Mapping[str, Any] | None) -> TPConfig:
     if not isinstance(section, Mapping):
         raise ConfigError(SECTION, f"must be an object, got {type(section).__name__}")
     for key in section:
+        if key in _SEQUENCE_PARALLEL:
+            _no_sequence_parallel(key, section[key])
+            continue
         if key in _REFUSED:
             raise ConfigError(f"{SECTION}.{key}", "is not supported by hf_zero's tensor parallelism (custom layer "
                                                   "plans: hf_zero.tensor_parallel.apply_tp(model, mesh, plan=...); "
@@ -76,7 +96,9 @@ def parse_tp_config(section: Mapping[str, Any] | None) -> TPConfig:
     if not isinstance(tp, Mapping):
         raise ConfigError(f"{SECTION}.tp", f"must be an object, got {type(tp).__name__}")
     for key in tp:
-        if key not in ("tp_size", "tp_grain_size"):
+        if key in _SEQUENCE_PARALLEL:
+            _no_sequence_parallel(f"tp.{key}", tp[key])
+        elif key not in ("tp_size", "tp_grain_size"):
             raise ConfigError(f"{SECTION}.tp.{key}", "is not supported (process groups come from hf_zero's device "
                                                      "mesh; tp_size and tp_grain_size are the accepted keys)")
     if "tp_size" in tp:

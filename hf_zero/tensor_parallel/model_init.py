@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hf_zero import comm
-from hf_zero.tensor_parallel.apply import apply_tp, tp_info
+from hf_zero.tensor_parallel.apply import apply_tp, check_adapters_sharded, tp_info
 from hf_zero.tensor_parallel.config import parse_tp_config
 from hf_zero.tensor_parallel.mesh import build_mesh
 
@@ -41,6 +41,7 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     if existing is not None:
         if existing.size != tp_size:
             raise ValueError(f"hf_zero: the model is already sharded over {existing.size} ranks, not {tp_size}")
+        check_adapters_sharded(model)
         return model
     comm.init_distributed()  # as deepspeed.initialize would: from the launcher's environment, if not yet
     apply_tp(model, build_mesh(tp_size, key="tp_model_init(tp_size)"),

@@ -115,6 +115,12 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str] | None = None, *,
         head_name = _module_name(model, head)
         if head_name is not None and isinstance(head, nn.Linear):
             resolved[head_name] = "vocab_lm_head" if vocab_parallel_head else "colwise_gather_output"
+    sequence = sorted(k for k, v in resolved.items() if v == "sequence_parallel")
+    if sequence:
+        from hf_zero.tensor_parallel.config import SEQUENCE_PARALLEL_REASON
+
+        raise ValueError(f"hf_zero: style 'sequence_parallel' for {sequence} (from {source}): "
+                         f"{SEQUENCE_PARALLEL_REASON}")
     unknown = {k: v for k, v in resolved.items() if v not in SUPPORTED_STYLES}
     if unknown:
         raise ValueError(f"hf_zero: tensor-parallel styles {unknown} (from {source}) are not supported; supported: "
