@@ -1,17 +1,22 @@
-"""Tensor parallelism vs ZeRO-3 and plain data parallelism on 2 CPU processes, in one run.
+"""Tensor parallelism vs ZeRO-3, plain data parallelism and DeepSpeed AutoTP on 2 CPU processes, in one run.
 
-    python benchmarks/bench_tp.py                  # every runner, a table
-    python benchmarks/bench_tp.py --steps 10 --runners tp2,ddp
+    python benchmarks/bench_tp.py --ds-python /work/venvs/ds/bin/python     # every runner, interleaved rounds
+    python benchmarks/bench_tp.py --steps 10 --rounds 5 --runners tp2,ddp
 
 Runners (all hf_zero.initialize, fp32, AdamW, the same Llama built from config, the same global batch):
     ddp    ZeRO stage 0 over 2 data-parallel ranks (every rank holds everything)
     zero3  ZeRO stage 3 over 2 data-parallel ranks
     tp2    tensor_parallel.autotp_size 2 (one replica, the model split over the 2 ranks), ZeRO stage 0
-    ds_tp2 DeepSpeed's AutoTP (autotp_size 2), only when a real DeepSpeed is importable (--ds-python)
+    ds_tp2 DeepSpeed's AutoTP (deepspeed.tp_model_init + initialize with tensor_parallel.autotp_size 2, ZeRO 0, its
+           CPU FusedAdam), run by a python with a real DeepSpeed (--ds-python; DS_ACCELERATOR=cpu is set)
 
-Reported per runner: median step time, peak RSS growth per rank over the process's baseline, and parameter bytes
-per rank. For tp2 the parameter bytes are compared with the expectation: 1/TP of the sharded matrices plus the
-replicated tensors (norms), which must agree within 5%. The machine is shared: compare ratios within one run.
+Each round launches every runner once (torchrun, 2 ranks), the order rotated from round to round so that load
+drifts on the shared machine fall on all runners alike; each launch times ``--steps`` steps after 2 warm-up steps.
+Reported per runner and rank: step time (median over rounds of each launch's median), peak RSS (the process's
+high-water mark) and its growth over the RSS after the imports, and parameter bytes. For the TP runners the
+parameter bytes are compared with 1/TP of the parameters their tensor-parallel layers split (hf_zero: the DTensor
+shards of its plan; DeepSpeed: the parameters of the modules AutoTP replaced) plus the whole of the others, which
+must agree within 5%. Ratios are of medians within the run; the machine is shared, so quote its load.
 """
 
 from __future__ import annotations
@@ -43,10 +48,12 @@ def _worker(runner: str, steps: int, out: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.set_num_threads(1)
-    base_rss = _rss_bytes()
+    import deepspeed  # hf_zero's shim, or a real DeepSpeed (ds_tp2)
+
+    base_rss = _rss_now()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
-    import deepspeed  # hf_zero's shim, or a real DeepSpeed (ds_tp2)
+    full = {n: p.numel() for n, p in model.named_parameters()}  # unsplit sizes, by name
 
     stage = 3 if runner == "zero3" else 0
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
@@ -61,7 +68,7 @@ def _worker(runner: str, steps: int, out: str) -> None:
     dp = 1 if tp else 2
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, MODEL["vocab_size"], (steps + 2, dp, MICRO, SEQ), generator=g)
-    times = []
+    times, losses = [], []
     for s in range(steps + 2):  # two warm-up steps
         ids = data[s, 0 if tp else rank]
         t0 = time.perf_counter()
@@ -70,22 +77,41 @@ def _worker(runner: str, steps: int, out: str) -> None:
         engine.step()
         if s >= 2:
             times.append(time.perf_counter() - t0)
-    param_bytes = expected = None
+        losses.append(float(loss))
+    param_bytes, expected, split = _param_bytes(runner, engine.module, full)
+    result = {"step_s": statistics.median(times), "peak_rss": _rss_bytes(), "rss_growth": _rss_bytes() - base_rss,
+              "param_bytes": param_bytes, "expected_param_bytes": expected, "split_params": split,
+              "first_loss": losses[0]}
+    Path(f"{out}.{rank}.json").write_text(json.dumps(result))
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _param_bytes(runner: str, module, full: dict[str, int]) -> tuple[int, int | None, int | None]:
+    """(bytes this rank holds, expected bytes for a TP runner, how many parameters its TP layers split)."""
+    if runner == "zero3":
+        return sum(p.ds_tensor.numel() * p.element_size() for p in module.parameters() if hasattr(p, "ds_tensor")), \
+            None, None
+    if runner == "ddp":
+        return sum(p.numel() * p.element_size() for p in module.parameters()), None, None
     if runner == "tp2":
         from hf_zero.tensor_parallel.apply import is_tp_sharded
         from hf_zero.zero.local import local_tensor
 
-        params = list(engine.module.parameters())
-        param_bytes = sum(local_tensor(p).numel() * p.element_size() for p in params)
-        expected = sum((p.numel() / 2 if is_tp_sharded(p) else p.numel()) * p.element_size() for p in params)
-    elif runner == "ddp":
-        param_bytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
-    elif runner == "zero3":
-        param_bytes = sum(p.ds_tensor.numel() * p.element_size() for p in engine.module.parameters()
-                          if hasattr(p, "ds_tensor"))
-    result = {"step_s": statistics.median(times), "rss_growth": _rss_bytes() - base_rss,
-              "param_bytes": param_bytes, "expected_param_bytes": expected}
-    Path(f"{out}.{rank}.json").write_text(json.dumps(result))
+        split = {n for n, p in module.named_parameters() if is_tp_sharded(p)}
+        local = {n: local_tensor(p).numel() * p.element_size() for n, p in module.named_parameters()}
+    else:  # DeepSpeed AutoTP: the parameters of the modules it replaced with its tensor-parallel layers
+        from deepspeed.module_inject.layers import TensorParallel_Layer
+
+        split = {f"{m}.{n}" if m else n for m, mod in module.named_modules() if isinstance(mod, TensorParallel_Layer)
+                 for n, _ in mod.named_parameters(recurse=False)}
+        local = {n: p.numel() * p.element_size() for n, p in module.named_parameters()}
+    size = next(iter(module.parameters())).element_size()
+    expected = sum((full[n] / 2 if n in split else full[n]) * size for n in local)
+    return sum(local.values()), int(expected), len(split)
 
 
 def _launch(python: str, runner: str, steps: int, tmp: str, env: dict) -> list[dict] | None:
@@ -99,10 +125,16 @@ def _launch(python: str, runner: str, steps: int, tmp: str, env: dict) -> list[d
     return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
 
 
+def _loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runners", default=",".join(RUNNERS))
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ds-python", default=None, help="python of a virtual environment with a real DeepSpeed")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--out", default=None)
@@ -111,30 +143,52 @@ def main() -> None:
         _worker(args.worker, args.steps, args.out)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    rows = []
+    runners = args.runners.split(",")
+    if "ds_tp2" in runners and args.ds_python is None:
+        print("ds_tp2: skipped (no --ds-python with a real DeepSpeed)")
+        runners.remove("ds_tp2")
+    runs: dict[str, list[list[dict]]] = {r: [] for r in runners}
     with tempfile.TemporaryDirectory() as tmp:
-        for runner in args.runners.split(","):
-            python = sys.executable
-            if runner == "ds_tp2":
-                if args.ds_python is None:
-                    print("ds_tp2: skipped (no --ds-python with a real DeepSpeed)")
-                    continue
-                python = args.ds_python
-            res = _launch(python, runner, args.steps, tmp, env)
-            if res is not None:
-                rows.append((runner, res))
-    print(f"{'runner':8} {'step s':>8} {'RSS growth MiB/rank':>20} {'param MiB/rank':>15} {'expected':>9}")
-    for runner, res in rows:
-        step = statistics.median(r["step_s"] for r in res)
-        rss = max(r["rss_growth"] for r in res) / 2 ** 20
-        pb = res[0]["param_bytes"]
-        exp = res[0]["expected_param_bytes"]
-        print(f"{runner:8} {step:8.3f} {rss:20.1f} {pb / 2 ** 20 if pb else float('nan'):15.2f} "
-              f"{exp / 2 ** 20 if exp else float('nan'):9.2f}")
+        for rnd in range(args.rounds):
+            order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
+            for runner in order:
+                python = args.ds_python if runner == "ds_tp2" else sys.executable
+                t0 = time.time()
+                res = _launch(python, runner, args.steps, tmp, env)
+                print(f"round {rnd} {runner:7} {'failed' if res is None else 'ok'} in {time.time() - t0:.0f} s, "
+                      f"load {_loadavg()}", flush=True)
+                if res is not None:
+                    runs[runner].append(res)
+    _report({r: v for r, v in runs.items() if v}, args)
+
+
+def _report(runs: dict[str, list[list[dict]]], args) -> None:
+    med = statistics.median
+    mib = 2 ** 20
+    step = {r: [med(launch[k]["step_s"] for launch in v) for k in range(2)] for r, v in runs.items()}
+    ref = "tp2" if "tp2" in runs else next(iter(runs))
+    print(f"\n{args.rounds} rounds x {args.steps} steps, median over rounds; load now {_loadavg()}")
+    print(f"{'runner':7} {'step s r0':>9} {'step s r1':>9} {'spread':>13} {'vs ' + ref:>7} {'peak RSS MiB r0/r1':>19} "
+          f"{'growth MiB r0/r1':>17} {'param MiB':>9} {'expected':>8} {'ratio':>6} {'split':>5}")
+    for r, v in runs.items():
+        per_launch = [max(launch[k]["step_s"] for k in range(2)) for launch in v]
+        peak = [med(launch[k]["peak_rss"] for launch in v) / mib for k in range(2)]
+        growth = [med(launch[k]["rss_growth"] for launch in v) / mib for k in range(2)]
+        first = v[0][0]
+        pb, exp = first["param_bytes"], first["expected_param_bytes"]
+        ratio = f"{pb / exp:6.3f}" if exp else "     -"
+        print(f"{r:7} {step[r][0]:9.3f} {step[r][1]:9.3f} {min(per_launch):6.3f}-{max(per_launch):.3f} "
+              f"{max(step[r]) / max(step[ref]):7.2f} {peak[0]:9.0f}/{peak[1]:<9.0f} {growth[0]:8.0f}/{growth[1]:<8.0f} "
+              f"{pb / mib:9.2f} {exp / mib if exp else float('nan'):8.2f} {ratio} "
+              f"{first['split_params'] if first['split_params'] is not None else '-':>5}")
+    for r, v in runs.items():
+        exp = v[0][0]["expected_param_bytes"]
         if exp:
-            ratio = pb / exp
-            print(f"         tp2 parameter bytes / (sharded / TP + replicated) = {ratio:.4f} "
+            ratio = v[0][0]["param_bytes"] / exp
+            print(f"{r}: parameter bytes per rank / (split / TP + whole) = {ratio:.4f} "
                   f"({'within' if abs(ratio - 1) <= 0.05 else 'OUTSIDE'} 5%)")
+    print("first-step loss (same model and data): " + ", ".join(f"{r} {v[0][0]['first_loss']:.4f}"
+                                                               for r, v in runs.items()))
 
 
 if __name__ == "__main__":
