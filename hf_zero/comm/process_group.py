@@ -14,7 +14,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "barrier",
+__all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_node_id", "barrier",
            "default_backend", "free_port", "created_by_hf_zero", "get_sequence_parallel_group", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
 
 ReduceOp = dist.ReduceOp
@@ -99,6 +99,14 @@ def get_world_size(group=None) -> int:
 
 def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_node_id() -> str:
+    """Which node this process runs on, as node-local things (checkpoint directories) are grouped: the host name,
+    plus torchrun's ``GROUP_RANK`` (its agent's rank: one per node) when set -- so two launchers on one machine are
+    two nodes, as their private directories make them."""
+    group_rank = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + (f"#{group_rank}" if group_rank is not None else "")
 
 
 def barrier(group=None, what: str = "a barrier") -> None:

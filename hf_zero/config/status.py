@@ -261,7 +261,7 @@ STATUS: dict[str, KeyStatus] = {
     "checkpoint.tag_validation": _todo("tags are not compared across ranks"),
     "checkpoint.load_universal": _todo("DeepSpeed universal checkpoints are not read; hf_zero checkpoints load at any "
                                        "world size"),
-    "checkpoint.use_node_local_storage": _todo("checkpoints are written once, to the shared directory"),
+    "checkpoint.use_node_local_storage": HONOURED,  # hf_zero/runtime/checkpoint_nodes.py
     "checkpoint.parallel_write": _no_op("every rank always writes its own files in parallel"),
     "data_types.grad_accum_dtype": HONOURED,
     # pipeline (#17) owns this section.

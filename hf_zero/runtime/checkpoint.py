@@ -34,6 +34,7 @@ from hf_zero.comm import faults
 from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, clean_stale, fsync_dir,
                                               fsync_file, read_json, read_manifest, resolve_checkpoint, sha256_file,
                                               torch_load, verify_files, write_manifest)
+from hf_zero.runtime.checkpoint_nodes import agree_on_tag, describe_ranks, place
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.layout import ShardLayout
 
@@ -68,9 +69,10 @@ def _dedupe_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     return out, aliases
 
 
-def _write_rank_files(engine, tmp: Path, exclude_frozen: bool, client_state: dict) -> dict[str, dict[str, Any]]:
+def _write_rank_files(engine, tmp: Path, exclude_frozen: bool, client_state: dict,
+                      is_writer: bool) -> dict[str, dict[str, Any]]:
     """Write this rank's files into ``tmp``, fsynced; returns their manifest entries (size, sha256)."""
-    names = _write_rank_files_unsynced(engine, tmp, exclude_frozen, client_state)
+    names = _write_rank_files_unsynced(engine, tmp, exclude_frozen, client_state, is_writer)
     out = {}
     for name in names:
         fsync_file(tmp / name)
@@ -78,28 +80,37 @@ def _write_rank_files(engine, tmp: Path, exclude_frozen: bool, client_state: dic
     return out
 
 
-def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_state: dict) -> list[str]:
+def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_state: dict,
+                               is_writer: bool) -> list[str]:
     """The file layout. Each component names its own state; this decides which file holds it:
 
     * this rank's ``zero_rank<r>.safetensors``: the optimizer's shards (masters, moments), the stage-3 runtime's
       shards (frozen parameters, buffers), the CPU RNG state;
-    * rank 0's ``meta.json``: the optimizer's scalar state and group description, sizes;
-    * rank 0's ``engine_state.pt``: counters, skipped steps, the loss scaler's and the LR scheduler's state dicts
+    * the directory writer's (rank 0's; with node-local storage, each node's first rank's) ``meta.json``: the
+      optimizer's scalar state and group description, sizes;
+    * its ``engine_state.pt``: counters, skipped steps, the loss scaler's and the LR scheduler's state dicts
       (each once), ``client_state``;
-    * rank 0's ``model.safetensors`` (stages 0-2): the module's state dict.
+    * its ``model.safetensors`` (stages 0-2): the module's state dict.
+
+    Unsharded optimizer state (stage 0: identical on every rank) is ``zero_rank00000``'s; a node-local directory
+    without rank 0 gets its own copy of that file from its writer (without rank 0's RNG state).
     """
     rank = engine.global_rank
     optimizer = engine.optimizer
     scalars = optimizer.scalar_state()
     tensors: dict[str, torch.Tensor] = {"rng.cpu": torch.get_rng_state()}
-    if scalars["shard_world_size"] > 1 or rank == 0:  # unsharded (stage 0): every rank holds it; rank 0 writes it
+    unsharded = scalars["shard_world_size"] == 1
+    if not unsharded or rank == 0:
         tensors.update(optimizer.shard_state())
     if engine.stage3 is not None:
         tensors.update(engine.stage3.shard_state(exclude_frozen=exclude_frozen))
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / _rank_file(rank)))
-    if rank != 0:
+    if not is_writer:
         return [_rank_file(rank)]
     written = [_rank_file(rank), "meta.json", "engine_state.pt"]
+    if unsharded and rank != 0:
+        save_file({k: v.detach().contiguous() for k, v in optimizer.shard_state().items()}, str(tmp / _rank_file(0)))
+        written.append(_rank_file(0))
     if engine.stage3 is None:
         sd, aliases = _dedupe_shared(engine.module_state_dict(exclude_frozen))
         save_file(sd, str(tmp / "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
@@ -120,7 +131,11 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
 
 def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_latest: bool,
                     exclude_frozen_parameters: bool) -> bool:
-    """Write a checkpoint on every rank (collective). Raises, leaving the previous checkpoint intact, on failure."""
+    """Write a checkpoint on every rank (collective). Raises, leaving the previous checkpoint intact, on failure.
+
+    Each directory (the shared one, or with ``checkpoint.use_node_local_storage`` each node's own: see
+    checkpoint_nodes.py) gets the files of the ranks that see it, and is finalized by its writer rank; ``latest``
+    moves only after every directory holds its complete, renamed tag."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if "/" in tag or tag.startswith("."):
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
@@ -128,38 +143,58 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_late
     root = Path(save_dir)
     tmp, final = root / f".tmp-{tag}", root / tag
     group = engine.process_group
-    if engine.global_rank == 0:
+    what = f"save_checkpoint({str(root)!r}, tag={tag!r})"  # for errors; collectives' labels name no path (with
+    label = f"save_checkpoint(tag={tag!r})"                   # node-local storage it may differ between nodes)
+    spot = place(engine.global_rank, engine.world_size, root, engine.use_node_local_storage(),
+                 lambda mine, w: _agree(engine, mine, w), lambda w: comm.barrier(group, what=w), what, label)
+    if spot.is_writer:
         root.mkdir(parents=True, exist_ok=True)
         clean_stale(root)
         tmp.mkdir()
-    comm.barrier(group, what=f"the start of save_checkpoint(tag={tag!r})")
+    comm.barrier(group, what=f"the start of {label}")
     error: BaseException | None = None
     entries: dict[str, dict[str, Any]] = {}
     try:
-        entries = _write_rank_files(engine, tmp, exclude_frozen_parameters, client_state)
+        entries = _write_rank_files(engine, tmp, exclude_frozen_parameters, client_state, spot.is_writer)
     except Exception as exc:  # every rank must reach the agreement below, or the others would hang
         error = exc
     reports = _agree(engine, (None if error is None else f"{type(error).__name__}: {error}", entries),
-                     f"the agreement of save_checkpoint(tag={tag!r})")
+                     f"the agreement of {label}")
     failed = [r for r, (err, _) in enumerate(reports) if err is not None]
     if failed:
-        if engine.global_rank == 0:
+        if spot.is_writer:
             shutil.rmtree(tmp, ignore_errors=True)
-        comm.barrier(group, what=f"the clean-up of a failed save_checkpoint(tag={tag!r})")
-        raise RuntimeError(f"hf_zero: save_checkpoint({str(root)!r}, tag={tag!r}) failed on rank {failed[0]} "
+        comm.barrier(group, what=f"the clean-up of a failed {label}")
+        raise RuntimeError(f"hf_zero: {what} failed on {describe_ranks(failed[:1], spot.nodes)} "
                            f"({reports[failed[0]][0]}); the previous checkpoint is untouched") from error
-    if engine.global_rank == 0:
-        manifest = {name: e for _, files in reports for name, e in files.items()}
-        write_manifest(tmp, manifest)
-        fsync_dir(tmp)
-        _publish(root, tmp, final, tag, save_latest)
-    comm.barrier(group, what=f"the end of save_checkpoint(tag={tag!r})")
+    error = None
+    if spot.is_writer:
+        try:
+            manifest = {name: e for r in spot.domain for name, e in reports[r][1].items()}
+            write_manifest(tmp, manifest)
+            fsync_dir(tmp)
+            _rename_into_place(root, tmp, final, tag)
+        except Exception as exc:
+            error = exc
+    # every directory's tag is in place before any 'latest' moves (with one directory per node, a node whose
+    # rename failed would otherwise be left behind the others)
+    renamed = _agree(engine, None if error is None else f"{type(error).__name__}: {error}",
+                     f"the rename agreement of {label}")
+    failed = [r for r, err in enumerate(renamed) if err is not None]
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"hf_zero: {what} failed to finalize on {describe_ranks(failed[:1], spot.nodes)} "
+                           f"({renamed[failed[0]]}); 'latest' still names the previous checkpoint") from error
+    if spot.is_writer and save_latest:
+        _write_latest(root, tag)
+    comm.barrier(group, what=f"the end of {label}")
     return True
 
 
-def _publish(root: Path, tmp: Path, final: Path, tag: str, save_latest: bool) -> None:
-    """Rank 0: rename the complete, fsynced ``tmp`` into place, then point ``latest`` at it. A same-tag save keeps
-    the previous copy as ``.old-<tag>`` until the new one is in place (a load falls back to it after a crash)."""
+def _rename_into_place(root: Path, tmp: Path, final: Path, tag: str) -> None:
+    """The writer: rename the complete, fsynced ``tmp`` into place. A same-tag save keeps the previous copy as
+    ``.old-<tag>`` until the new one is in place (a load falls back to it after a crash)."""
     old = root / f".old-{tag}"
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -167,12 +202,14 @@ def _publish(root: Path, tmp: Path, final: Path, tag: str, save_latest: bool) ->
     _rename(tmp, final)
     fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
-    if save_latest:
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(tag)
-        fsync_file(latest_tmp)
-        os.replace(latest_tmp, root / "latest")
-        fsync_dir(root)
+
+
+def _write_latest(root: Path, tag: str) -> None:
+    latest_tmp = root / ".latest.tmp"
+    latest_tmp.write_text(tag)
+    fsync_file(latest_tmp)
+    os.replace(latest_tmp, root / "latest")
+    fsync_dir(root)
 
 
 def _rename(src: Path, dst: Path) -> None:
@@ -198,27 +235,32 @@ def _full_param_from_shards(files: list, key: str, layout: ShardLayout, index: i
 
 class _Reader:
     """The :class:`~hf_zero.zero.checkpoint_state.ShardReader` over one validated checkpoint's rank files: the
-    N->M re-cut lives here, so a component only ever sees its own rank's piece."""
+    N->M re-cut lives here, so a component only ever sees its own rank's piece. ``handles``: every saved rank's
+    file (a list), or -- a node-local directory loaded on the ranks that saved it -- ``{saved rank: file}`` of the
+    ones this rank reads (validation made sure they are the ones it asks for)."""
 
-    def __init__(self, handles: list):
-        self._handles = handles
-        self._keys = set(handles[0].keys()) if handles else set()
+    def __init__(self, handles: list | dict, saved_world: int | None = None):
+        self._handles = dict(enumerate(handles)) if isinstance(handles, list) else dict(handles)
+        self._saved_world = saved_world if saved_world is not None else len(self._handles)
+        first = next(iter(self._handles.values()), None)
+        self._keys = set(first.keys()) if first is not None else set()
 
     def keys(self) -> set[str]:
         return self._keys
 
     def shard(self, key: str, layout: ShardLayout, rank: int) -> torch.Tensor:
-        saved = ShardLayout(layout.numels, len(self._handles))  # the groups were checked equal at validation
+        saved = ShardLayout(layout.numels, self._saved_world)  # the groups were checked equal at validation
         if saved == layout:
             return self._handles[rank].get_tensor(key)
-        out = torch.empty(layout.shard_numel, dtype=self._handles[0].get_slice(key)[0:0].dtype)
+        handles = [self._handles[r] for r in range(self._saved_world)]
+        out = torch.empty(layout.shard_numel, dtype=handles[0].get_slice(key)[0:0].dtype)
         for i in range(len(layout.numels)):
-            full = _full_param_from_shards(self._handles, key, saved, i)
+            full = _full_param_from_shards(handles, key, saved, i)
             layout.shard_of(full, i, rank, out[layout.offsets[i]:layout.offsets[i + 1]])
         return out
 
     def whole(self, key: str) -> torch.Tensor:
-        return self._handles[0].get_tensor(key)
+        return next(iter(self._handles.values())).get_tensor(key)
 
 
 def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, load_optimizer_states: bool,
@@ -228,7 +270,9 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     ``load_module_weights=False``: the caller has loaded the module (a tensor-parallel model's full weights are
     sliced into its DTensors by hf_zero/runtime/tp_checkpoint.py)."""
     root = Path(load_dir)
-    tag = tag if tag is not None else read_latest_tag(root)
+    # every rank loads the same tag, or none does (a node whose 'latest' differs is named, not mixed in)
+    tag = agree_on_tag(engine.global_rank, engine.world_size, root, tag, read_latest_tag,
+                       lambda mine, w: _agree(engine, mine, w))
     if tag is None:
         logger.warning("hf_zero: load_checkpoint(%r): no 'latest' file and no tag given; nothing loaded", str(root))
         return None, None
@@ -245,7 +289,7 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     if failed:
         raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
                               f"{reports[failed[0]]}")
-    reader = _Reader(handles)
+    reader = _Reader(handles, int(meta.get("shard_world_size", 0)))
     if sd is not None and load_module_weights:
         engine.module.load_state_dict(sd, strict=load_module_strict)
     if engine.stage3 is None and meta.get("stage") == 3:
@@ -296,26 +340,30 @@ def _validate(engine, root: Path, tag: str, strict: bool):
     manifest = read_manifest(path)
     meta = read_json(path / "meta.json")
     saved_world = int(meta.get("shard_world_size", 0))
-    rank_names = [_rank_file(r) for r in range(saved_world)]
+    reads = _shard_files_read(engine, path, meta, manifest)
+    rank_names = {r: _rank_file(r) for r in reads}
     if manifest is not None:
-        verify_files(path, manifest, ["meta.json", "engine_state.pt", *rank_names] +
+        verify_files(path, manifest, ["meta.json", "engine_state.pt", *rank_names.values()] +
                      (["model.safetensors"] if "model.safetensors" in manifest else []))
     else:
         logger.warning("hf_zero: checkpoint %r has no %s (saved before checksums); loading it unverified",
                        str(path), MANIFEST)
     _check_groups(engine.optimizer.scalar_state()["groups"], meta, path)
     state = torch_load(path / "engine_state.pt")
-    handles = [_open(path / name) for name in rank_names]
+    handles = {r: _open(path / name) for r, name in rank_names.items()}
     for prefix, layout, _, dtype in engine.optimizer.shard_layouts():
         saved_layout = ShardLayout(layout.numels, saved_world)
-        for r, h in enumerate(handles):
+        for r, h in handles.items():
             for key in (k for k in h.keys() if k.startswith(prefix)):
                 sl = h.get_slice(key)
-                if list(sl.get_shape()) != [saved_layout.shard_numel] or sl.get_dtype() != _ST_DTYPES[dtype]:
+                # the master is in the master dtype; optimizer states may differ from it (fp32 moments beside bf16
+                # masters, bf16.bf16_optimizer_states false) and load into the engine's state dtype
+                ok = ({_ST_DTYPES[dtype]} if key == prefix + "master" else set(_ST_DTYPES.values()))
+                if list(sl.get_shape()) != [saved_layout.shard_numel] or sl.get_dtype() not in ok:
                     raise CheckpointError(
                         f"hf_zero: checkpoint file {str(path / rank_names[r])!r}: {key} has shape {sl.get_shape()} "
                         f"and dtype {sl.get_dtype()}; the saved layout needs [{saved_layout.shard_numel}] "
-                        f"{_ST_DTYPES[dtype]}")
+                        f"{' or '.join(sorted(ok))}")
     sd = None
     buffers = [n for n, _ in _persistent_buffers(engine.module)]
     frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
@@ -328,7 +376,7 @@ def _validate(engine, root: Path, tag: str, strict: bool):
             raise CheckpointError(f"hf_zero: checkpoint file {str(model_file)!r} is missing; it holds the model's "
                                   f"buffers and frozen parameters ({(buffers + frozen)[:5]} ...)")
     elif engine.stage3 is None:  # a ZeRO-3 checkpoint into a stage 0-2 engine: buffers and frozen from the shards
-        keys = set(handles[0].keys()) if handles else set()
+        keys = set(next(iter(handles.values())).keys()) if handles else set()
         missing = [n for n in buffers if f"stage3.buffer.{n}" not in keys] + \
                   [n for n in frozen if f"stage3.frozen.{n}" not in keys]
         if missing:
@@ -340,6 +388,38 @@ def _validate(engine, root: Path, tag: str, strict: bool):
             f"parameters ({(buffers + frozen)[:5]}) are in model.safetensors, which a ZeRO-3 engine does not read. "
             f"Load it with a stage 0-2 engine and save again, or load the weights with from_pretrained first.")
     return path, meta, state, sd, handles
+
+
+def _shard_files_read(engine, path: Path, meta: dict, manifest: dict | None) -> list[int]:
+    """The saved ranks whose shard files this rank reads: all of them where the directory holds them all (a shared
+    directory: also what a re-cut needs), else -- a node-local copy -- only the one its own shards are, which needs
+    the same layout as at save. A file that is not here is a CheckpointError naming it, the rank and the node."""
+    saved_world = int(meta.get("shard_world_size", 0))
+    here = (lambda r: _rank_file(r) in manifest) if manifest is not None else (lambda r: (path / _rank_file(r)).is_file())
+    everything = list(range(saved_world))
+    if all(here(r) for r in everything):
+        return everything
+    layouts = engine.optimizer.shard_layouts()
+    own = sorted({r for _, _, r, _ in layouts} | ({engine.stage3.rank} if engine.stage3 is not None else set()))
+    same_layout = (all(ShardLayout(layout.numels, saved_world) == layout for _, layout, _, _ in layouts)
+                   and not (engine.stage3 is None and int(meta.get("stage", 0)) == 3))
+    needed = own if same_layout else everything
+    missing = [r for r in needed if not here(r)]
+    if not missing:
+        return needed
+    held = [r for r in everything if here(r)]
+    why = (f"this directory holds the shards of saved rank{'s' if len(held) != 1 else ''} {held} only (saved with "
+           f"checkpoint.use_node_local_storage, each node keeps its own ranks' files)")
+    if same_layout:
+        fix = ("load on the same nodes and ranks as the save (this rank's shards were written on another node), or "
+               "copy every node's zero_rank*.safetensors of this tag into each node's directory")
+    else:
+        fix = (f"the checkpoint was saved on {meta.get('world_size')} ranks and is loaded on {engine.world_size} "
+               f"(or at another ZeRO stage): re-cutting its shards needs every rank's file, so copy every node's "
+               f"zero_rank*.safetensors of this tag into one directory")
+    raise CheckpointError(f"hf_zero: load_checkpoint: rank {engine.global_rank} (node {comm.get_node_id()!r}) "
+                          f"needs checkpoint file {str(path / _rank_file(missing[0]))!r}, which is not on this node: "
+                          f"{why}; {fix}. Nothing was loaded.")
 
 
 def _read_model_file(model_file: Path, engine, strict: bool) -> dict[str, torch.Tensor]:

@@ -391,6 +391,10 @@ class HfZeroEngine(nn.Module):
         """This process's index on its node (LOCAL_RANK; DeepSpeed scripts pick their device with it)."""
         return comm.get_local_rank()
 
+    def use_node_local_storage(self) -> bool:
+        """DeepSpeed's getter: ``checkpoint.use_node_local_storage`` (every node writes its own checkpoint copy)."""
+        return bool(self._config.checkpoint.use_node_local_storage)
+
     @property
     def device(self) -> torch.device:
         for p in self.module.parameters():
@@ -426,6 +430,10 @@ class HfZeroEngine(nn.Module):
         if self.optimizer is None:
             self._no_optimizer()
         if tp_info(self.module) is not None:
+            if self._config.checkpoint.use_node_local_storage:  # tp_checkpoint.py writes one directory
+                raise NotImplementedError(
+                    "hf_zero: checkpoint.use_node_local_storage is not supported for tensor-parallel checkpoints: "
+                    "save them to a directory every node shares")
             from hf_zero.runtime.tp_checkpoint import save_tp_checkpoint
 
             return save_tp_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,

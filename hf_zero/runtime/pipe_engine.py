@@ -201,6 +201,10 @@ class PipelineEngine(HfZeroEngine):
         """Collective over every rank: per-layer model files plus each stage's ZeRO checkpoint; reloads on any
         number of stages, replicas and ZeRO stage."""
         self._refuse_tp_checkpoint("save_checkpoint")
+        if self._config.checkpoint.use_node_local_storage:  # its per-layer files and 'latest' go to one directory
+            raise NotImplementedError(
+                "hf_zero: checkpoint.use_node_local_storage is not supported for pipeline checkpoints (the per-layer "
+                "model files are written once, by the first replica): save them to a directory every node shares")
         if exclude_frozen_parameters:
             raise ValueError("pipeline checkpoints keep frozen parameters (they are needed to re-cut the stages)")
         from hf_zero.runtime.pipe_checkpoint import save_pipeline_checkpoint

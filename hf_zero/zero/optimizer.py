@@ -252,8 +252,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     key = name.split(".", 1)[1]
                     if key in state:
                         state[key].copy_(t)
-                    else:  # a fresh optimizer: the state takes the saved dtype (fp32, or bf16 states)
-                        state[key] = t.to(g.master.device).clone()
+                    else:  # a fresh optimizer: the configured state dtype (fp32, or bf16 states), whatever was saved
+                        dtype = self.state_dtype if self.fused_adam else g.master.dtype
+                        state[key] = t.to(device=g.master.device, dtype=dtype, copy=True)
             wait_all(g.write_param16(0, g.shard_numel, g.master))
 
     def load_scalar_state(self, saved: dict) -> None:
