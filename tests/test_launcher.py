@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -43,6 +44,7 @@ TRAIN = textwrap.dedent("""
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--ckpt", default=None)
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     local_rank_arg = args.local_rank
@@ -61,12 +63,26 @@ TRAIN = textwrap.dedent("""
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean)
         losses.append(mean.item() / world)
+    resumed = None
+    if args.ckpt:  # save; a fresh engine loads it; both take the same next step
+        engine.save_checkpoint(args.ckpt)
+        torch.manual_seed(5)
+        model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        engine2, _, _, _ = deepspeed.initialize(args=args, model=model2, model_parameters=model2.parameters())
+        engine2.load_checkpoint(args.ckpt)
+        resumed = []
+        for e in (engine, engine2):
+            loss = torch.nn.functional.mse_loss(e(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+            e.backward(loss)
+            e.step()
+            resumed.append(loss.item())
     env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK",
                                           "CROSS_SIZE", "OMP_NUM_THREADS")}
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"local_rank_arg": local_rank_arg, "args_local_rank": args.local_rank,
                    "engine_local_rank": engine.local_rank, "deepspeed_flag": args.deepspeed or args.deepscale,
-                   "world": world, "env": env, "losses": losses, "cores": sorted(os.sched_getaffinity(0))}, f)
+                   "world": world, "env": env, "losses": losses, "cores": sorted(os.sched_getaffinity(0)),
+                   "resumed": resumed}, f)
 """)
 
 
@@ -170,17 +186,25 @@ def test_runner_module_with_deprecated_deepscale_flags(venv, job):
 def test_two_node_launch_on_localhost(venv, job):
     """Two launcher processes, one per 'node', meeting at node 0's rendezvous: one rank each, trains as one world.
     Node 0 is described by a hostfile, node 1 by explicit --num_nodes/--num_gpus/--master_addr: both ways name the
-    same two-node world."""
+    same two-node world. Each node runs in its own directory and checkpoints to ``ckpt`` there -- node-local disks,
+    with checkpoint.use_node_local_storage; a fresh engine on each node loads its node's copy and steps like the
+    saved one."""
     port = free_port()
-    (job / "hostfile").write_text("# two nodes that happen to be this machine\n127.0.0.1 slots=1\n"
-                                  "localhost slots=1\n")
+    config = {**CONFIG, "checkpoint": {"use_node_local_storage": True}}
+    for node in (0, 1):
+        (job / f"node{node}").mkdir()
+        (job / f"node{node}" / "train.py").write_text(TRAIN)
+        (job / f"node{node}" / "ds_config.json").write_text(json.dumps(config))
+    (job / "node0" / "hostfile").write_text("# two nodes that happen to be this machine\n127.0.0.1 slots=1\n"
+                                            "localhost slots=1\n")
     node_flags = [["--hostfile", "hostfile"],
                   ["--hostfile", "no-such-hostfile", "--num_nodes", "2", "--num_gpus", "1", "--master_addr",
                    "127.0.0.1"]]
     procs = [subprocess.Popen([str(venv.parent / "hf-zero"), "launch", *node_flags[node], "--node_rank", str(node),
                                "--master_port", str(port), "train.py", "--deepspeed", "--deepspeed_config",
-                               "ds_config.json", "--out", "out"], cwd=job, env=clean_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+                               "ds_config.json", "--out", str(job / "out"), "--ckpt", "ckpt"], cwd=job / f"node{node}",
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
     try:
         outputs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -193,6 +217,12 @@ def test_two_node_launch_on_localhost(venv, job):
     for node, r in enumerate(results):
         assert r["local_rank_arg"] == 0
         assert (r["env"]["RANK"], r["env"]["CROSS_RANK"], r["env"]["CROSS_SIZE"]) == (str(node), str(node), "2")
+        saved, loaded = r["resumed"]
+        assert loaded == pytest.approx(saved, rel=0, abs=1e-6)
+        ckpt = job / f"node{node}" / "ckpt"
+        assert (ckpt / "latest").read_text() == f"global_step{STEPS}"
+        assert sorted(os.listdir(ckpt / f"global_step{STEPS}")) == [  # the node's own shards, its own model copy
+            "engine_state.pt", "manifest.json", "meta.json", "model.safetensors", f"zero_rank{node:05d}.safetensors"]
 
 
 def test_failing_rank_exit_code_is_the_launchers(venv, tmp_path):
