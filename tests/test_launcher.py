@@ -83,6 +83,9 @@ TRAIN = textwrap.dedent("""
                    "engine_local_rank": engine.local_rank, "deepspeed_flag": args.deepspeed or args.deepscale,
                    "world": world, "env": env, "losses": losses, "cores": sorted(os.sched_getaffinity(0)),
                    "resumed": resumed}, f)
+    # as torch's docs ask: a gloo group left to the interpreter's exit can abort the process ("terminate called
+    # without an active exception", pytorch/pytorch#190489) -- seen here as a launcher exit code of 250 (-6)
+    torch.distributed.destroy_process_group()
 """)
 
 

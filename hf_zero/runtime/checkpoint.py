@@ -147,12 +147,19 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_late
     label = f"save_checkpoint(tag={tag!r})"                   # node-local storage it may differ between nodes)
     spot = place(engine.global_rank, engine.world_size, root, engine.use_node_local_storage(),
                  lambda mine, w: _agree(engine, mine, w), lambda w: comm.barrier(group, what=w), what, label)
-    if spot.is_writer:
-        root.mkdir(parents=True, exist_ok=True)
-        clean_stale(root)
-        tmp.mkdir()
-    comm.barrier(group, what=f"the start of {label}")
     error: BaseException | None = None
+    if spot.is_writer:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            clean_stale(root)
+            tmp.mkdir()
+        except OSError as exc:  # reported to every rank below, which would otherwise wait for this one
+            error = exc
+    started = _agree(engine, None if error is None else f"{type(error).__name__}: {error}", f"the start of {label}")
+    failed = [r for r, err in enumerate(started) if err is not None]
+    if failed:
+        raise RuntimeError(f"hf_zero: {what}: cannot create its directory on {describe_ranks(failed[:1], spot.nodes)}"
+                           f" ({started[failed[0]]}); the previous checkpoint is untouched") from error
     entries: dict[str, dict[str, Any]] = {}
     try:
         entries = _write_rank_files(engine, tmp, exclude_frozen_parameters, client_state, spot.is_writer)
@@ -395,7 +402,10 @@ def _shard_files_read(engine, path: Path, meta: dict, manifest: dict | None) -> 
     directory: also what a re-cut needs), else -- a node-local copy -- only the one its own shards are, which needs
     the same layout as at save. A file that is not here is a CheckpointError naming it, the rank and the node."""
     saved_world = int(meta.get("shard_world_size", 0))
-    here = (lambda r: _rank_file(r) in manifest) if manifest is not None else (lambda r: (path / _rank_file(r)).is_file())
+
+    def here(r: int) -> bool:
+        return _rank_file(r) in manifest if manifest is not None else (path / _rank_file(r)).is_file()
+
     everything = list(range(saved_world))
     if all(here(r) for r in everything):
         return everything
