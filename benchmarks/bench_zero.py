@@ -50,6 +50,13 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
+def _minor_faults() -> int:
+    """Page faults of this process so far: every first touch of freshly mapped memory is one (4 KiB each)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
 
@@ -150,6 +157,10 @@ def worker(runner: str, size: str, dtype: str, steps: int, out_dir: str, profile
 
         def step():
             engine.step()
+            if os.environ.get("BENCH_TRIM"):
+                import ctypes
+
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
     else:
         model = _model(size, None)
         built_kb = _status_kb("VmRSS")
@@ -196,22 +207,29 @@ def worker(runner: str, size: str, dtype: str, steps: int, out_dir: str, profile
         if profile and i == len(batches) - 2:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             profiler.__enter__()
+        f0 = _minor_faults()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         loss = forward(ids)
         t1 = time.perf_counter()
+        f1 = _minor_faults()
         if last:
             row["peak_forward_kb"] = _status_kb("VmHWM")
             _reset_peak()
         backward(loss)
         t2 = time.perf_counter()
+        f2 = _minor_faults()
         if last:
             row["peak_backward_kb"] = _status_kb("VmHWM")
             _reset_peak()
         step()
         t3 = time.perf_counter()
+        f3 = _minor_faults()
+        c3 = time.process_time()
         if last:
             row["peak_step_kb"] = _status_kb("VmHWM")
-        row.update(forward=t1 - t0, backward=t2 - t1, step=t3 - t2, total=t3 - t0)
+        row.update(forward=t1 - t0, backward=t2 - t1, step=t3 - t2, total=t3 - t0, faults_forward=f1 - f0,
+                   faults_backward=f2 - f1, faults_step=f3 - f2, cpu=c3 - c0)
         if profiler is not None and i == len(batches) - 2:
             profiler.__exit__(None, None, None)
         if timers is not None:
@@ -221,7 +239,8 @@ def worker(runner: str, size: str, dtype: str, steps: int, out_dir: str, profile
         if runner.startswith("hf_zero") and i == 1:
             state_bytes = _engine_state_bytes(engine)
     warm = rows[2:] if len(rows) > 4 else rows
-    keys = ["total", *PHASES] + (["communication"] if timers is not None else [])
+    keys = ["total", "cpu", *PHASES, *(f"faults_{p}" for p in PHASES)]
+    keys += ["communication"] if timers is not None else []
     result = {"runner": runner, "rank": rank, "world": world, "n_params": n_params,
               "median": {k: statistics.median(r[k] for r in warm) for k in keys},
               "peak_kb": max(before_last_kb, *(rows[-1][f"peak_{p}_kb"] for p in PHASES)),
@@ -333,15 +352,25 @@ def report(rows: dict, args, notes: dict) -> None:
     print("\nstep s: median over rounds of each launch's median step (its slower rank); spread: (max-min)/median "
           "over rounds; ratios: median (min-max) over rounds of the ratio within a round")
 
-    print("\nTime per step, seconds (median over rounds of the per-launch medians)")
-    head = f"{'runner':13s} " + " ".join(f"{k:>9s}" for k in ("forward", "backward", "step", "comm wait"))
+    print("\nTime per step, seconds (median over rounds of the per-launch medians; CPU s: the process's CPU time in "
+          "the step, all its threads -- compute, gloo, the kernel's page faults -- which the load of a shared "
+          "machine inflates far less than the wall time)")
+    head = f"{'runner':13s} " + " ".join(f"{k:>9s}" for k in ("forward", "backward", "step", "comm wait", "CPU s"))
     print(head)
     for runner in [r for r in RUNNERS + ["deepspeed_z1"] if r in rows]:
         launches = rows[runner]
         cells = [statistics.median(r["median"][k] for r in launches) for k in PHASES]
         comm = [r["median"].get("communication") for r in launches]
         cells.append(statistics.median(comm) if None not in comm else None)
+        cpu = [r["median"].get("cpu") for r in launches]
+        cells.append(statistics.median(cpu) if None not in cpu else None)
         print(f"{runner:13s} " + " ".join("        -" if c is None else f"{c:9.3f}" for c in cells))
+
+    print("\nPage faults per step, thousands (median over rounds; minor faults: first touches of fresh memory)")
+    print(f"{'runner':13s} " + " ".join(f"{k:>9s}" for k in PHASES))
+    for runner in [r for r in RUNNERS + ["deepspeed_z1"] if r in rows]:
+        cells = [statistics.median(r["median"].get(f"faults_{p}", 0) for r in rows[runner]) / 1e3 for p in PHASES]
+        print(f"{runner:13s} " + " ".join(f"{c:9.1f}" for c in cells))
 
     print("\nMemory per rank, MB (median over rounds; the larger rank): RSS after imports, after building the model, "
           "after the wrapper/engine is built, and the peak of each phase of the last step")

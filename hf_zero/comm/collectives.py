@@ -33,10 +33,12 @@ class BoundedWork:
     """A collective in flight; ``wait()`` ends in at most the configured timeout (or the diagnosed CommFault)."""
 
     def __init__(self, work, what: str, group) -> None:
-        self.work, self.what, self.group = work, what, group
+        self.work, self.what, self.group = work, what, group  # work: None until a deferred check lets it leave
         self._done = False
 
     def wait(self, timeout=None) -> bool:
+        if self.work is None:
+            faults.settle(self.group)
         if not self._done:
             seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
             faults.bounded_wait(self.work, self.what, self.group, seconds)
@@ -44,15 +46,25 @@ class BoundedWork:
         return True
 
     def is_completed(self) -> bool:
-        return self._done or self.work.is_completed()
+        return self._done or (self.work is not None and self.work.is_completed())
 
 
 Work = object  # BoundedWork or DoneWork: anything with .wait()
 
 
 def _issue(kind: str, fn, tensor: torch.Tensor, what: str | None, group, async_op: bool, *args,
-           force_check: bool = False, **kwargs):
+           force_check: bool = False, defer_check: bool = False, **kwargs):
     what = what or f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} of {tensor.numel()} elements"
+    faults.settle(group)  # a deferred payload asked for before this one leaves first
+    if async_op and defer_check:
+        bounded = BoundedWork(None, what, group)
+
+        def issue() -> None:
+            with faults.bounded(f"issuing {what}", group):
+                bounded.work = fn(*args, group=group, async_op=True, **kwargs)
+
+        if faults.check_deferred(kind, tensor.numel(), tensor.dtype, what, issue, group, force=force_check):
+            return bounded
     faults.check_collective(kind, tensor.numel(), tensor.dtype, what, group, force=force_check)
     with faults.bounded(f"issuing {what}", group):
         work = fn(*args, group=group, async_op=True, **kwargs)
@@ -64,24 +76,25 @@ def _issue(kind: str, fn, tensor: torch.Tensor, what: str | None, group, async_o
 
 
 def reduce_scatter_packed(out: torch.Tensor, packed: torch.Tensor, group=None, async_op: bool = False,
-                          what: str | None = None):
-    """``out`` (span,) = sum over ranks of row ``rank`` of ``packed`` (world_size, span)."""
+                          what: str | None = None, defer_check: bool = False):
+    """``out`` (span,) = sum over ranks of row ``rank`` of ``packed`` (world_size, span). ``defer_check`` (with
+    ``async_op``): see faults.check_deferred -- the collective may leave only at the next one or at ``wait()``."""
     if packed.shape[0] == 1:
         out.copy_(packed[0])
         return DoneWork()
     return _issue("reduce_scatter", _reduce_scatter, packed, what, group, async_op, out, packed.view(-1),
-                  op=dist.ReduceOp.SUM)
+                  op=dist.ReduceOp.SUM, defer_check=defer_check)
 
 
 def all_gather_packed(packed: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False,
-                      what: str | None = None, force_check: bool = False):
+                      what: str | None = None, force_check: bool = False, defer_check: bool = False):
     """Row ``r`` of ``packed`` (world_size, span) = rank ``r``'s ``shard`` (span,). ``force_check``: check even
-    when ``comms_divergence_check`` is off."""
+    when ``comms_divergence_check`` is off. ``defer_check``: as for :func:`reduce_scatter_packed`."""
     if packed.shape[0] == 1:
         packed[0].copy_(shard)
         return DoneWork()
     return _issue("all_gather", _all_gather, packed, what, group, async_op, packed.view(-1), shard,
-                  force_check=force_check)
+                  force_check=force_check, defer_check=defer_check)
 
 
 def all_reduce_(tensor: torch.Tensor, group=None, async_op: bool = False, op=dist.ReduceOp.SUM,

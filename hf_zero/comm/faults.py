@@ -12,6 +12,14 @@ ignores wait timeouts in places (its reduce-scatter) and hangs on exit with work
   (kind, elements, dtype, sequence number, label hash). All ranks compare the headers, so ranks that run a
   different module, an extra micro-batch or skip a call fail on every rank at once, naming what each rank was
   about to do -- before a payload of a different size reaches gloo (which aborts the process) or NCCL (which hangs).
+  A run of collectives issued back to back from one call (the buckets of a publishing all-gather) is checked
+  once, with one header for the whole run (:func:`check_run`): nothing else can be issued between them, so what
+  one header proves for the first holds for the rest, and each check is a wait on every rank (a barrier).
+  A collective whose result is needed later (ZeRO-3's prefetch, a reduce-scatter overlapping backward) may have
+  its check *deferred* (:func:`check_deferred`): the header is all-gathered asynchronously and the payload issued
+  once the header is verified -- at the next collective of the channel, or when the result is waited for,
+  whichever comes first. The payload still never leaves before its header is verified, and every rank issues it
+  at the same point of its program, but no rank waits for the others at the moment it asks for the collective.
 * **The first fault is published** in the launcher's key-value store (the one the process group was rendezvoused
   through): a divergence, a timeout with the ranks that stopped answering (stopped, dead, or alive elsewhere --
   told apart by heartbeats and, on one host, by the peer's process state), or any exception that escapes the
@@ -40,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CommFault", "DivergenceError", "PeerFailure", "DEFAULT_TIMEOUT_S", "configure", "channel_for",
-           "configure_from", "timeout_s", "default_timeout_s", "bounded_wait", "bounded", "check_collective", "checks_enabled", "fail"]
+           "configure_from", "timeout_s", "default_timeout_s", "bounded_wait", "bounded", "check_collective",
+           "check_run", "check_deferred", "settle", "checks_enabled", "fail"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -148,6 +157,8 @@ def bounded(what: str, group=None, timeout: float | None = None):
     if ch is None:
         yield timeout
         return
+    if ch.deferred is not None:
+        ch.settle()  # a deferred payload leaves before this collective, as it was asked for first
     with ch.bounded(what, timeout) as limit:
         yield limit
 
@@ -163,6 +174,43 @@ def check_collective(kind: str, numel: int, dtype: torch.dtype, what: str, group
         return False
     ch.check(kind, numel, dtype, what)
     return True
+
+
+def check_run(items, what: str, group=None, force: bool = False) -> bool:
+    """One header check for a run of collectives ``items`` -- ``(kind, numel, dtype)`` each -- that the caller
+    issues next, back to back, with nothing in between: the header carries the run's length and a hash of every
+    item, so ranks about to issue different runs fail here as for one collective. The following
+    :func:`check_collective` calls that match the run, in order, are then free; one that does not match ends the
+    run and is checked on its own. Returns whether a check ran."""
+    if not (_settings["check"] or force):
+        return False
+    ch = channel_for(group)
+    if ch is None:
+        return False
+    ch.check_run([(k, int(n), str(d)) for k, n, d in items], what)
+    return True
+
+
+def check_deferred(kind: str, numel: int, dtype: torch.dtype, what: str, issue, group=None,
+                   force: bool = False) -> bool:
+    """The header check of a collective whose result is not needed yet: the header is all-gathered now,
+    asynchronously, and ``issue()`` (which issues the payload) is called once it is verified, by :func:`settle` --
+    which every later collective of the group and every wait on a result runs first. Returns False, having done
+    nothing, where no check runs (the caller then issues the payload itself)."""
+    if not (_settings["check"] or force):
+        return False
+    ch = channel_for(group)
+    if ch is None:
+        return False
+    ch.check(kind, numel, dtype, what, issue=issue)
+    return True
+
+
+def settle(group=None) -> None:
+    """Verify the deferred check of ``group`` (if any) and issue its payload; see :func:`check_deferred`."""
+    ch = _channels.get(_group_key(group)) if _channels else None
+    if ch is not None and ch.deferred is not None:
+        ch.settle()
 
 
 def checks_enabled() -> bool:
@@ -181,7 +229,7 @@ def _crc(text: str) -> int:
 
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "barrier": 4, "broadcast": 5}
+_KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "barrier": 4, "broadcast": 5, "run": 6}
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 
 
@@ -212,6 +260,8 @@ class FaultChannel:
         generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"hf_zero/faults/{generation}/{'-'.join(map(str, key))}/"
         self.seq = 0
+        self._run: list[tuple[str, int, str]] = []  # collectives still covered by the last check_run, in order
+        self.deferred = None  # (work, rows, seq, what, issue) of a check_deferred not verified yet
         self.fatal: CommFault | None = None
         self.raised = False
         self.in_wait: tuple[str, float, float] | None = None  # (what, start, timeout)
@@ -258,15 +308,45 @@ class FaultChannel:
         return value.decode() if value else None
 
     # ---- the two operations every collective goes through ----------------------------------------------------------
-    def check(self, kind: str, numel: int, dtype: torch.dtype, what: str) -> None:
+    def check_run(self, items: list[tuple[str, int, str]], what: str) -> None:
+        self._run = []
+        self.check("run", len(items), _crc(repr(items)), what)
+        self._run = list(reversed(items))
+
+    def settle(self) -> None:
+        """Verify the deferred header, then issue its payload (before anything else is issued on this channel)."""
+        work, rows, seq, what, issue = self.deferred
+        self.deferred = None
+        self.wait(work, f"the check before {what} (collective #{seq})")
+        self._verify(rows, seq, what)
+        issue()
+
+    def check(self, kind: str, numel: int, dtype, what: str, issue=None) -> None:
+        """The header check of one collective; with ``issue``, deferred (see :func:`check_deferred`)."""
         if self.fatal is not None:
             raise self.fatal
+        if self.deferred is not None:
+            self.settle()  # collectives leave in the order they were asked for, on every rank
+        if self._run:
+            if self._run[-1] == (kind, int(numel), str(dtype)):
+                self._run.pop()  # covered by the run's header: every rank issues this very collective now
+                if issue is not None:
+                    issue()
+                return
+            self._run = []
         seq = self.seq
         self.seq += 1
-        mine = torch.tensor([_KINDS[kind], int(numel), _crc(str(dtype)), seq, _crc(what)], dtype=torch.int64)
+        dtype_code = dtype if isinstance(dtype, int) else _crc(str(dtype))  # a run: the hash of its items
+        mine = torch.tensor([_KINDS[kind], int(numel), dtype_code, seq, _crc(what)], dtype=torch.int64)
         rows = torch.empty(self.world * 5, dtype=torch.int64)
         work = _all_gather(rows, mine, group=self.group, async_op=True)
+        if issue is not None:
+            self.deferred = (work, rows, seq, what, issue)
+            return
         self.wait(work, f"the check before {what} (collective #{seq})")
+        self._verify(rows, seq, what)
+
+    def _verify(self, rows: torch.Tensor, seq: int, what: str) -> None:
         table = rows.view(self.world, 5).tolist()
         if all(r == table[self.rank] for r in table):
             return
@@ -276,7 +356,9 @@ class FaultChannel:
         parts = []
         for r, row in enumerate(table):
             kind_name = _KIND_NAMES.get(row[0], "?")
-            text = descriptions.get(r) or f"{'an' if kind_name[0] in 'aeiou' else 'a'} {kind_name} of {row[1]} elements"
+            article = "an" if kind_name[0] in "aeiou" else "a"
+            text = descriptions.get(r) or (f"a run of {row[1]} collectives" if kind_name == "run" else
+                                           f"{article} {kind_name} of {row[1]} elements")
             parts.append(f"rank {self.global_ranks[r]}: {text}")
         same_shape = all(r[:3] == table[0][:3] for r in table)
         how = ("ranks ran different modules at the same point (layers in a different order, or a rank-dependent "

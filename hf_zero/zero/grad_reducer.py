@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hf_zero.comm import all_reduce_, reduce_scatter_packed
+from hf_zero.comm import all_reduce_, buffer_pool, faults, reduce_scatter_packed
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import capped_bucket_numel
 from hf_zero.zero.local import local_grad, local_tensor
@@ -58,6 +58,7 @@ class _InFlight:
     out: torch.Tensor   # (span,) result of the collective
     bucket: _Bucket
     accumulate: bool    # add ``out`` into the shard (False: the collective wrote into the shard itself)
+    packed: torch.Tensor | None = None  # the pooled input buffer, given back once the collective is done
 
 
 class GroupGradReducer:
@@ -110,6 +111,26 @@ class GroupGradReducer:
         for b in self.buckets:
             b.ready.clear()
             b.launched = False
+        if reducing and self.data_parallel_size > 1:
+            self._check_pass()
+
+    def _check_pass(self) -> None:
+        """One divergence header for the whole pass (comm/faults.check_run) instead of one per bucket: the buckets
+        are launched in a fixed order with fixed sizes, then the late-gradient flag is all-reduced, and no other
+        checked collective runs on this group in a stage 0-2 backward -- each header is a wait on every rank, in
+        the middle of backward. Ranks about to run different passes (one reduces, one does not) fail here."""
+        items = []
+        for b in self.buckets:
+            lo, hi = b.group.layout.span(b.start, b.stop)
+            if self.mode is ReduceMode.REDUCE_SCATTER:
+                items.append(("reduce_scatter", self.world_size * (hi - lo), b.group.grad.dtype))
+            else:
+                items.append(("all_reduce", hi - lo, b.group.grad.dtype))
+        items.append(("all_reduce", 1, torch.float32))  # _reduce_late_gradients' flag
+        first = self.buckets[0] if self.buckets else None
+        faults.check_run(items, f"the gradient reductions of a backward ({len(self.buckets)} buckets"
+                                + (f", from [{first.group.names[first.start]} ...])" if first else ")"),
+                         self.process_group)
 
     def finish(self) -> None:
         """Called after backward: flush the buckets not yet launched, wait for all, catch late gradients."""
@@ -150,7 +171,7 @@ class GroupGradReducer:
         if direct and self.mode is ReduceMode.ALL_REDUCE:
             packed = g.grad[lo:hi].view(1, hi - lo)  # a world of one in the layout: the shard is the whole bucket
         else:
-            packed = torch.empty(self.world_size, hi - lo, dtype=g.grad.dtype, device=g.grad.device)
+            packed = buffer_pool.take((self.world_size, hi - lo), g.grad.dtype, g.grad.device)
         flats = []
         for i in range(bucket.start, bucket.stop):
             p = g.params[i]
@@ -164,12 +185,13 @@ class GroupGradReducer:
         what = f"the gradient reduction of [{g.names[bucket.start]}{' ...' if bucket.stop - bucket.start > 1 else ''}]"
         with self.timers.phase("communication"):
             if self.mode is ReduceMode.REDUCE_SCATTER:
-                out = g.grad[lo:hi] if direct else torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
+                out = g.grad[lo:hi] if direct else buffer_pool.take(hi - lo, packed.dtype, packed.device)
                 work = reduce_scatter_packed(out, packed, group=self.process_group, async_op=self.overlap, what=what)
             else:
                 out = packed[0]
                 work = all_reduce_(out, group=self.process_group, async_op=self.overlap, what=what)
-        self._in_flight.append(_InFlight(work, out, bucket, accumulate=not direct))
+        pooled = None if direct and self.mode is ReduceMode.ALL_REDUCE else packed  # else it is the shard
+        self._in_flight.append(_InFlight(work, out, bucket, accumulate=not direct, packed=pooled))
         self._drain(self.max_in_flight if self.overlap else 0)
 
     def _drain(self, keep: int) -> None:
@@ -182,6 +204,9 @@ class GroupGradReducer:
                 g = item.bucket.group
                 lo, hi = g.layout.span(item.bucket.start, item.bucket.stop)
                 g.grad[lo:hi].add_(item.out)
+                if self.mode is ReduceMode.REDUCE_SCATTER:
+                    buffer_pool.give(item.out)  # (all-reduce: ``out`` is a row of ``packed``)
+            buffer_pool.give(item.packed)
 
     def _reduce_late_gradients(self) -> None:
         late = [(b, i) for b in self.buckets for i in range(b.start, b.stop) if b.group.params[i].grad is not None]

@@ -86,4 +86,6 @@ def wait_or_diagnose(work, timeout_s: float, what: str, seq: int | None, group=N
     """Wait for ``work`` at most ``timeout_s``; after that the fault channel raises a :class:`CommFault` saying
     where every rank is. ``what`` names the collective: parameters gathered (with their gather ``seq``) or, with
     ``seq=None``, anything else (a gradient reduce-scatter)."""
+    if getattr(work, "work", work) is None:
+        faults.settle(group)  # its check was deferred (comm/faults.check_deferred): verify it, issue the payload
     faults.bounded_wait(getattr(work, "work", work), _where(what, seq), group, min(timeout_s, faults.timeout_s()))

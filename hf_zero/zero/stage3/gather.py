@@ -17,7 +17,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from hf_zero.comm import all_gather_packed, faults
+from hf_zero.comm import all_gather_packed, buffer_pool, faults
 from hf_zero.offload.swapper import wait_all
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import ShardLayout
@@ -34,9 +34,10 @@ class PendingGather:
     """One all-gather in flight for ``sps``; :meth:`wait` makes them AVAILABLE. Safe to call more than once."""
 
     def __init__(self, gatherer: "Gatherer", sps: list[ShardedParam], layout: ShardLayout, packed: torch.Tensor,
-                 work, key: int, seq: int, label: str) -> None:
+                 work, key: int, seq: int, label: str, send: torch.Tensor | None = None) -> None:
         self.gatherer, self.sps, self.layout = gatherer, sps, layout
         self.packed = packed  # (world_size, span + TRAILER_NUMEL)
+        self.send = send  # this rank's row as sent; both go back to the buffer pool once unpacked
         self.work, self.key, self.seq, self.label = work, key, seq, label
         self.done = False
 
@@ -53,7 +54,7 @@ class PendingGather:
             # The parameters were never gathered; leave them PARTITIONED so the error is raised once, not again
             # by every later wait on this gather.
             self.done = True
-            self.packed = self.work = None
+            self.packed = self.work = self.send = None
             for sp in self.sps:
                 sp.abort_gathering()
             raise
@@ -67,7 +68,9 @@ class PendingGather:
                     refills.enter_context(torch.autograd._unsafe_preserve_version_counter(out))
                 outs.append(out)
             self.layout.unpack(self.packed[:, :span], 0, outs)
-        self.packed = self.work = None
+        buffer_pool.give(self.packed)
+        buffer_pool.give(self.send)
+        self.packed = self.work = self.send = None
         self.done = True
         for sp, out in zip(self.sps, outs):
             sp.to_available(out if out.dtype == sp.dtype else out.to(sp.dtype))
@@ -122,7 +125,7 @@ class Gatherer:
         if self.world_size > 1 and (force or faults.checks_enabled()):
             self.header_check_count += 1  # all_gather_packed runs it, before the payload
         dtype, device = sps[0].dtype, sps[0].storage.device
-        send = torch.empty(span + TRAILER_NUMEL, dtype=dtype, device=device)
+        send = buffer_pool.take(span + TRAILER_NUMEL, dtype, device)
         # each shard straight into the send buffer, from memory or (offload_param nvme) from its swap file
         reads = [sp.storage.read_async(send[layout.offsets[i]:layout.offsets[i + 1]]) for i, sp in enumerate(sps)]
         reads = [f for f in reads if not f.done() or f.exception() is not None]  # resident copies are done
@@ -130,10 +133,11 @@ class Gatherer:
             with self.timers.phase("offload_io"):
                 wait_all(reads)
         write_trailer(send[span:], key, seq)
-        packed = torch.empty(self.world_size, span + TRAILER_NUMEL, dtype=dtype, device=device)
+        packed = buffer_pool.take((self.world_size, span + TRAILER_NUMEL), dtype, device)
+        # async: the header check is deferred (comm/faults.check_deferred), no rank waits for the others here
         work = all_gather_packed(packed, send, group=self.group, async_op=True, what=f"the gather of {label}",
-                                 force_check=force)
-        pending = PendingGather(self, list(sps), layout, packed, work, key, seq, label)
+                                 force_check=force, defer_check=async_op)
+        pending = PendingGather(self, list(sps), layout, packed, work, key, seq, label, send)
         for sp in sps:
             sp.to_gathering(pending)
         if not async_op:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_zero.comm import reduce_scatter_packed
+from hf_zero.comm import buffer_pool, reduce_scatter_packed
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import capped_bucket_numel
 
@@ -50,7 +50,7 @@ class Stage3GradReducer:
             self.flush()
         if self._bucket is None:
             capacity = max(capped_bucket_numel(self.bucket_numel, grad.element_size()) // self.world_size, width)
-            self._bucket = torch.empty(self.world_size, capacity, dtype=grad.dtype, device=grad.device)
+            self._bucket = buffer_pool.take((self.world_size, capacity), grad.dtype, grad.device)
             self._used = 0
         block = self._bucket[:, self._used:self._used + width]
         sp.layout.pack([grad.detach().reshape(-1)], 0, block, scale=self.grad_scale)
@@ -61,10 +61,16 @@ class Stage3GradReducer:
         """Reduce-scatter the current bucket (asynchronously with overlap_comm)."""
         if self._bucket is None:
             return
-        packed = self._bucket if self._used == self._bucket.shape[1] else self._bucket[:, :self._used].contiguous()
-        out = torch.empty(self._used, dtype=packed.dtype, device=packed.device)
+        bucket = self._bucket
+        if self._used == bucket.shape[1]:
+            packed = bucket
+        else:  # compact the filled columns into a (world_size, used) buffer, and give the bucket back
+            packed = buffer_pool.take((self.world_size, self._used), bucket.dtype, bucket.device)
+            packed.copy_(bucket[:, :self._used])
+            buffer_pool.give(bucket)
+        out = buffer_pool.take(self._used, packed.dtype, packed.device)
         names = ", ".join(sp.name for sp, _ in self._entries[:3]) + (" ..." if len(self._entries) > 3 else "")
-        work = reduce_scatter_packed(out, packed, group=self.group, async_op=True,
+        work = reduce_scatter_packed(out, packed, group=self.group, async_op=True, defer_check=True,
                                      what=f"the gradient reduce-scatter of [{names}]")
         self._inflight.append((work, out, self._entries, packed))
         self.reduced_numel += self._used
@@ -85,3 +91,5 @@ class Stage3GradReducer:
                 if sp.grad_storage is None:
                     sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=out.device)
                 sp.grad_storage.add_(out[off:off + sp.shard_numel])
+            buffer_pool.give(out)
+            buffer_pool.give(_packed)
