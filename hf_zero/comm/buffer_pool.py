@@ -23,8 +23,9 @@ from .buckets import BUCKET_CAP_BYTES
 
 __all__ = ["take", "give", "clear", "cached_bytes", "POOL_CAP_BYTES", "MIN_POOLED_BYTES"]
 
-# Two buckets in flight and their results, at the bucket cap: what overlap keeps alive during backward anyway.
-POOL_CAP_BYTES = 4 * BUCKET_CAP_BYTES
+# Two buckets at the cap: what overlap keeps in flight during backward anyway. Buffers kept here while nothing uses
+# them count in the peak RSS (ZeRO-3's peak is in backward): 4 buckets' worth added ~55 MB to it on the 32M Llama.
+POOL_CAP_BYTES = 2 * BUCKET_CAP_BYTES
 # Below glibc's (fixed) mmap threshold buffers come from the heap, which reuses them without faults.
 MIN_POOLED_BYTES = 1 << 20
 # A cached buffer serves a request of at least this fraction of its size: gathers and buckets differ in size, and a

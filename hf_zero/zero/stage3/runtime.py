@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hf_zero.comm import get_rank, get_world_size
+from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD_STAGE3, tune_host_malloc
 from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import capped_bucket_numel
 from hf_zero.zero.leaf import z3_leaf_module
@@ -70,6 +71,8 @@ class Stage3Runtime:
                  divergence_timeout_s: float = DEFAULT_DIVERGENCE_TIMEOUT_S, swapper=None) -> None:
         self.module = module
         self.group = group
+        if not torch.cuda.is_available():  # CPU training: stage 3's mmap threshold (comm/host_memory.py)
+            tune_host_malloc(MALLOC_MMAP_THRESHOLD_STAGE3)
         self.rank = get_rank(group)
         self.world_size = get_world_size(group)
         self.compute_dtype = compute_dtype
