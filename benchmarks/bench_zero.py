@@ -15,7 +15,10 @@ optimizer step (what the calling loop sees, collectives waited inside them inclu
 in collectives (``communication``: reduce-scatter/gather waits not hidden behind compute), the peak RSS of the
 process (VmHWM) and the peak RSS of each phase of the last step (the kernel's high-water mark is reset between
 phases through /proc/self/clear_refs), and for hf_zero the model-state bytes per parameter against the ZeRO
-formulas (mixed precision: Z1 4+12/N, Z2 2+14/N, Z3 16/N; fp32: Z1 8+8/N, Z2 4+12/N, Z3 16/N).
+formulas (mixed precision: Z1 4+12/N, Z2 2+14/N, Z3 16/N; fp32: Z1 8+8/N, Z2 4+12/N, Z3 16/N). Also per step: the
+process's CPU time (all threads; far less inflated by a loaded machine than wall time) and its page faults per
+phase (each first touch of freshly mmapped memory; docs/zero_memory.md). ``HF_ZERO_HOST_MALLOC=<bytes>|default``
+picks hf_zero's mmap threshold; ``BENCH_TRIM=1`` makes the hf_zero runners call ``malloc_trim(0)`` after each step.
 """
 
 from __future__ import annotations
