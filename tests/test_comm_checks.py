@@ -24,15 +24,16 @@ def _runs_and_deferred():
     rank = dist.get_rank()
     ch = faults.channel_for(None)
     out = {}
-    # a run of three all-gathers: one header
-    seq = ch.seq
-    faults.check_run([("all_gather", 2 * n, torch.float32) for n in (3, 5, 7)], "three gathers")
-    got = []
-    for n in (3, 5, 7):
-        packed = torch.empty(2, n)
-        all_gather_packed(packed, torch.full((n,), float(rank + n)))
-        got.append(packed[:, 0].tolist())
-    out["run"] = (ch.seq - seq, got)
+    # a run of three all-gathers: one header (sent at once, or deferred to the run's first collective)
+    for defer in (False, True):
+        seq = ch.seq
+        faults.check_run([("all_gather", 2 * n, torch.float32) for n in (3, 5, 7)], "three gathers", defer=defer)
+        got = []
+        for n in (3, 5, 7):
+            packed = torch.empty(2, n)
+            all_gather_packed(packed, torch.full((n,), float(rank + n)))
+            got.append(packed[:, 0].tolist())
+        out[f"run{defer}"] = (ch.seq - seq, got)
     # a deferred check: the payload leaves at the next collective, after its header was verified
     seq = ch.seq
     packed = torch.empty(2, 4)
@@ -55,9 +56,10 @@ def _runs_and_deferred():
 
 def test_one_header_per_run_deferred_headers_and_divergent_runs_fail_on_every_rank():
     for rank, out in enumerate(run_distributed(_runs_and_deferred, 2, timeout_s=120)):
-        headers, got = out["run"]
-        assert headers == 1
-        assert got == [[3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]
+        for defer in (False, True):
+            headers, got = out[f"run{defer}"]
+            assert headers == 1
+            assert got == [[3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]
         headers, issued_before, issued_after, gathered, total = out["deferred"]
         assert (headers, issued_before, issued_after) == (2, False, True)
         assert gathered == [10.0, 11.0] and total == 2.0

@@ -176,18 +176,19 @@ def check_collective(kind: str, numel: int, dtype: torch.dtype, what: str, group
     return True
 
 
-def check_run(items, what: str, group=None, force: bool = False) -> bool:
+def check_run(items, what: str, group=None, force: bool = False, defer: bool = False) -> bool:
     """One header check for a run of collectives ``items`` -- ``(kind, numel, dtype)`` each -- that the caller
     issues next, back to back, with nothing in between: the header carries the run's length and a hash of every
     item, so ranks about to issue different runs fail here as for one collective. The following
     :func:`check_collective` calls that match the run, in order, are then free; one that does not match ends the
-    run and is checked on its own. Returns whether a check ran."""
+    run and is checked on its own. ``defer``: the header is all-gathered asynchronously and verified at the run's
+    first collective (as :func:`check_deferred`). Returns whether a check ran."""
     if not (_settings["check"] or force):
         return False
     ch = channel_for(group)
     if ch is None:
         return False
-    ch.check_run([(k, int(n), str(d)) for k, n, d in items], what)
+    ch.check_run([(k, int(n), str(d)) for k, n, d in items], what, defer)
     return True
 
 
@@ -308,10 +309,15 @@ class FaultChannel:
         return value.decode() if value else None
 
     # ---- the two operations every collective goes through ----------------------------------------------------------
-    def check_run(self, items: list[tuple[str, int, str]], what: str) -> None:
+    def check_run(self, items: list[tuple[str, int, str]], what: str, defer: bool = False) -> None:
         self._run = []
-        self.check("run", len(items), _crc(repr(items)), what)
-        self._run = list(reversed(items))
+
+        def start() -> None:
+            self._run = list(reversed(items))
+
+        self.check("run", len(items), _crc(repr(items)), what, issue=start if defer else None)
+        if not defer:
+            start()
 
     def settle(self) -> None:
         """Verify the deferred header, then issue its payload (before anything else is issued on this channel)."""

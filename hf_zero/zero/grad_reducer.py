@@ -128,9 +128,10 @@ class GroupGradReducer:
                 items.append(("all_reduce", hi - lo, b.group.grad.dtype))
         items.append(("all_reduce", 1, torch.float32))  # _reduce_late_gradients' flag
         first = self.buckets[0] if self.buckets else None
+        # deferred: verified when the first bucket leaves, so the header's round trip overlaps backward compute
         faults.check_run(items, f"the gradient reductions of a backward ({len(self.buckets)} buckets"
                                 + (f", from [{first.group.names[first.start]} ...])" if first else ")"),
-                         self.process_group)
+                         self.process_group, defer=True)
 
     def finish(self) -> None:
         """Called after backward: flush the buckets not yet launched, wait for all, catch late gradients."""
