@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 __all__ = ["CommFault", "DivergenceError", "PeerFailure", "DEFAULT_TIMEOUT_S", "configure", "channel_for",
            "configure_from", "timeout_s", "default_timeout_s", "bounded_wait", "bounded", "check_collective",
-           "check_run", "check_deferred", "settle", "checks_enabled", "fail"]
+           "check_run", "check_deferred", "settle", "settle_if_ready", "checks_enabled", "fail"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -211,6 +211,14 @@ def settle(group=None) -> None:
     """Verify the deferred check of ``group`` (if any) and issue its payload; see :func:`check_deferred`."""
     ch = _channels.get(_group_key(group)) if _channels else None
     if ch is not None and ch.deferred is not None:
+        ch.settle()
+
+
+def settle_if_ready(group=None) -> None:
+    """:func:`settle` if the deferred header has already arrived (no wait): called at every module boundary of
+    ZeRO-3, so a prefetch payload leaves as soon as it may rather than when it is needed."""
+    ch = _channels.get(_group_key(group)) if _channels else None
+    if ch is not None and ch.deferred is not None and ch.deferred[0].is_completed():
         ch.settle()
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hf_zero.comm import get_rank, get_world_size
+from hf_zero.comm import faults, get_rank, get_world_size
 from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD_STAGE3, tune_host_malloc
 from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import capped_bucket_numel
@@ -511,6 +511,7 @@ class Stage3Runtime:
 
     # ------------------------------------------------------------------ gather / release policy
     def _acquire(self, group: _Group, reason: HoldReason) -> None:
+        faults.settle_if_ready(self.group)  # a deferred prefetch whose header arrived leaves now, not when needed
         self.trace.request(group.gid)
         for sp in group.sps:
             sp.acquire(reason)
