@@ -9,9 +9,9 @@ import sys
 
 _PROBE = r"""
 import json
-import torch
-import ctypes
 import sys
+import torch
+from hf_zero.comm import host_memory
 from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD_STAGE3, tune_host_malloc, rss_bytes
 
 tuned = tune_host_malloc()
@@ -20,35 +20,35 @@ if sys.argv[1] == "stage3":
     tune_host_malloc()  # a later stage 0-2 engine does not raise it again
 big = torch.ones(30 << 18)  # 30 MiB, mmapped and freed: glibc (untuned) raises its threshold to 30 MiB
 del big
-from hf_zero.comm import host_memory
-out = {"tuned": tuned, "threshold": host_memory._tuned}
-for name, numel, count in (("small", 300_000, 40), ("large", 600_000, 20)):  # 1.2 MB and 2.4 MB blocks, 48 MB
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap kept by the round before would serve this one's blocks
-    before = rss_bytes()
-    blocks = [torch.ones(numel) for _ in range(count)]
-    out[name + "_held"] = rss_bytes() - before
-    del blocks
-    out[name + "_kept"] = rss_bytes() - before
-print(json.dumps(out))
+numel = int(sys.argv[2])
+before = rss_bytes()
+blocks = [torch.ones(numel) for _ in range((48 << 20) // (4 * numel))]  # 48 MiB of blocks of 4 x numel bytes
+held = rss_bytes() - before
+del blocks
+print(json.dumps({"tuned": tuned, "threshold": host_memory._tuned, "held": held, "kept": rss_bytes() - before}))
 """
 
+SMALL, LARGE = 300_000, 600_000  # 1.2 MB and 2.4 MB blocks: between stage 3's 1 MiB and stages 0-2's 2 MiB, above
 
-def _probe(case="engine", **env) -> dict:
+
+def _probe(case: str, numel: int, **env) -> dict:
     full_env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "HF_ZERO_HOST_MALLOC")}
     full_env.update(env, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", _PROBE, case], env=full_env, capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-c", _PROBE, case, str(numel)], env=full_env, capture_output=True, text=True, timeout=300,
                          check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_freed_tensors_return_to_the_kernel_unless_opted_out():
-    tuned, stage3 = _probe(), _probe("stage3")
-    default, user = _probe(HF_ZERO_HOST_MALLOC="default"), _probe(MALLOC_MMAP_THRESHOLD_="131072")
+    # one block size per process: glibc serves a request from free heap before it considers mmap
+    tuned, stage3 = _probe("engine", LARGE), _probe("stage3", SMALL)
+    default = _probe("engine", SMALL, HF_ZERO_HOST_MALLOC="default")
+    user = _probe("engine", SMALL, MALLOC_MMAP_THRESHOLD_="131072")
     assert tuned["tuned"] and stage3["tuned"] and not default["tuned"] and not user["tuned"]
-    for r in (tuned, stage3, default, user):
-        assert r["small_held"] > 40e6 and r["large_held"] > 40e6, r  # the blocks were really resident
-    assert tuned["large_kept"] < 8e6, tuned            # 2.4 MB blocks: returned with each free
     assert (tuned["threshold"], stage3["threshold"]) == (2 << 20, 1 << 20)  # stage 3 lowers it; nothing raises it
-    assert stage3["small_kept"] < 8e6 and stage3["large_kept"] < 8e6, stage3  # stage 3's 1 MiB, not raised again
-    assert default["small_kept"] > 30e6, default       # glibc's raised threshold: kept in the heap
-    assert user["small_kept"] < 8e6, user              # the user's own fixed threshold is left in place
+    for r in (tuned, stage3, default, user):
+        assert r["held"] > 40e6, r  # the blocks were really resident
+    assert tuned["kept"] < 8e6, tuned        # stages 0-2: 2.4 MB blocks returned with each free
+    assert stage3["kept"] < 8e6, stage3      # stage 3: 1.2 MB blocks too
+    assert default["kept"] > 30e6, default   # glibc's raised threshold: kept in the heap
+    assert user["kept"] < 8e6, user          # the user's own fixed threshold is left in place
