@@ -2,16 +2,20 @@
 
     results = run_distributed(fn, world_size=2, args=(...,))   # fn(*args) on ranks 0 and 1
 
-Each rank is a fresh spawned process with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``
-set, one torch thread (2-core machines run 4 ranks), and a gloo process group already initialized unless
-``init_process_group=False`` (for testing code that initializes it itself). A failure on any rank is reported with
-that rank's traceback; a rank that does not finish within ``timeout_s`` fails the call instead of hanging CI.
+Each rank is a fresh process with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` set, the
+caller's environment and working directory, one torch thread (2-core machines run 4 ranks), and a gloo process group
+already initialized unless ``init_process_group=False`` (for testing code that initializes it itself). A failure on
+any rank is reported with that rank's traceback; a rank that does not finish within ``timeout_s`` fails the call
+instead of hanging CI.
 
 Start-up cost: a spawned rank imports torch (and, for model tests, transformers' modeling code) from scratch, about
-5 CPU-seconds each -- most of a small test's time on 2 cores. ``fork_server=True`` starts the ranks from a fork
-server instead: one process per pytest session imports :data:`FORK_SERVER_PRELOAD` once, and every rank is forked
-from it with those modules loaded. The rank still gets the caller's current environment and working directory; only
-what those modules read from the environment at import is fixed when the server starts.
+5 CPU-seconds each -- most of a small test's time on 2 cores (4 ranks of a tiny-Llama test: ~100 s spawned, 3-6 s
+forked, at load 15). So by default (``fork_server=True``) the ranks start from a fork server: one process per pytest
+session imports :data:`FORK_SERVER_PRELOAD` once, and every rank is forked from it with those modules loaded. A
+forked rank holds nothing of the caller's state (no CUDA, no process group, no patched module). It does get the
+caller's current environment and working directory; what is fixed when the server starts is only what those modules
+read from the environment at import, and what the C library reads at process start (glibc's ``MALLOC_*``): a test
+that sets such a variable passes ``fork_server=False`` to spawn fresh interpreters.
 """
 
 from __future__ import annotations
@@ -70,13 +74,14 @@ def _worker(fn: Callable, args: Sequence[Any], kwargs: dict, rank: int, world_si
 
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwargs: dict | None = None, *,
                     timeout_s: float = 180.0, init_process_group: bool = True,
-                    env: dict[str, str] | None = None, fork_server: bool = False) -> list[Any]:
+                    env: dict[str, str] | None = None, fork_server: bool = True) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` processes; return each rank's return value, rank-ordered.
 
     ``fn`` and its arguments must be picklable (a module-level function). Raises :class:`DistributedFailure`
     naming every rank that raised (with its traceback) or that was still running after ``timeout_s``.
 
-    ``fork_server``: fork the ranks from a server that has imported torch and transformers (module docstring).
+    ``fork_server``: fork the ranks from a server that has imported torch and transformers (the default), or spawn
+    them as new interpreters (``False``; module docstring says when).
     """
     if fork_server:
         ctx, base = _forkserver(), (dict(os.environ), os.getcwd())
@@ -113,8 +118,9 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwa
                 for r in dead:
                     if r not in outcome:
                         outcome[r] = (False, f"rank {r} exited with code {procs[r].exitcode} without reporting")
-    for p in procs:
-        p.join(timeout=5)
+    for rank, p in enumerate(procs):
+        if rank in outcome:  # reported: let it tear its process group down; a rank that never reported is killed
+            p.join(timeout=5)
         if p.is_alive():
             p.kill()
             p.join()

@@ -189,9 +189,10 @@ def _zero3_both(root: str) -> dict:
 
 def test_zero3_param_and_optimizer_nvme_offload_bounds_resident_memory(tmp_path, monkeypatch):
     # Buffers of 1 MiB and more are mmapped (and unmapped when freed) in the spawned rank, so RSS shows live memory
-    # rather than what glibc's heap keeps after the gathers free their 16 MiB buffers.
+    # rather than what glibc's heap keeps after the gathers free their 16 MiB buffers. glibc reads the variable when
+    # the process starts: the rank is spawned, not forked from the fork server.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    res = run_distributed(_zero3_both, 1, args=(str(tmp_path),), timeout_s=300)[0]
+    res = run_distributed(_zero3_both, 1, args=(str(tmp_path),), timeout_s=300, fork_server=False)[0]
     nvme, control = res["nvme"], res["none"]
     assert nvme["disk"] == 16 * N3
     assert nvme["rss_built"] - nvme["rss_before"] < 3 * LAYER_BYTES + 16 * MiB, \
