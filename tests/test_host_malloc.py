@@ -31,19 +31,27 @@ print(json.dumps({"tuned": tuned, "threshold": host_memory._tuned, "held": held,
 SMALL, LARGE = 300_000, 600_000  # 1.2 MB and 2.4 MB blocks: between stage 3's 1 MiB and stages 0-2's 2 MiB, above
 
 
-def _probe(case: str, numel: int, **env) -> dict:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "HF_ZERO_HOST_MALLOC")}
-    full_env.update(env, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", _PROBE, case, str(numel)], env=full_env, capture_output=True, text=True, timeout=300,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _probes(*cases: tuple[str, int, dict]) -> list[dict]:
+    """One probe process per (case, block numel, environment), run side by side (each is mostly torch's import)."""
+    procs = []
+    for case, numel, env in cases:
+        full_env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "HF_ZERO_HOST_MALLOC")}
+        full_env.update(env, OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", _PROBE, case, str(numel)], env=full_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-4000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 def test_freed_tensors_return_to_the_kernel_unless_opted_out():
     # one block size per process: glibc serves a request from free heap before it considers mmap
-    tuned, stage3 = _probe("engine", LARGE), _probe("stage3", SMALL)
-    default = _probe("engine", SMALL, HF_ZERO_HOST_MALLOC="default")
-    user = _probe("engine", SMALL, MALLOC_MMAP_THRESHOLD_="131072")
+    tuned, stage3, default, user = _probes(("engine", LARGE, {}), ("stage3", SMALL, {}),
+                                           ("engine", SMALL, {"HF_ZERO_HOST_MALLOC": "default"}),
+                                           ("engine", SMALL, {"MALLOC_MMAP_THRESHOLD_": "131072"}))
     assert tuned["tuned"] and stage3["tuned"] and not default["tuned"] and not user["tuned"]
     assert (tuned["threshold"], stage3["threshold"]) == (2 << 20, 1 << 20)  # stage 3 lowers it; nothing raises it
     for r in (tuned, stage3, default, user):
