@@ -32,16 +32,47 @@ def files(tmp_path_factory):
     return d
 
 
-def _cli(*args, timeout=240):
+def _cli(*args) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return subprocess.run([sys.executable, "-m", "hf_zero", "estimate", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.Popen([sys.executable, "-m", "hf_zero", "estimate", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
-def test_estimate_from_config_file_alone_json_matches_the_library(files):
-    run = _cli("--model-config", str(files / "config.json"), "--ds-config", str(files / "ds.json"),
-               "--world-size", "2", "--seq-len", "32", "--accelerator", "cpu", "--json")
+# between the smallest (~0.0018 GiB) and the largest (~0.0048 GiB) predicted peak, over the CPU runtime constant
+SWEEP_BUDGET_GIB = CPU_RUNTIME_BYTES / 2**30 + 0.0028
+
+
+@pytest.fixture(scope="module")
+def cli(files):
+    """The three CLI runs the tests below check, started together (each is one process, mostly imports: side by
+    side they use both cores); ``cli[name]()`` waits for one and returns it as a CompletedProcess."""
+    procs = {
+        "json": _cli("--model-config", str(files / "config.json"), "--ds-config", str(files / "ds.json"),
+                     "--world-size", "2", "--seq-len", "32", "--accelerator", "cpu", "--json"),
+        "table": _cli("--model-config", str(files), "--ds-config", str(files / "ds.json"), "--seq-len", "32",
+                      "--accelerator", "cpu", "--device-memory-gib", "0.001"),
+        "sweep": _cli("--model-config", str(files / "config.json"), "--ds-config", str(files / "ds.json"),
+                      "--world-size", "2", "--seq-len", "64", "--micro-batch", "4", "--accelerator", "cpu", "--sweep",
+                      "--json", "--device-memory-gib", str(SWEEP_BUDGET_GIB), "--peak-tflops", "1"),
+    }
+    done = {}
+
+    def result(name: str) -> subprocess.CompletedProcess:
+        if name not in done:
+            out, err = procs[name].communicate(timeout=240)
+            done[name] = subprocess.CompletedProcess(procs[name].args, procs[name].returncode, out, err)
+        return done[name]
+
+    yield {name: (lambda name=name: result(name)) for name in procs}
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def test_estimate_from_config_file_alone_json_matches_the_library(files, cli):
+    run = cli["json"]()
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["inputs"]["params"] == sum(p.numel() for p in _meta_model().parameters())
@@ -67,19 +98,15 @@ def _meta_model():
     return build_meta_model(_llama_config())
 
 
-def test_estimate_table_and_does_not_fit_exit_code(files):
-    run = _cli("--model-config", str(files), "--ds-config", str(files / "ds.json"), "--seq-len", "32",
-               "--accelerator", "cpu", "--device-memory-gib", "0.001")
+def test_estimate_table_and_does_not_fit_exit_code(cli):
+    run = cli["table"]()
     assert run.returncode == 1
     assert "does NOT fit" in run.stdout and "master (fp32 shard)" in run.stdout and "peak accelerator" in run.stdout
 
 
-def test_sweep_ranks_only_configs_that_fit(files):
-    # between the smallest (~0.0018 GiB) and the largest (~0.0048 GiB) predicted peak, over the CPU runtime constant
-    budget_gib = CPU_RUNTIME_BYTES / 2**30 + 0.0028
-    run = _cli("--model-config", str(files / "config.json"), "--ds-config", str(files / "ds.json"), "--world-size",
-               "2", "--seq-len", "64", "--micro-batch", "4", "--accelerator", "cpu", "--sweep", "--json",
-               "--device-memory-gib", str(budget_gib), "--peak-tflops", "1")
+def test_sweep_ranks_only_configs_that_fit(cli):
+    budget_gib = SWEEP_BUDGET_GIB
+    run = cli["sweep"]()
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert len(out["all"]) == 7 * 3 * 2  # 7 stage/offload pairs x micro 1,2,4 x checkpointing off/on
