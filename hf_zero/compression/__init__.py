@@ -16,8 +16,7 @@ or integrations (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hf_zero.util import lazy_exports
 
 _LAZY = {
     "init_compression": "hf_zero.compression.compress",
@@ -43,10 +42,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'hf_zero.compression' has no attribute {name!r}")
-    value = getattr(importlib.import_module(target), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY, globals())

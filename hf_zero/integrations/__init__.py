@@ -17,8 +17,7 @@ Top package layer: may import every other hf_zero package; none imports it (the 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hf_zero.util import lazy_exports
 
 _LAZY = {
     "HfZeroCallback": "hf_zero.integrations.trainer_callback",
@@ -29,10 +28,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'hf_zero.integrations' has no attribute {name!r}")
-    value = getattr(importlib.import_module(target), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY, globals())

@@ -15,8 +15,7 @@ layer table is ``LAYERS`` in ``tests/test_layering.py``).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hf_zero.util import lazy_exports
 
 _LAZY = {
     "PipelineModule": "hf_zero.pipeline.module", "LayerSpec": "hf_zero.pipeline.module",
@@ -32,9 +31,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'hf_zero.pipeline' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY, globals())

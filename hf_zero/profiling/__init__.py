@@ -8,8 +8,7 @@ attributes they publish. Names are imported on first use so ``import hf_zero.pro
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hf_zero.util import lazy_exports
 
 _LAZY = {
     "count_params": "hf_zero.profiling.params",
@@ -28,10 +27,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'hf_zero.profiling' has no attribute {name!r}")
-    value = getattr(importlib.import_module(target), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY, globals())

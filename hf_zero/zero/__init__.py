@@ -9,8 +9,9 @@ integrations, compression or pipeline (the layer table is ``LAYERS`` in ``tests/
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hf_zero.util import lazy_exports
 
 _LAZY = {
     "Init": "hf_zero.zero.init",
@@ -34,10 +35,4 @@ if TYPE_CHECKING:
                                    unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 
 
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'hf_zero.zero' has no attribute {name!r}")
-    value = getattr(importlib.import_module(target), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY, globals())
