@@ -237,3 +237,43 @@ def test_cross_stage_loads_restore_buffers_and_frozen_or_refuse(tmp_path):
             for k in ("1.running_mean", "1.running_var", "1.num_batches_tracked", "0.weight", "2.weight"):
                 assert torch.equal(got[k], ref[k]), k
         assert "saved at ZeRO stage 2" in refusal and "1.running_mean" in refusal and "0.weight" in refusal
+
+
+def _tag_validation(save_dir):
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    logging.getLogger("hf_zero").addHandler(handler)
+    out = {}
+    for policy in ("fail", "warn", "ignore"):
+        root = Path(save_dir) / policy
+        cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+               "zero_optimization": {"stage": 2}, "checkpoint": {"tag_validation": policy.capitalize()}}
+        engine, *_ = hf_zero.initialize(model=_model(), config=cfg)
+        _train(engine, 1)
+        records.clear()
+        try:
+            engine.save_checkpoint(root, tag=f"t{dist.get_rank()}")
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        dist.barrier()
+        listing = sorted(os.listdir(root)) if root.exists() else []
+        latest = (root / "latest").read_text().strip() if (root / "latest").exists() else None
+        out[policy] = (error, listing, latest, [r for r in records if "different tags" in r])
+    return out
+
+
+def test_tag_validation_fail_refuses_warn_and_ignore_save_under_rank_0s_tag(tmp_path):
+    for rank, out in enumerate(run_distributed(_tag_validation, 2, args=(str(tmp_path),))):
+        error, listing, latest, warned = out["fail"]
+        assert "ranks passed different tags (rank 0: 't0'; rank 1: 't1')" in error, error
+        assert "checkpoint.tag_validation" in error and "nothing was written" in error
+        assert listing == [] and latest is None and warned == []
+        error, listing, latest, warned = out["warn"]
+        assert error is None and listing == ["latest", "t0"] and latest == "t0"
+        assert len(warned) == 1 and "saving under rank 0's tag 't0'" in warned[0], warned
+        error, listing, latest, warned = out["ignore"]
+        assert error is None and listing == ["latest", "t0"] and latest == "t0" and warned == []

@@ -429,6 +429,9 @@ class HfZeroEngine(nn.Module):
                         exclude_frozen_parameters: bool = False) -> bool:
         if self.optimizer is None:
             self._no_optimizer()
+        from hf_zero.runtime.checkpoint_tag import resolve_save_tag
+
+        tag = resolve_save_tag(tag, f"global_step{self.global_steps}", self._config.checkpoint.tag_validation)
         if tp_info(self.module) is not None:
             if self._config.checkpoint.use_node_local_storage:  # tp_checkpoint.py writes one directory
                 raise NotImplementedError(

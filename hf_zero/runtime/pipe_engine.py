@@ -201,6 +201,9 @@ class PipelineEngine(HfZeroEngine):
         """Collective over every rank: per-layer model files plus each stage's ZeRO checkpoint; reloads on any
         number of stages, replicas and ZeRO stage."""
         self._refuse_tp_checkpoint("save_checkpoint")
+        from hf_zero.runtime.checkpoint_tag import resolve_save_tag
+
+        tag = resolve_save_tag(tag, f"global_step{self.global_steps}", self._config.checkpoint.tag_validation)
         if self._config.checkpoint.use_node_local_storage:  # its per-layer files and 'latest' go to one directory
             raise NotImplementedError(
                 "hf_zero: checkpoint.use_node_local_storage is not supported for pipeline checkpoints (the per-layer "
