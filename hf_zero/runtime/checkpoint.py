@@ -12,8 +12,8 @@ Atomicity: every rank writes into ``.tmp-<tag>``; the ranks agree (one all-reduc
 then rank 0 renames the directory into place and rewrites ``latest``. A crash or error part-way leaves the previous
 checkpoint and ``latest`` untouched; a leftover ``.tmp-*`` directory is ignored and replaced by the next save.
 
-Resharding: shards follow :class:`~hf_zero.zero.layout.ShardLayout` (per-parameter chunks), so a checkpoint written
-on N ranks is re-cut for M ranks at load time from the per-parameter chunks -- no offline converter.
+Resharding: shards follow :class:`~hf_zero.zero.layout.ShardLayout` (each parameter split into one shard per rank), so a checkpoint written
+on N ranks is re-cut for M ranks at load time from the per-parameter shards -- no offline converter.
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def _agree(engine, mine: Any, what: str) -> list[Any]:
 
 
 def _full_param_from_shards(files: list, key: str, layout: ShardLayout, index: int) -> torch.Tensor:
-    """Reassemble parameter ``index``'s flat tensor from the chunks in every saved rank's file."""
+    """Reassemble parameter ``index``'s flat tensor from its shards in every saved rank's file."""
     lo, hi = layout.offsets[index], layout.offsets[index + 1]
     parts = [f.get_slice(key)[lo:hi] for f in files]
     return torch.cat(parts)[:layout.numels[index]]
