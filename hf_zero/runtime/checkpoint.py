@@ -12,8 +12,9 @@ Atomicity: every rank writes into ``.tmp-<tag>``; the ranks agree (one all-reduc
 then rank 0 renames the directory into place and rewrites ``latest``. A crash or error part-way leaves the previous
 checkpoint and ``latest`` untouched; a leftover ``.tmp-*`` directory is ignored and replaced by the next save.
 
-Resharding: shards follow :class:`~hf_zero.zero.layout.ShardLayout` (each parameter split into one shard per rank), so a checkpoint written
-on N ranks is re-cut for M ranks at load time from the per-parameter shards -- no offline converter.
+Resharding: shards follow :class:`~hf_zero.zero.layout.ShardLayout` (each parameter split into one shard per
+rank), so a checkpoint written on N ranks is re-cut for M ranks at load time from the per-parameter shards -- no
+offline converter.
 """
 
 from __future__ import annotations
