@@ -26,6 +26,8 @@ runtime sets :attr:`HFPipelineModule.cross_entropy_sum` to the vocabulary-parall
 
 from __future__ import annotations
 
+import inspect
+
 import json
 import os
 from dataclasses import dataclass
@@ -247,13 +249,15 @@ class HFPipelineModule(nn.Module):
     def _decoder(self, base, layer_ids, hidden, attention_mask, position_ids):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        mask_kwargs = dict(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                           past_key_values=None, position_ids=position_ids)
+        # no cache while training; transformers 5 renamed the argument (passing the old name warns)
+        cache_arg = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+        mask_kwargs = {"config": self.config, "inputs_embeds": hidden, "attention_mask": attention_mask,
+                       cache_arg: None, "position_ids": position_ids}
         layers = getattr(base, self.family.layers)
         if self.family.kind == "gpt2":
             mask = create_causal_mask(**mask_kwargs)
             for i in layer_ids:
-                hidden = layers[str(i)](hidden, None, mask, None, use_cache=False, position_ids=position_ids)
+                hidden = layers[str(i)](hidden, attention_mask=mask, use_cache=False, position_ids=position_ids)
                 hidden = hidden[0] if isinstance(hidden, tuple) else hidden
             return hidden
         types = getattr(self.config, "layer_types", None)
@@ -270,7 +274,7 @@ class HFPipelineModule(nn.Module):
         for i in layer_ids:
             kind = types[i] if types is not None else "full_attention"
             hidden = layers[str(i)](hidden, attention_mask=masks[kind], position_embeddings=position_embeddings,
-                                    position_ids=position_ids, past_key_values=None, use_cache=False)
+                                    position_ids=position_ids, use_cache=False)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         return hidden
 
