@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from hf_zero.testing import DistributedFailure, run_distributed
 
-TIMEOUT_S = {1: 300, 2: 420, 4: 600}
+TIMEOUT_S = {1: 300, 2: 420, 4: 600, 8: 600}
 
 # stands for a directory the cases of every world share (checkpoints) in a case's arguments; made when the first
 # group runs and removed when pytest exits (not at import: the ranks import the test modules too)

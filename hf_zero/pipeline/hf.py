@@ -329,20 +329,22 @@ class HFPipelineModule(nn.Module):
         head = f"{self.family.head}.weight"
         return {embed: (head,), head: (embed,)}
 
-    def layer_state_dicts(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Unit index (0 embedding, 1..L decoder layers, L+1 norm and head) -> its tensors under HF names."""
-        sd = self.hf_state_dict()
-        n = self.config.num_hidden_layers
+    def unit_of(self, key: str) -> int:
+        """The unit (0 embedding, 1..L decoder layers, L+1 norm and head) holding the tensor named ``key``: the
+        index of its per-layer checkpoint file, whatever the cut."""
         prefix_layers = f"{self.family.base}.{self.family.layers}."
+        if key.startswith(prefix_layers):
+            return int(key[len(prefix_layers):].split(".", 1)[0]) + 1
+        if key.startswith(f"{self.family.base}.{self.family.norm}.") or key.startswith(f"{self.family.head}."):
+            return self.config.num_hidden_layers + 1
+        return 0
+
+    def layer_state_dicts(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Unit index -> its tensors under HF names (see :meth:`unit_of`); full tensors under tensor parallelism
+        (a collective over the TP group)."""
         out: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in sd.items():
-            if key.startswith(prefix_layers):
-                unit = int(key[len(prefix_layers):].split(".", 1)[0]) + 1
-            elif key.startswith(f"{self.family.base}.{self.family.norm}.") or key.startswith(f"{self.family.head}."):
-                unit = n + 1
-            else:
-                unit = 0
-            out.setdefault(unit, {})[key] = value
+        for key, value in self.hf_state_dict().items():
+            out.setdefault(self.unit_of(key), {})[key] = value
         return out
 
     # ---- saving -------------------------------------------------------------------------------------------------

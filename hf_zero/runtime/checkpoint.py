@@ -71,9 +71,9 @@ def _dedupe_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
 
 
 def _write_rank_files(engine, tmp: Path, exclude_frozen: bool, client_state: dict,
-                      is_writer: bool) -> dict[str, dict[str, Any]]:
+                      is_writer: bool, write_model: bool = True) -> dict[str, dict[str, Any]]:
     """Write this rank's files into ``tmp``, fsynced; returns their manifest entries (size, sha256)."""
-    names = _write_rank_files_unsynced(engine, tmp, exclude_frozen, client_state, is_writer)
+    names = _write_rank_files_unsynced(engine, tmp, exclude_frozen, client_state, is_writer, write_model)
     out = {}
     for name in names:
         fsync_file(tmp / name)
@@ -82,7 +82,7 @@ def _write_rank_files(engine, tmp: Path, exclude_frozen: bool, client_state: dic
 
 
 def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_state: dict,
-                               is_writer: bool) -> list[str]:
+                               is_writer: bool, write_model: bool = True) -> list[str]:
     """The file layout. Each component names its own state; this decides which file holds it:
 
     * this rank's ``zero_rank<r>.safetensors``: the optimizer's shards (masters, moments), the stage-3 runtime's
@@ -91,7 +91,8 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
       optimizer's scalar state and group description, sizes;
     * its ``engine_state.pt``: counters, skipped steps, the loss scaler's and the LR scheduler's state dicts
       (each once), ``client_state``;
-    * its ``model.safetensors`` (stages 0-2): the module's state dict.
+    * its ``model.safetensors`` (stages 0-2): the module's state dict -- unless ``write_model`` is false (a 3D
+      pipeline keeps its module in per-layer files: hf_zero/runtime/pipe_checkpoint.py).
 
     Unsharded optimizer state (stage 0: identical on every rank) is ``zero_rank00000``'s; a node-local directory
     without rank 0 gets its own copy of that file from its writer (without rank 0's RNG state).
@@ -112,7 +113,7 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
     if unsharded and rank != 0:
         save_file({k: v.detach().contiguous() for k, v in optimizer.shard_state().items()}, str(tmp / _rank_file(0)))
         written.append(_rank_file(0))
-    if engine.stage3 is None:
+    if engine.stage3 is None and write_model:
         sd, aliases = _dedupe_shared(engine.module_state_dict(exclude_frozen))
         save_file(sd, str(tmp / "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
         written.append("model.safetensors")
@@ -131,7 +132,7 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
 
 
 def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_latest: bool,
-                    exclude_frozen_parameters: bool) -> bool:
+                    exclude_frozen_parameters: bool, write_model: bool = True) -> bool:
     """Write a checkpoint on every rank (collective). Raises, leaving the previous checkpoint intact, on failure.
 
     Each directory (the shared one, or with ``checkpoint.use_node_local_storage`` each node's own: see
@@ -163,7 +164,8 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_late
                            f" ({started[failed[0]]}); the previous checkpoint is untouched") from error
     entries: dict[str, dict[str, Any]] = {}
     try:
-        entries = _write_rank_files(engine, tmp, exclude_frozen_parameters, client_state, spot.is_writer)
+        entries = _write_rank_files(engine, tmp, exclude_frozen_parameters, client_state, spot.is_writer,
+                                    write_model)
     except Exception as exc:  # every rank must reach the agreement below, or the others would hang
         error = exc
     reports = _agree(engine, (None if error is None else f"{type(error).__name__}: {error}", entries),
@@ -287,7 +289,8 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     # 1. validate everything on every rank; 2. agree; 3. only then change tensors and counters
     error: Exception | None = None
     try:
-        path, meta, engine_state, sd, handles = _validate(engine, root, str(tag), load_module_strict)
+        path, meta, engine_state, sd, handles = _validate(engine, root, str(tag), load_module_strict,
+                                                          read_model=load_module_weights)
     except (CheckpointError, ValueError) as exc:
         error = exc
     reports = _agree(engine, None if error is None else str(error), f"the agreement of load_checkpoint({tag!r})")
@@ -337,9 +340,11 @@ def _open(path: Path):
         raise CheckpointError(f"hf_zero: checkpoint file {str(path)!r} cannot be read: {exc}") from exc
 
 
-def _validate(engine, root: Path, tag: str, strict: bool):
+def _validate(engine, root: Path, tag: str, strict: bool, read_model: bool = True):
     """Everything a load reads, checked before anything changes: files present and matching their checksums,
-    groups, shapes and dtypes; returns ``(path, meta, engine_state, model_state_dict | None, handles)``."""
+    groups, shapes and dtypes; returns ``(path, meta, engine_state, model_state_dict | None, handles)``.
+    ``read_model=False``: the caller loads the module from elsewhere (model.safetensors is neither read nor
+    required)."""
     path = resolve_checkpoint(root, tag)
     if not (path / "meta.json").is_file():
         present = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
@@ -378,7 +383,9 @@ def _validate(engine, root: Path, tag: str, strict: bool):
     saved_stage = int(meta.get("stage", 0))
     if engine.stage3 is None and saved_stage < 3:
         model_file = path / "model.safetensors"
-        if model_file.is_file():
+        if not read_model:
+            pass
+        elif model_file.is_file():
             sd = _read_model_file(model_file, engine, strict)
         elif buffers or frozen:
             raise CheckpointError(f"hf_zero: checkpoint file {str(model_file)!r} is missing; it holds the model's "

@@ -36,7 +36,6 @@ from hf_zero.pipeline.schedules import EngineStage, build_schedule, check_schedu
 from hf_zero.pipeline.stage_sum import sum_over_stages
 from hf_zero.runtime.engine import HfZeroEngine
 from hf_zero.runtime.optimizers import OptimizerPlan
-from hf_zero.tensor_parallel import tp_info
 
 __all__ = ["PipelineEngine"]
 
@@ -198,9 +197,8 @@ class PipelineEngine(HfZeroEngine):
     # ---- checkpoints (hf_zero/runtime/pipe_checkpoint.py) --------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
-        """Collective over every rank: per-layer model files plus each stage's ZeRO checkpoint; reloads on any
-        number of stages, replicas and ZeRO stage."""
-        self._refuse_tp_checkpoint("save_checkpoint")
+        """Collective over every rank: per-layer model files plus each stage's (with tensor parallelism: each
+        stage's TP ranks') ZeRO checkpoint; reloads on any number of stages, replicas, ZeRO stage and TP size."""
         from hf_zero.runtime.checkpoint_tag import resolve_save_tag
 
         tag = resolve_save_tag(tag, f"global_step{self.global_steps}", self._config.checkpoint.tag_validation)
@@ -218,7 +216,6 @@ class PipelineEngine(HfZeroEngine):
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         custom_load_fn=None):
-        self._refuse_tp_checkpoint("load_checkpoint")
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...) is not supported for pipeline checkpoints")
         from hf_zero.runtime.pipe_checkpoint import load_pipeline_checkpoint
@@ -227,14 +224,6 @@ class PipelineEngine(HfZeroEngine):
                                         load_optimizer_states=load_optimizer_states and not load_module_only,
                                         load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
                                         load_module_strict=load_module_strict)
-
-    def _refuse_tp_checkpoint(self, what: str) -> None:
-        # the per-layer files and each stage's ZeRO checkpoint address whole tensors; resharding DTensor pieces
-        # across stages and TP sizes at once is not implemented
-        if tp_info(self.module) is not None:
-            raise NotImplementedError(f"{what}: pipeline checkpoints with tensor parallelism (3D) are not "
-                                      "implemented; save the weights with module.save_pretrained(dir) (gathers "
-                                      "every TP shard) and restart from them")
 
     # ---- internals ----------------------------------------------------------------------------------------------
     def _next_batch(self, data_iter):

@@ -24,13 +24,12 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor, Shard
 
 from hf_zero.runtime.checkpoint import _full_param_from_shards, _rank_file, load_checkpoint, read_latest_tag, \
     save_checkpoint
 from hf_zero.tensor_parallel import tp_info
+from hf_zero.tensor_parallel.reshard import full_from_pieces, param_layout, piece_for
 from hf_zero.tensor_parallel.state import load_full_state_dict
-from hf_zero.tensor_parallel.styles import fused_from_rank_major, fused_to_rank_major
 from hf_zero.zero.layout import ShardLayout
 
 __all__ = ["save_tp_checkpoint", "load_tp_checkpoint", "is_tp_checkpoint"]
@@ -53,24 +52,13 @@ def save_tp_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_la
     save_checkpoint(engine, _rank_root(root, tp_rank), tag=_STATE, client_state=client_state or {},
                     save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
     if dist.get_rank() == 0:
-        (root / "tp.json").write_text(json.dumps({"tp_size": info.size, "params": _param_layout(engine.module)}))
+        (root / "tp.json").write_text(json.dumps({"tp_size": info.size, "params": param_layout(engine.module)}))
         if save_latest:
             tmp = Path(save_dir) / ".latest.tmp"
             tmp.write_text(tag)
             tmp.replace(Path(save_dir) / "latest")
     dist.barrier()
     return True
-
-
-def _param_layout(module) -> dict[str, dict]:
-    """How each parameter was split at save time: its full shape, sharded dim (None: replicated), fused parts."""
-    info = tp_info(module)
-    out = {}
-    for name, p in module.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
-        shard = next((pl for pl in p.placements if isinstance(pl, Shard)), None) if isinstance(p, DTensor) else None
-        out[name] = {"shape": list(p.shape), "dim": None if shard is None else shard.dim % p.dim(),
-                     "fused": list(info.fused[name]) if name in info.fused else None}
-    return out
 
 
 def is_tp_checkpoint(load_dir, tag=None) -> bool:
@@ -114,12 +102,6 @@ def load_tp_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool =
     return str(root), client_state
 
 
-def _split_sizes(n: int, parts: int) -> list[int]:
-    """torch.chunk's split of ``n`` elements in ``parts`` (DTensor's Shard layout): trailing parts may be empty."""
-    chunk = -(-n // parts)
-    return [max(0, min(chunk, n - r * chunk)) for r in range(parts)]
-
-
 def _assemble(engine, root: Path, saved: dict, tp: int, tp_rank: int, out: Path) -> None:
     """Write a one-rank checkpoint under ``out`` holding this rank's current shards of every group's state."""
     saved_tp = saved["tp_size"]
@@ -148,26 +130,8 @@ def _assemble(engine, root: Path, saved: dict, tp: int, tp_rank: int, out: Path)
                  "groups": [{"names": g.names, "numels": list(g.layout.numels)} for g in engine.groups]})
     (out / "meta.json").write_text(json.dumps(meta))
     shutil.copy(dirs[0] / "engine_state.pt", out / "engine_state.pt")
-    # the gathered full model: the ordinary loader checks buffers / frozen parameters against it
-    shutil.copy(dirs[0] / "model.safetensors", out / "model.safetensors")
-
-
-def _split_sizes(n: int, parts: int) -> list[int]:
-    """torch.chunk's split of ``n`` elements in ``parts`` (DTensor's Shard layout): trailing parts may be empty."""
-    chunk = -(-n // parts)
-    return [max(0, min(chunk, n - r * chunk)) for r in range(parts)]
 
 
 def _reshard(layout: dict, pieces: list[torch.Tensor], saved_tp: int, tp: int, tp_rank: int) -> torch.Tensor:
     """This rank's flat piece of a parameter at TP size ``tp``, from the saved ranks' flat pieces."""
-    dim = layout["dim"]
-    if dim is None:  # replicated: every saved rank holds the whole tensor
-        return pieces[0]
-    shape = tuple(layout["shape"])
-    parts = [pieces[r].view(shape[:dim] + (size,) + shape[dim + 1:])
-             for r, size in enumerate(_split_sizes(shape[dim], saved_tp))]
-    full = torch.cat(parts, dim=dim)
-    if layout["fused"] is not None:
-        n, fdim = layout["fused"]
-        full = fused_to_rank_major(fused_from_rank_major(full, n, saved_tp, fdim), n, tp, fdim)
-    return torch.split(full, _split_sizes(shape[dim], tp), dim=dim)[tp_rank].reshape(-1)
+    return piece_for(full_from_pieces(layout, pieces, saved_tp), layout, tp, tp_rank)
