@@ -1,9 +1,9 @@
 """3D checkpoints (data x pipeline x tensor) reload on another shape and continue the uninterrupted loss curve.
 
 Written by DP 2 x PP 2 x TP 2 on 8 ranks after 2 AdamW steps (clipping active), then reloaded into differently
-initialised models on PP 2 x TP 1 (TP re-cut, 2 ranks), PP 1 x TP 2 (stages merged, replicas 2 -> 1, 2 ranks),
-PP 2 x TP 2 x DP 1 (the saved cut and TP size: each (stage, TP rank) reads its own directory, re-cut for one
-replica; 4 ranks) and PP 1 x TP 1 (one process): the next 3 losses equal one process training the unsplit model
+initialised models on PP 2 x TP 1 at ZeRO 2 (TP re-cut, 2 ranks), PP 1 x TP 2 (stages merged, replicas 2 -> 1, 2
+ranks), PP 2 x TP 2 x DP 1 (the saved cut and TP size: each (stage, TP rank) reads its own directory, re-cut for
+one replica; 4 ranks) and PP 1 x TP 1 at ZeRO 0 (one process): the next 3 losses equal one process training the unsplit model
 on the same global batches (<= 1e-5 relative). Adam's moments and step count must round-trip for that -- a reload
 without them is shown to leave the curve -- and the parameters right after the reload equal the saved per-layer
 files exactly. A plain pipeline checkpoint (PP 2, no TP) reloads into PP 2 x TP 2. Broken checkpoints (a missing
@@ -29,8 +29,8 @@ from _tp_spawns import SHARED_DIR, case, register
 VOCAB, SEQ, MICRO, M, LR, CLIP = 64, 8, 2, 4, 1e-2, 0.5  # M micro-batches of MICRO rows: the global batch
 SAVED_AT, STEPS = 2, 5
 FAMILIES = ("llama", "gpt2")
-RESHAPES = {"pp2_tp1": (2, 2, 1), "pp1_tp2": (2, 1, 2), "pp2_tp2_dp1": (4, 2, 2), "pp1_tp1": (1, 1, 1)}  # world,
-# stages, TP
+# world, stages, TP, ZeRO stage (saved at ZeRO 1)
+RESHAPES = {"pp2_tp1": (2, 2, 1, 2), "pp1_tp2": (2, 1, 2, 1), "pp2_tp2_dp1": (4, 2, 2, 1), "pp1_tp1": (1, 1, 1, 0)}
 
 
 def make_model(family: str, seed: int = 0, intermediate: int = 48):
@@ -78,14 +78,14 @@ def reference(family: str) -> list[float]:
     return losses
 
 
-def _config(micro_batches: int, tp: int) -> dict:
+def _config(micro_batches: int, tp: int, zero: int) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": micro_batches,
             "gradient_clipping": CLIP, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp},
+            "zero_optimization": {"stage": zero}, "tensor_parallel": {"autotp_size": tp},
             "pipeline": {"schedule": "1f1b"}, "steps_per_print": 1000}
 
 
-def _engine(family: str, stages: int, tp: int, seed: int = 0, **model_kw):
+def _engine(family: str, stages: int, tp: int, seed: int = 0, zero: int = 1, **model_kw):
     import torch.distributed as dist
 
     import hf_zero
@@ -93,7 +93,7 @@ def _engine(family: str, stages: int, tp: int, seed: int = 0, **model_kw):
 
     dp = dist.get_world_size() // (stages * tp)
     pipe = wrap(make_model(family, seed, **model_kw), num_stages=stages, tp_size=tp)
-    engine, *_ = hf_zero.initialize(model=pipe, config=_config(M // dp, tp))
+    engine, *_ = hf_zero.initialize(model=pipe, config=_config(M // dp, tp, zero))
     return engine, pipe
 
 
@@ -131,10 +131,10 @@ def _file_diff(pipe, root: str) -> float:
     return worst
 
 
-def _resume(root: str, name: str, stages: int, tp: int, load_optimizer_states: bool = True) -> dict:
+def _resume(root: str, name: str, stages: int, tp: int, zero: int = 1, load_optimizer_states: bool = True) -> dict:
     out = {}
     for family in FAMILIES:
-        engine, pipe = _engine(family, stages, tp, seed=7)  # everything must come from the checkpoint
+        engine, pipe = _engine(family, stages, tp, seed=7, zero=zero)  # everything must come from the checkpoint
         path = os.path.join(root, name, family)
         engine.load_checkpoint(path, load_optimizer_states=load_optimizer_states)
         out[family] = {"steps": engine.global_steps, "file_diff": _file_diff(pipe, path),
@@ -173,9 +173,9 @@ def _refusals(root: str, stages: int) -> dict:
 # the 8-rank save shares test_tp_3d.py's process group; the reloads run in the shared 1-, 2- and 4-rank groups
 register(8, "3d_ckpt_save", _save, (SHARED_DIR, 2, 2, "3d"))
 register(2, "plain_ckpt_save", _save, (SHARED_DIR, 2, 1, "plain"))
-for _name, (_world, _stages, _tp) in RESHAPES.items():
-    register(_world, f"3d_resume_{_name}", _resume, (SHARED_DIR, "3d", _stages, _tp), after=(8,))
-register(1, "3d_resume_no_optimizer_state", _resume, (SHARED_DIR, "3d", 1, 1, False), after=(8,))
+for _name, (_world, _stages, _tp, _zero) in RESHAPES.items():
+    register(_world, f"3d_resume_{_name}", _resume, (SHARED_DIR, "3d", _stages, _tp, _zero), after=(8,))
+register(1, "3d_resume_no_optimizer_state", _resume, (SHARED_DIR, "3d", 1, 1, 0, False), after=(8,))
 register(4, "plain_into_3d", _resume, (SHARED_DIR, "plain", 2, 2), after=(2,))
 register(2, "3d_refusals", _refusals, (SHARED_DIR, 2), after=(8,))
 
