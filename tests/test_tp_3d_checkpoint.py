@@ -1,14 +1,14 @@
 """3D checkpoints (data x pipeline x tensor) reload on another shape and continue the uninterrupted loss curve.
 
 Written by DP 2 x PP 2 x TP 2 on 8 ranks after 2 AdamW steps (clipping active), then reloaded into differently
-initialised models on PP 2 x TP 1 at ZeRO 2 (TP re-cut, 2 ranks), PP 1 x TP 2 (stages merged, replicas 2 -> 1, 2
-ranks), PP 2 x TP 2 x DP 1 (the saved cut and TP size: each (stage, TP rank) reads its own directory, re-cut for
-one replica; 4 ranks) and PP 1 x TP 1 at ZeRO 0 (one process): the next 3 losses equal one process training the unsplit model
-on the same global batches (<= 1e-5 relative). Adam's moments and step count must round-trip for that -- a reload
-without them is shown to leave the curve -- and the parameters right after the reload equal the saved per-layer
-files exactly. A plain pipeline checkpoint (PP 2, no TP) reloads into PP 2 x TP 2. Broken checkpoints (a missing
-layer file, a model of another shape) are refused on every rank, naming the file and the parameter, before
-anything changes.
+initialised models on PP 2 x TP 1 at ZeRO 2 (TP re-cut, 2 ranks), PP 1 x TP 2 (stages merged, replicas 2 -> 1,
+2 ranks), PP 2 x TP 2 x DP 1 (the saved cut and TP size: each (stage, TP rank) reads its own directory, re-cut for
+one replica; 4 ranks) and PP 1 x TP 1 at ZeRO 0 (one process): the next 3 losses equal one process training the
+unsplit model on the same global batches (<= 1e-5 relative). Adam's moments and step count must round-trip for
+that -- a reload without them is shown to leave the curve -- and the parameters right after the reload equal the
+saved per-layer files exactly. A plain pipeline checkpoint (PP 2, no TP) reloads into PP 2 x TP 2, and into PP 2
+cut elsewhere. Broken checkpoints (a missing layer file, a model of another shape) are refused on every rank,
+naming the file and the parameter, before anything changes.
 
 Tiny Llama with grouped-query attention and tied embeddings (the tied head on the last stage is read under the
 embedding's name) and tiny GPT-2 (fused q|k|v, Conv1D weights split along dim 1). The ranks come from the shared
@@ -85,14 +85,14 @@ def _config(micro_batches: int, tp: int, zero: int) -> dict:
             "pipeline": {"schedule": "1f1b"}, "steps_per_print": 1000}
 
 
-def _engine(family: str, stages: int, tp: int, seed: int = 0, zero: int = 1, **model_kw):
+def _engine(family: str, stages: int, tp: int, seed: int = 0, zero: int = 1, layers_per_stage=None, **model_kw):
     import torch.distributed as dist
 
     import hf_zero
     from hf_zero.pipeline import wrap
 
     dp = dist.get_world_size() // (stages * tp)
-    pipe = wrap(make_model(family, seed, **model_kw), num_stages=stages, tp_size=tp)
+    pipe = wrap(make_model(family, seed, **model_kw), num_stages=stages, tp_size=tp, layers_per_stage=layers_per_stage)
     engine, *_ = hf_zero.initialize(model=pipe, config=_config(M // dp, tp, zero))
     return engine, pipe
 
@@ -131,10 +131,12 @@ def _file_diff(pipe, root: str) -> float:
     return worst
 
 
-def _resume(root: str, name: str, stages: int, tp: int, zero: int = 1, load_optimizer_states: bool = True) -> dict:
+def _resume(root: str, name: str, stages: int, tp: int, zero: int = 1, load_optimizer_states: bool = True,
+            layers_per_stage=None) -> dict:
     out = {}
     for family in FAMILIES:
-        engine, pipe = _engine(family, stages, tp, seed=7, zero=zero)  # everything must come from the checkpoint
+        # a different initial model: everything must come from the checkpoint
+        engine, pipe = _engine(family, stages, tp, seed=7, zero=zero, layers_per_stage=layers_per_stage)
         path = os.path.join(root, name, family)
         engine.load_checkpoint(path, load_optimizer_states=load_optimizer_states)
         out[family] = {"steps": engine.global_steps, "file_diff": _file_diff(pipe, path),
@@ -177,6 +179,8 @@ for _name, (_world, _stages, _tp, _zero) in RESHAPES.items():
     register(_world, f"3d_resume_{_name}", _resume, (SHARED_DIR, "3d", _stages, _tp, _zero), after=(8,))
 register(1, "3d_resume_no_optimizer_state", _resume, (SHARED_DIR, "3d", 1, 1, 0, False), after=(8,))
 register(4, "plain_into_3d", _resume, (SHARED_DIR, "plain", 2, 2), after=(2,))
+# the same number of stages cut elsewhere (both decoder layers on stage 0): re-staged, not read as the saved cut
+register(2, "plain_other_cut", _resume, (SHARED_DIR, "plain", 2, 1, 1, True, [2, 0]))
 register(2, "3d_refusals", _refusals, (SHARED_DIR, 2), after=(8,))
 
 
@@ -216,6 +220,14 @@ def test_plain_pipeline_checkpoint_into_3d():
     for family in FAMILIES:
         assert _close(saved[0][family], reference(family)[:SAVED_AT]), (family, saved[0][family])
     for rank, per in enumerate(case(4, "plain_into_3d")):
+        for family in FAMILIES:
+            r = per[family]
+            assert r["file_diff"] == 0.0 and r["steps"] == SAVED_AT, (rank, family)
+            assert _close(r["losses"], reference(family)[SAVED_AT:]), (rank, family, r["losses"])
+
+
+def test_pipeline_checkpoint_on_another_cut_of_as_many_stages():
+    for rank, per in enumerate(case(2, "plain_other_cut")):
         for family in FAMILIES:
             r = per[family]
             assert r["file_diff"] == 0.0 and r["steps"] == SAVED_AT, (rank, family)
