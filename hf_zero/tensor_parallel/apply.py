@@ -28,6 +28,7 @@ from hf_zero.tensor_parallel.adapters import is_lora_layer, parallelize_lora_lay
 from hf_zero.tensor_parallel.loss import VocabParallelCausalLMLoss
 from hf_zero.tensor_parallel.mesh import TPMesh
 from hf_zero.tensor_parallel.plans import match_modules, resolve_plan
+from hf_zero.tensor_parallel.sequence import SEQ_DIM, SEQUENCE_KEY, SP_STYLES, install_sequence_check, sp_style
 from hf_zero.tensor_parallel.styles import Conv1DColwise, Conv1DRowwise, ReplicatedGradAllReduce
 
 __all__ = ["apply_tp", "TPInfo", "tp_info", "is_tp_sharded", "check_adapters_sharded"]
@@ -43,6 +44,7 @@ class TPInfo:
     fused: dict[str, tuple[int, int]] = field(default_factory=dict)  # param name -> (parts, dim) permuted
     layout: TPMesh | None = None           # the (dp, tp) mesh when apply_tp got one (data-parallel groups)
     dtype: torch.dtype | None = None       # tp_model_init(dtype=...): checked against the engine's dtype
+    sequence_parallel: bool = False        # residual stream split along the sequence between TP regions
 
     @property
     def size(self) -> int:
@@ -87,14 +89,22 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def _style(name: str, style: str, module: nn.Module):
+def _style(name: str, style: str, module: nn.Module, sp: bool = False):
+    """The DTensor style for ``style``; ``sp``: sequence parallelism (see sequence.py) changes the layouts at the
+    boundaries of the TP regions -- row-parallel outputs reduce-scattered to sequence shards, the embedding's too,
+    and the LM head gathering its sequence-sharded input."""
     conv = _is_conv1d(module)
+    seq = Shard(SEQ_DIM)
+    if style in SP_STYLES:
+        return sp_style(style)
     if style == "colwise":
         return Conv1DColwise() if conv else ColwiseParallel()
     if style == "rowwise":
+        if sp:
+            return Conv1DRowwise(output_placement=seq) if conv else RowwiseParallel(output_layouts=seq)
         return Conv1DRowwise() if conv else RowwiseParallel()
     if style == "colwise_gather_output":
-        return ColwiseParallel(output_layouts=Replicate())
+        return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
     if style == "fused_qkv_colwise":
         return Conv1DColwise(fused_parts=3)
     if style == "replicated_with_grad_allreduce":
@@ -103,11 +113,14 @@ def _style(name: str, style: str, module: nn.Module):
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"hf_zero: vocab_embedding applies to nn.Embedding; module {name!r} is "
                              f"{type(module).__name__}")
+        if sp:  # the rows summed *and* split over the sequence: a reduce-scatter; a DTensor of the full shape
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False)
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if style == "vocab_lm_head":
         if not isinstance(module, nn.Linear):
             raise ValueError(f"hf_zero: vocab_lm_head applies to nn.Linear; module {name!r} is {type(module).__name__}")
-        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
+                               use_local_output=False)
     raise ValueError(f"hf_zero: unknown tensor-parallel style {style!r} for module {name!r}")
 
 
@@ -128,7 +141,7 @@ def _check_sizes(model: nn.Module, matched: dict[str, str], tp: int) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, str] | None = None,
-             vocab_parallel_head: bool = True) -> nn.Module:
+             vocab_parallel_head: bool = True, sequence_parallel: bool = False) -> nn.Module:
     """Shard ``model`` in place over ``tp_mesh``; returns it. See the module docstring for what changes.
 
     ``tp_mesh``: the :class:`TPMesh` from :func:`~hf_zero.tensor_parallel.build_mesh` (the engine then knows the
@@ -136,6 +149,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
 
     ``plan``: ``{module pattern: style}`` replacing the resolved plan (see plans.py). ``vocab_parallel_head=False``
     gathers full logits on every rank instead of the vocabulary-parallel head and loss.
+
+    ``sequence_parallel=True``: the residual stream between the TP regions is split along the sequence over the
+    TP ranks (sequence.py); the sequence length must then be a multiple of the TP size.
     """
     layout = tp_mesh if isinstance(tp_mesh, TPMesh) else None
     if layout is not None:
@@ -145,7 +161,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
     if tp_mesh.ndim != 1:
         raise ValueError(f"hf_zero: apply_tp needs the 1-D tensor-parallel mesh (mesh['tp']), got {tp_mesh.ndim}-D")
     outer, model = model, peft_base_model(model)  # PEFT: the transformers model inside (plan, embeddings, loss)
-    resolved, source = resolve_plan(model, plan, vocab_parallel_head=vocab_parallel_head)
+    resolved, source = resolve_plan(model, plan, vocab_parallel_head=vocab_parallel_head,
+                                    sequence_parallel=sequence_parallel)
     matched = match_modules(model, resolved)
     if not matched:
         raise ValueError(f"hf_zero: the tensor-parallel plan from {source} names no module of "
@@ -160,11 +177,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
     for name, style in matched.items():
         module = modules[name]
         if is_lora_layer(module):  # the base layer as planned, its adapters split to match
+            if sequence_parallel and style == "rowwise":
+                raise ValueError(f"hf_zero: {SEQUENCE_KEY} with LoRA adapters on the row-parallel {name!r} is not "
+                                 "supported (the adapter's output would stay whole while the layer's is split "
+                                 "along the sequence); leave o_proj / down_proj / c_proj out of target_modules "
+                                 "or turn sequence_parallel off")
             base = module.base_layer
-            parallelize_module(base, tp_mesh, _style(name, style, base))
+            parallelize_module(base, tp_mesh, _style(name, style, base, sequence_parallel))
             fused.update(parallelize_lora_layer(name, module, style, tp_mesh))
         else:
-            parallelize_module(module, tp_mesh, _style(name, style, module))
+            parallelize_module(module, tp_mesh, _style(name, style, module, sequence_parallel))
         if style == "fused_qkv_colwise":
             fused[f"{name}.weight"] = (3, 1)
             fused[f"{name}.bias"] = (3, 0)
@@ -173,7 +195,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
         head.weight = emb.weight  # both vocabulary-sharded (Shard(0)): one DTensor, as before
     if matched.get(_name_of(model, head)) == "vocab_lm_head" and hasattr(type(model), "loss_function"):
         model.loss_function = VocabParallelCausalLMLoss()
-    model.hf_zero_tp = TPInfo(mesh=tp_mesh, plan=matched, plan_source=source, fused=fused, layout=layout)
+    if sequence_parallel:
+        prefix = getattr(model, "base_model_prefix", "")
+        install_sequence_check(getattr(model, prefix, None) if prefix and hasattr(model, prefix) else model, tp_mesh)
+    model.hf_zero_tp = TPInfo(mesh=tp_mesh, plan=matched, plan_source=source, fused=fused, layout=layout,
+                              sequence_parallel=sequence_parallel)
     return outer
 
 

@@ -2,7 +2,8 @@
 
 Patterns are module names relative to the model, ``*`` standing for one name component (a layer index), as in
 transformers' ``base_model_tp_plan``. Style names are transformers' (``colwise``, ``rowwise``,
-``colwise_gather_output``, ``replicated_with_grad_allreduce``) plus hf_zero's own:
+``colwise_gather_output``, ``replicated_with_grad_allreduce``, and ``sequence_parallel`` under sequence parallelism)
+plus hf_zero's own:
 
     vocab_embedding   nn.Embedding sharded over the vocabulary; each rank looks up its ids, the rows are summed
     vocab_lm_head     nn.Linear sharded over the vocabulary; returns logits as a DTensor sharded on the last dim,
@@ -12,6 +13,8 @@ transformers' ``base_model_tp_plan``. Style names are transformers' (``colwise``
 Precedence: the ``plan`` argument, else the ``base_model_tp_plan`` the model's config declares (transformers ships
 one for most decoder families), else hf_zero's own table below. The input embedding and LM head are always made
 vocabulary parallel (transformers' ``colwise_gather_output`` head would put full logits on every rank).
+With sequence parallelism the family's entries from sequence.py (norms, decoder layers, attention / MLP inputs)
+are added to whichever plan was picked.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import re
 from typing import Mapping
 
 from torch import nn
+
+from hf_zero.tensor_parallel.sequence import SEQUENCE_KEY, SP_STYLES, with_sequence_plan
 
 __all__ = ["OWN_PLANS", "resolve_plan", "match_modules", "SUPPORTED_STYLES"]
 
@@ -84,12 +89,14 @@ def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
     return None
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, str] | None = None, *,
-                 vocab_parallel_head: bool = True) -> tuple[dict[str, str], str]:
+def resolve_plan(model: nn.Module, plan: Mapping[str, str] | None = None, *, vocab_parallel_head: bool = True,
+                 sequence_parallel: bool = False) -> tuple[dict[str, str], str]:
     """The full plan for ``model`` (patterns relative to ``model``) and where it came from (for logs / errors).
 
     ``vocab_parallel_head=False``: the LM head gathers full logits on every rank (``colwise_gather_output``, what
     DeepSpeed does unless ``vocab_parallel_lm_head`` is set) and the model keeps its own loss.
+    ``sequence_parallel``: add the family's sequence-parallel entries (sequence.py ``SP_PLANS``; an error names
+    the model when its family has none).
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -115,13 +122,15 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str] | None = None, *,
         head_name = _module_name(model, head)
         if head_name is not None and isinstance(head, nn.Linear):
             resolved[head_name] = "vocab_lm_head" if vocab_parallel_head else "colwise_gather_output"
-    sequence = sorted(k for k, v in resolved.items() if v == "sequence_parallel")
-    if sequence:
-        from hf_zero.tensor_parallel.config import SEQUENCE_PARALLEL_REASON
-
-        raise ValueError(f"hf_zero: style 'sequence_parallel' for {sequence} (from {source}): "
-                         f"{SEQUENCE_PARALLEL_REASON}")
-    unknown = {k: v for k, v in resolved.items() if v not in SUPPORTED_STYLES}
+    if sequence_parallel:
+        resolved = with_sequence_plan(model, resolved, _base_prefix(model))
+    else:
+        sequence = sorted(k for k, v in resolved.items() if v in SP_STYLES)
+        if sequence:
+            raise ValueError(f"hf_zero: sequence-parallel styles for {sequence} (from {source}) split the residual "
+                             f"stream along the sequence, which needs the whole sequence-parallel layout: set "
+                             f"{SEQUENCE_KEY}: true (apply_tp(..., sequence_parallel=True)), or drop those entries")
+    unknown = {k: v for k, v in resolved.items() if v not in SUPPORTED_STYLES + SP_STYLES}
     if unknown:
         raise ValueError(f"hf_zero: tensor-parallel styles {unknown} (from {source}) are not supported; supported: "
                          f"{list(SUPPORTED_STYLES)}. Pass plan=... to apply_tp to override those entries")

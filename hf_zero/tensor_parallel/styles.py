@@ -48,9 +48,11 @@ class _Conv1DStyle(ParallelStyle):
     desired_input: Placement         # what the matmul needs
     output_placement: Placement      # what the module returns (to_local of it)
 
-    def __init__(self, *, fused_parts: int = 1):
+    def __init__(self, *, fused_parts: int = 1, output_placement: Placement | None = None):
         super().__init__()
         self.fused_parts = fused_parts
+        if output_placement is not None:  # row parallel under sequence parallelism: Shard(1), a reduce-scatter
+            self.output_placement = output_placement
 
     def _partition(self, name, module, mesh):
         tp = mesh.size()
@@ -97,7 +99,8 @@ class Conv1DColwise(_Conv1DStyle):
 
 
 class Conv1DRowwise(_Conv1DStyle):
-    """Row parallel ``Conv1D``: input sharded on its last dim, output summed over the TP ranks (replicated)."""
+    """Row parallel ``Conv1D``: input sharded on its last dim, output summed over the TP ranks (replicated; with
+    ``output_placement=Shard(1)`` reduce-scattered to sequence shards instead)."""
 
     weight_placement = Shard(0)
     bias_placement = Replicate()
