@@ -1,5 +1,6 @@
 """The ``tensor_parallel`` config section, key by key (honoured, aliased, checked or refused by name), and the
-refusals of what tensor parallelism does not compose with yet."""
+refusals of what tensor parallelism does not compose with yet (the sequence-parallel keys:
+test_tp_sequence_parallel.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from _tp_spawns import case, register
 from _tp_util import make_model
 from hf_zero.config.errors import ConfigError
 from hf_zero.tensor_parallel.config import parse_tp_config
-from hf_zero.tensor_parallel.plans import resolve_plan
 
 
 def test_sizes_and_aliases():
@@ -38,37 +38,6 @@ def test_refused_keys_are_named(section, key):
     with pytest.raises(ConfigError) as err:
         parse_tp_config(section)
     assert str(err.value).startswith(key)
-
-
-@pytest.mark.parametrize("section,key", [
-    ({"autotp_size": 2, "sequence_parallel": True}, "tensor_parallel.sequence_parallel"),
-    ({"autotp_size": 2, "tp": {"sequence_parallel": True}}, "tensor_parallel.tp.sequence_parallel"),
-    ({"autotp_size": 2, "sequence_parallel_size": 2}, "tensor_parallel.sequence_parallel_size"),
-    ({"autotp_size": 2, "enable_sequence_parallel": True}, "tensor_parallel.enable_sequence_parallel"),
-    ({"autotp_size": 2, "sp_size": 2}, "tensor_parallel.sp_size"),
-])
-def test_sequence_parallel_is_refused_with_the_reason(section, key):
-    # asked for, not silently ignored: the error names the key and says why it is not done
-    with pytest.raises(ConfigError) as err:
-        parse_tp_config(section)
-    msg = str(err.value)
-    assert msg.startswith(key), msg
-    assert "sequence parallelism with tensor parallelism is not implemented in hf_zero" in msg
-    assert "attention mask and rotary positions" in msg and "remove it" in msg
-
-
-def test_sequence_parallel_off_asks_nothing():
-    assert parse_tp_config({"autotp_size": 2, "sequence_parallel": False}).size == 2
-    assert parse_tp_config({"autotp_size": 2, "sequence_parallel_size": 1}).size == 2
-
-
-def test_sequence_parallel_plan_style_is_refused():
-    # transformers' style name in a plan (argument or a config's base_model_tp_plan): refused before any sharding
-    with pytest.raises(ValueError) as err:
-        resolve_plan(make_model("llama"), {"model.layers.*.input_layernorm": "sequence_parallel",
-                                           "model.layers.*.self_attn.q_proj": "colwise"})
-    msg = str(err.value)
-    assert "'sequence_parallel'" in msg and "model.layers.*.input_layernorm" in msg and "not implemented" in msg
 
 
 def test_overlap_comm_warns(caplog):

@@ -51,11 +51,17 @@ def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int
         return None
     if info is None:
         mesh = build_mesh(tp_cfg.size)
-        apply_tp(model, mesh, vocab_parallel_head=tp_cfg.vocab_parallel_lm_head)
+        apply_tp(model, mesh, vocab_parallel_head=tp_cfg.vocab_parallel_lm_head,
+                 sequence_parallel=tp_cfg.sequence_parallel)
         info = tp_info(model)
     elif tp_cfg.enabled and tp_cfg.size != info.size:
         raise ConfigError("tensor_parallel.autotp_size", f"{tp_cfg.size}, but the model was sharded over "
                                                          f"{info.size} ranks (tp_model_init / apply_tp)")
+    elif tp_cfg.enabled and tp_cfg.sequence_parallel != info.sequence_parallel:
+        raise ConfigError("tensor_parallel.sequence_parallel", f"{tp_cfg.sequence_parallel}, but the model was "
+                                                               f"sharded with sequence_parallel="
+                                                               f"{info.sequence_parallel} (tp_model_init / apply_tp); "
+                                                               "make them agree")
     check_adapters_sharded(model)
     layout = info.layout
     if layout is None:
@@ -92,6 +98,10 @@ def _setup_pipeline_stage(model: nn.Module, tp_cfg: TPConfig, grid) -> TPLayout 
         raise ConfigError("tensor_parallel.autotp_size", "the pipeline topology's axes are not (pipe, data, model); "
                                                          "use wrap(model, num_stages, tp_size=N) or "
                                                          "PipeModelDataParallelTopology")
+    if tp_cfg.sequence_parallel:
+        raise ConfigError("tensor_parallel.sequence_parallel", "sequence parallelism inside pipeline stages is not "
+                                                               "supported (stages exchange the whole hidden state); "
+                                                               "turn it off for a pipeline model")
     if getattr(model, "virtual_stages", 1) > 1:
         raise ConfigError("pipeline.virtual_stages", "several virtual stages per rank with tensor parallelism are "
                                                      "not supported (untested); use virtual_stages 1")

@@ -15,8 +15,10 @@ Every key DeepSpeed documents for AutoTP training is either honoured or refused 
     tp_overlap_comm          warned: DTensor's collectives run synchronously; the key changes nothing
     tp.tp_grain_size         1 only (uneven partitions follow torch.chunk)
     sequence_parallel (also sequence_parallel_size, enable_sequence_parallel, sp_size, and under tp)
-                             refused when it asks for sequence parallelism (false / 0 / 1 accepted: nothing
-                             asked); see SEQUENCE_PARALLEL_REASON
+                             honoured: true (or a size equal to autotp_size) splits norms, residual adds and
+                             dropout along the sequence over the TP group (sequence.py); false / 0 / 1: off; another
+                             size, or asked without autotp_size > 1, refused. The sequence length must then be a
+                             multiple of autotp_size (checked at each forward)
     partition_config, injection_policy_tuple, tp.mpu, tp.tp_group, keep_module_on_host, preset_model,
     replace_with_kernel_inject, quantize_*, ...   refused: pass plan= to hf_zero.tensor_parallel.apply_tp for a
                              custom plan; the others belong to DeepSpeed's inference engine
@@ -30,7 +32,7 @@ from typing import Any, Mapping
 
 from hf_zero.config.errors import ConfigError, closest
 
-__all__ = ["TPConfig", "parse_tp_config", "SEQUENCE_PARALLEL_REASON"]
+__all__ = ["TPConfig", "parse_tp_config"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -39,14 +41,9 @@ _KNOWN = ("autotp_size", "tp", "dtype", "vocab_parallel_lm_head", "vocab_paralle
 _REFUSED = ("partition_config", "injection_policy_tuple", "keep_module_on_host", "replace_with_kernel_inject",
             "quantize_config", "quantize_groups", "quantize_bits", "checkpoint", "base_dir", "enabled",
             "preset_model")
-# Megatron / transformers spellings of "split the norms and residual stream along the sequence between TP regions"
+# Megatron / transformers / DeepSpeed spellings of "split the norms and residual stream along the sequence between
+# the TP regions" (sequence.py); a size must be the TP size: this sequence parallelism runs over the TP group
 _SEQUENCE_PARALLEL = ("sequence_parallel", "sequence_parallel_size", "enable_sequence_parallel", "sp_size")
-SEQUENCE_PARALLEL_REASON = (
-    "sequence parallelism with tensor parallelism is not implemented in hf_zero: norms, residual adds and dropout "
-    "run on the whole sequence on every TP rank. Splitting them along the sequence would hand Hugging Face's "
-    "decoder layers a shortened hidden state, from which they build the attention mask and rotary positions, so "
-    "it needs the model's code changed; remove it (activation_checkpointing cuts what the replicated activations "
-    "cost)")
 _DTYPES = {"fp32": "fp32", "float32": "fp32", "torch.float32": "fp32", "fp16": "fp16", "float16": "fp16",
            "torch.float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
 
@@ -56,6 +53,7 @@ class TPConfig:
     size: int = 1                       # 1: no tensor parallelism
     dtype: str | None = None            # "fp32" | "fp16" | "bf16" when the section names one
     vocab_parallel_lm_head: bool = True
+    sequence_parallel: bool = False     # residual stream split along the sequence over the TP group
 
     @property
     def enabled(self) -> bool:
@@ -68,9 +66,19 @@ def _int(key: str, value: Any) -> int:
     return value
 
 
-def _no_sequence_parallel(key: str, value: Any) -> None:
-    if value not in (None, False, 0, 1) or value is True:
-        raise ConfigError(f"{SECTION}.{key}", f"{value!r}: {SEQUENCE_PARALLEL_REASON}")
+def _sequence_parallel(key: str, value: Any, size: int) -> bool:
+    """Whether ``key: value`` asks for sequence parallelism (true, or a size equal to the TP size)."""
+    if value is None or value is False or value in (0, 1) and not isinstance(value, bool):
+        return False
+    if value is True:
+        return True
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{SECTION}.{key}", f"must be true / false or a size, got {value!r}")
+    if value != size:
+        raise ConfigError(f"{SECTION}.{key}", f"{value}: sequence parallelism with tensor parallelism splits the "
+                                              f"sequence over the tensor-parallel group, so its size is the TP size "
+                                              f"({SECTION}.autotp_size={size}); use true or {size}")
+    return True
 
 
 def parse_tp_config(section: Mapping[str, Any] | None) -> TPConfig:
@@ -79,9 +87,10 @@ def parse_tp_config(section: Mapping[str, Any] | None) -> TPConfig:
         return TPConfig()
     if not isinstance(section, Mapping):
         raise ConfigError(SECTION, f"must be an object, got {type(section).__name__}")
+    sp_keys = []  # (key, value): checked once the TP size is known
     for key in section:
         if key in _SEQUENCE_PARALLEL:
-            _no_sequence_parallel(key, section[key])
+            sp_keys.append((key, section[key]))
             continue
         if key in _REFUSED:
             raise ConfigError(f"{SECTION}.{key}", "is not supported by hf_zero's tensor parallelism (custom layer "
@@ -97,7 +106,7 @@ def parse_tp_config(section: Mapping[str, Any] | None) -> TPConfig:
         raise ConfigError(f"{SECTION}.tp", f"must be an object, got {type(tp).__name__}")
     for key in tp:
         if key in _SEQUENCE_PARALLEL:
-            _no_sequence_parallel(f"tp.{key}", tp[key])
+            sp_keys.append((f"tp.{key}", tp[key]))
         elif key not in ("tp_size", "tp_grain_size"):
             raise ConfigError(f"{SECTION}.tp.{key}", "is not supported (process groups come from hf_zero's device "
                                                      "mesh; tp_size and tp_grain_size are the accepted keys)")
@@ -124,4 +133,10 @@ def parse_tp_config(section: Mapping[str, Any] | None) -> TPConfig:
     if section.get("tp_overlap_comm"):
         logger.warning("hf_zero: %s.tp_overlap_comm=true changes nothing: DTensor's tensor-parallel collectives "
                        "run synchronously", SECTION)
-    return TPConfig(size=max(size, 1), dtype=dtype, vocab_parallel_lm_head=vocab)
+    size = max(size, 1)
+    asked = [key for key, value in sp_keys if _sequence_parallel(key, value, size)]
+    if asked and size == 1:
+        raise ConfigError(f"{SECTION}.{asked[0]}", "sequence parallelism splits the sequence over the tensor-parallel "
+                                                   f"group, but tensor parallelism is off; set {SECTION}.autotp_size "
+                                                   "> 1 or remove it")
+    return TPConfig(size=size, dtype=dtype, vocab_parallel_lm_head=vocab, sequence_parallel=bool(asked))

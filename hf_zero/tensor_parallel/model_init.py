@@ -21,12 +21,15 @@ __all__ = ["tp_model_init"]
 
 
 def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None,
-                  config: Mapping[str, Any] | None = None, **kwargs: Any) -> nn.Module:
+                  config: Mapping[str, Any] | None = None, *, sequence_parallel: bool | None = None,
+                  **kwargs: Any) -> nn.Module:
     """Shard ``model`` in place over ``tp_size`` ranks (DeepSpeed's signature); returns it.
 
     ``dtype`` is not applied here: the engine keeps fp32 master weights taken before it casts the model to the
     training dtype of the config's fp16 / bf16 sections, and ``initialize`` refuses a ``dtype`` that disagrees.
     ``config``: the DeepSpeed config dict; its ``tensor_parallel`` section is checked key by key.
+    ``sequence_parallel`` (hf_zero's): split the residual stream along the sequence between the TP regions; the
+    config's ``tensor_parallel.sequence_parallel`` decides when this is None, and must agree when both are given.
     """
     if kwargs:
         raise TypeError(f"hf_zero: tp_model_init() got unsupported arguments {sorted(kwargs)}")
@@ -37,14 +40,21 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     if tp_cfg.enabled and tp_cfg.size != tp_size:
         raise ValueError(f"hf_zero: tp_model_init(tp_size={tp_size}) disagrees with the config's "
                          f"tensor_parallel.autotp_size={tp_cfg.size}")
+    sp = tp_cfg.sequence_parallel if sequence_parallel is None else bool(sequence_parallel)
+    if tp_cfg.enabled and sequence_parallel is not None and sp != tp_cfg.sequence_parallel:
+        raise ValueError(f"hf_zero: tp_model_init(sequence_parallel={sequence_parallel}) disagrees with the config's "
+                         f"tensor_parallel.sequence_parallel={tp_cfg.sequence_parallel}")
     existing = tp_info(model)
     if existing is not None:
         if existing.size != tp_size:
             raise ValueError(f"hf_zero: the model is already sharded over {existing.size} ranks, not {tp_size}")
+        if (sequence_parallel is not None or tp_cfg.enabled) and existing.sequence_parallel != sp:
+            raise ValueError(f"hf_zero: the model is already sharded with sequence_parallel="
+                             f"{existing.sequence_parallel}, not {sp}")
         check_adapters_sharded(model)
         return model
     comm.init_distributed()  # as deepspeed.initialize would: from the launcher's environment, if not yet
     apply_tp(model, build_mesh(tp_size, key="tp_model_init(tp_size)"),
-             vocab_parallel_head=tp_cfg.vocab_parallel_lm_head)
+             vocab_parallel_head=tp_cfg.vocab_parallel_lm_head, sequence_parallel=sp)
     tp_info(model).dtype = dtype
     return model
