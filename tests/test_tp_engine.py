@@ -17,6 +17,7 @@ STEPS, CLIP, LR = 3, 0.5, 1e-3
 # GPT-2 trains with SGD: its key bias has an exactly zero true gradient, and Adam would turn that element's
 # rounding noise into O(lr) steps of random sign (see _tp_util.make_optimizer)
 RUNS = (("llama", 1), ("gpt2", 2), ("llama", 0))
+SP_RUN = ("llama", 2)  # with tensor_parallel.sequence_parallel (tests/test_tp_sequence_parallel.py: TP 2 alone)
 OPTIMIZER = {"llama": ("AdamW", {"lr": LR, "weight_decay": 0.01}), "gpt2": ("SGD", {"lr": 0.5, "momentum": 0.9})}
 
 
@@ -48,13 +49,15 @@ def reference(kind: str, dp: int):
     return losses, norms, {n: t.detach().clone() for n, t in model.state_dict().items()}
 
 
-def _train(kind: str, stage: int):
+def _train(kind: str, stage: int, sequence_parallel: bool = False):
     import torch.distributed as dist
 
     import hf_zero
     from hf_zero.tensor_parallel.state import full_state_dict
 
-    engine, *_ = hf_zero.initialize(model=make_model(kind), config=_config(stage, kind))
+    config = _config(stage, kind)
+    config["tensor_parallel"]["sequence_parallel"] = sequence_parallel
+    engine, *_ = hf_zero.initialize(model=make_model(kind), config=config)
     dp, dp_rank = engine.world_size, engine.global_rank
     data = token_data(STEPS, batch=2 * dp)
     losses, norms = [], []
@@ -77,6 +80,7 @@ def _worker():
     from hf_zero.config.errors import ConfigError
 
     out = {f"{kind}-{stage}": _train(kind, stage) for kind, stage in RUNS}
+    out["sp"] = _train(*SP_RUN, sequence_parallel=True)
     # ranks of one TP group read the same samples; the two DP replicas read different ones
     _, _, loader, _ = hf_zero.initialize(model=make_model("llama"), config=_config(1),
                                          training_data=torch.utils.data.TensorDataset(torch.arange(16)))
@@ -98,11 +102,11 @@ def results():
     return case(4, "engine")
 
 
-@pytest.mark.parametrize("kind,stage", RUNS)
-def test_dp2_tp2_matches_single_process(results, kind, stage):
+@pytest.mark.parametrize("kind,stage,sp", [(*r, False) for r in RUNS] + [(*SP_RUN, True)])
+def test_dp2_tp2_matches_single_process(results, kind, stage, sp):
     ref_losses, ref_norms, ref_state = reference(kind, 2)
     for out in results:
-        run = out[f"{kind}-{stage}"]
+        run = out["sp" if sp else f"{kind}-{stage}"]
         assert run["dp"] == 2
         for s in range(STEPS):
             assert abs(run["losses"][s] - ref_losses[s]) <= 1e-5 * ref_losses[s], (out["rank"], s, run["losses"])
