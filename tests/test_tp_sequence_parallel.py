@@ -130,9 +130,29 @@ def _activations(kind: str):
             "embeds": (sp(input_ids=ids, labels=ids).loss.item(), sp(inputs_embeds=embeds, labels=ids).loss.item())}
 
 
+def _combinations():
+    from peft import LoraConfig, get_peft_model
+
+    from hf_zero.tensor_parallel import apply_tp, build_mesh
+
+    mesh = build_mesh(2).tp_mesh
+    ids = token_data(1)[0]
+    # DeepSpeed's default head (full logits gathered on every rank) on the sequence-sharded final norm
+    gathered = apply_tp(make_model("llama"), mesh, vocab_parallel_head=False, sequence_parallel=True)
+    out = {"full_logits_loss": gathered(input_ids=ids, labels=ids).loss.item()}
+    try:
+        apply_tp(get_peft_model(make_model("llama"), LoraConfig(r=2, target_modules=["q_proj", "o_proj"])), mesh,
+                 sequence_parallel=True)
+        out["lora_rowwise"] = None
+    except ValueError as e:
+        out["lora_rowwise"] = str(e)
+    return out
+
+
 def _worker():
     out = {f"{kind}-{stage}": _train(kind, stage) for kind, stage in RUNS}
     out.update({f"act-{kind}": _activations(kind) for kind in ("llama", "gpt2")})
+    out["combinations"] = _combinations()
     return out
 
 
@@ -179,6 +199,30 @@ def test_sequence_length_must_divide(results):
         msg = out["llama-1"]["odd_length"]
         assert msg is not None and "tensor_parallel.sequence_parallel" in msg
         assert "sequence length 15" in msg and "tensor-parallel size 2" in msg and "pad" in msg
+
+
+def test_combinations(results):
+    ids = token_data(1)[0]
+    ref = make_model("llama")(input_ids=ids, labels=ids).loss.item()
+    for out in results:
+        got = out["combinations"]
+        assert abs(got["full_logits_loss"] - ref) <= 1e-5 * ref
+        msg = got["lora_rowwise"]
+        assert msg is not None and "tensor_parallel.sequence_parallel" in msg and "o_proj" in msg
+
+
+def test_pipeline_stages_refuse_it():
+    from types import SimpleNamespace
+
+    from hf_zero.runtime.tp_setup import setup_tensor_parallel
+
+    stage = torch.nn.Linear(2, 2)
+    stage.cross_entropy_sum = None  # what hf_zero.pipeline.wrap gives a stage
+    grid = SimpleNamespace(model_parallel_size=2, device_mesh=object())
+    with pytest.raises(ConfigError) as err:
+        setup_tensor_parallel(stage, parse_tp_config({"autotp_size": 2, "sequence_parallel": True}), world_size=8,
+                              pipeline_grid=grid)
+    assert str(err.value).startswith("tensor_parallel.sequence_parallel") and "pipeline" in str(err.value)
 
 
 @pytest.mark.parametrize("section", [
