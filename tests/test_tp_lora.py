@@ -3,7 +3,9 @@ trains under ``hf_zero.initialize`` with ``tensor_parallel.autotp_size 2`` (2 ra
 in one process. The adapters start non-zero (``init_lora_weights=False``) so both factors get gradients from the
 first step, and clipping is active so the norm must count each adapter element once (lora_A of a column-parallel
 layer and lora_B of a row-parallel one are whole on both TP ranks, the other factor is split). A tiny GPT-2 beside
-it covers Conv1D base layers and the fused q|k|v projection (lora_B's rows follow the base's rank-major order)."""
+it covers Conv1D base layers and the fused q|k|v projection (lora_B's rows follow the base's rank-major order).
+Both also train with ``tensor_parallel.sequence_parallel`` (the row-parallel adapters' outputs split along the
+sequence like their base layer's)."""
 
 from __future__ import annotations
 
@@ -57,10 +59,12 @@ def reference(kind: str):
 
 
 def _worker(root: str):
-    return {kind: _train(kind, f"{root}/lora-{kind}") for kind in TARGETS}
+    out = {kind: _train(kind, f"{root}/lora-{kind}") for kind in TARGETS}
+    out.update({f"{kind}-sp": _train(kind, f"{root}/lora-{kind}-sp", sequence_parallel=True) for kind in TARGETS})
+    return out
 
 
-def _train(kind: str, path: str):
+def _train(kind: str, path: str, sequence_parallel: bool = False):
     import torch.distributed as dist
     from safetensors.torch import load_file
     from torch.distributed.tensor import DTensor
@@ -72,7 +76,8 @@ def _train(kind: str, path: str):
     engine, *_ = hf_zero.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 4, "gradient_clipping": CLIP,
         "optimizer": {"type": OPTIMIZER[kind][0], "params": dict(OPTIMIZER[kind][1])},
-        "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}, "steps_per_print": 1000})
+        "zero_optimization": {"stage": 1}, "steps_per_print": 1000,
+        "tensor_parallel": {"autotp_size": 2, "sequence_parallel": sequence_parallel}})
     data, losses, norms = token_data(STEPS), [], []
     for s in range(STEPS):
         loss = engine(input_ids=data[s], labels=data[s]).loss
@@ -99,12 +104,13 @@ def results():
     return case(2, "lora")
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("kind", list(TARGETS))
-def test_lora_tp2_matches_one_process(results, kind):
+def test_lora_tp2_matches_one_process(results, kind, sp):
     ref_losses, ref_norms, _, _ = reference(kind)
     assert min(ref_norms) > CLIP  # clipping changes every step
     for rank, per in enumerate(results):
-        out = per[kind]
+        out = per[f"{kind}-sp" if sp else kind]
         for s in range(STEPS):
             assert abs(out["losses"][s] - ref_losses[s]) <= 1e-5 * ref_losses[s], (rank, s, out["losses"], ref_losses)
             assert abs(out["norms"][s] - ref_norms[s]) <= 1e-5 * ref_norms[s], (rank, s, out["norms"], ref_norms)
@@ -135,13 +141,14 @@ def test_adapters_split_with_their_base_layer(results):
             "attn.c_attn.lora_B.default.weight": (True, (3 * h // 2, 4), True)}, per["gpt2"]["layout"]
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("kind", list(TARGETS))
-def test_saved_adapters_are_complete_and_equal_the_reference(results, kind):
+def test_saved_adapters_are_complete_and_equal_the_reference(results, kind, sp):
     _, _, ref_adapters, ref_base = reference(kind)
     n_modules = {"llama": 7, "gpt2": 4}[kind]  # per layer
     assert len(ref_adapters) == 2 * n_modules * 2  # A and B per module, 2 layers
     for per in results:
-        out = per[kind]
+        out = per[f"{kind}-sp" if sp else kind]
         saved = out["saved"]
         assert set(saved) == set(ref_adapters)
         for name, ref in ref_adapters.items():

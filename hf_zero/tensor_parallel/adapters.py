@@ -9,7 +9,9 @@ the adapter pair must produce the same layout as the base layer's output from th
       the full one on every TP rank (a replicated parameter, counted once by the gradient norm).
   row parallel base (x = this rank's slice of the features, output summed over the TP ranks):
       lora_A split along its input like the base weight, its partial products summed over the TP group
-      (RowwiseParallel: an all-reduce of an r-wide activation), lora_B replicated.
+      (RowwiseParallel: an all-reduce of an r-wide activation), lora_B replicated. With sequence parallelism the
+      base output is reduce-scattered to sequence shards, so lora_A's partial products are too (r-wide) and lora_B
+      runs on this rank's tokens (SequenceParallel: whole weight, gradient summed over the TP group).
   fused [q | k | v] column parallel base (GPT-2's c_attn): lora_B's rows are permuted into the base weight's
       rank-major order before the split, and un-permuted by ``full_state_dict`` (recorded in ``TPInfo.fused``).
 
@@ -27,7 +29,8 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from hf_zero.tensor_parallel.styles import fused_to_rank_major
 
@@ -46,7 +49,8 @@ def is_lora_layer(module: nn.Module) -> bool:
     return hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
 
 
-def parallelize_lora_layer(name: str, module: nn.Module, style: str, mesh: DeviceMesh) -> dict[str, tuple[int, int]]:
+def parallelize_lora_layer(name: str, module: nn.Module, style: str, mesh: DeviceMesh, *,
+                           sequence_parallel: bool = False) -> dict[str, tuple[int, int]]:
     """Split the adapters of LoRA layer ``name`` (its base layer already parallel with ``style``).
 
     Returns the fused-permutation entries ``{param name: (parts, dim)}`` for ``TPInfo.fused``.
@@ -65,6 +69,9 @@ def parallelize_lora_layer(name: str, module: nn.Module, style: str, mesh: Devic
         lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
         if style == "colwise":
             parallelize_module(lora_b, mesh, ColwiseParallel())
+        elif style == "rowwise" and sequence_parallel:
+            parallelize_module(lora_a, mesh, RowwiseParallel(output_layouts=Shard(1)))
+            parallelize_module(lora_b, mesh, SequenceParallel(use_local_output=True))
         elif style == "rowwise":
             parallelize_module(lora_a, mesh, RowwiseParallel())
         elif style == "fused_qkv_colwise":

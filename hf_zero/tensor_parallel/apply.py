@@ -28,7 +28,7 @@ from hf_zero.tensor_parallel.adapters import is_lora_layer, parallelize_lora_lay
 from hf_zero.tensor_parallel.loss import VocabParallelCausalLMLoss
 from hf_zero.tensor_parallel.mesh import TPMesh
 from hf_zero.tensor_parallel.plans import match_modules, resolve_plan
-from hf_zero.tensor_parallel.sequence import SEQ_DIM, SEQUENCE_KEY, SP_STYLES, install_sequence_check, sp_style
+from hf_zero.tensor_parallel.sequence import SEQ_DIM, SP_STYLES, install_sequence_check, sp_style
 from hf_zero.tensor_parallel.styles import Conv1DColwise, Conv1DRowwise, ReplicatedGradAllReduce
 
 __all__ = ["apply_tp", "TPInfo", "tp_info", "is_tp_sharded", "check_adapters_sharded"]
@@ -177,16 +177,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
     for name, style in matched.items():
         module = modules[name]
         if is_lora_layer(module):  # the base layer as planned, its adapters split to match
-            if sequence_parallel and style == "rowwise":
-                raise ValueError(f"hf_zero: {SEQUENCE_KEY} with LoRA adapters on the row-parallel {name!r} is not "
-                                 "supported (the adapter's output would stay whole while the layer's is split "
-                                 "along the sequence); leave o_proj / down_proj / c_proj out of target_modules "
-                                 "or turn sequence_parallel off")
             base = module.base_layer
             parallelize_module(base, tp_mesh, _style(name, style, base, sequence_parallel))
-            fused.update(parallelize_lora_layer(name, module, style, tp_mesh))
+            fused.update(parallelize_lora_layer(name, module, style, tp_mesh, sequence_parallel=sequence_parallel))
         else:
+            frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
             parallelize_module(module, tp_mesh, _style(name, style, module, sequence_parallel))
+            for n in frozen:  # SequenceParallel re-creates parameters trainable (a PEFT-frozen norm would train)
+                module.get_parameter(n).requires_grad_(False)
         if style == "fused_qkv_colwise":
             fused[f"{name}.weight"] = (3, 1)
             fused[f"{name}.bias"] = (3, 0)
