@@ -1,6 +1,7 @@
 """Checkpoints of a tensor-parallel engine reshard across TP sizes: written at TP 2 after two steps, reloaded at
 TP 1 (no tensor parallelism) and at TP 4, the next two steps continue the single-process loss curve (AdamW moments
-and step count resharded too). GPT-2 covers the fused q|k|v column order; Llama the grouped-query split."""
+and step count resharded too). GPT-2 covers the fused q|k|v column order; Llama the grouped-query split. "llama-sp"
+trains with sequence parallelism (whole norm weights as replicated DTensors), resumed at TP 1 and at TP 4 with it."""
 
 from __future__ import annotations
 
@@ -13,18 +14,19 @@ from _tp_spawns import SHARED_DIR, case, register
 from _tp_util import make_model, token_data
 
 STEPS, SAVED_AT, CLIP, LR = 4, 2, 0.5, 1e-3
-KINDS = ("llama", "gpt2")
+KINDS = ("llama", "gpt2", "llama-sp")
 
 
-def _config(tp: int) -> dict:
+def _config(tp: int, kind: str) -> dict:
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp}, "steps_per_print": 1000}
+            "zero_optimization": {"stage": 1}, "steps_per_print": 1000,
+            "tensor_parallel": {"autotp_size": tp, "sequence_parallel": kind.endswith("-sp") and tp > 1}}
 
 
 @functools.lru_cache(maxsize=None)
 def reference(kind: str) -> list[float]:
-    model = make_model(kind)
+    model = make_model(kind.removesuffix("-sp"))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     data, losses = token_data(STEPS), []
     for s in range(STEPS):
@@ -52,7 +54,7 @@ def _save(root: str):
 
     out = {}
     for kind in KINDS:
-        engine, *_ = hf_zero.initialize(model=make_model(kind), config=_config(2))
+        engine, *_ = hf_zero.initialize(model=make_model(kind.removesuffix("-sp")), config=_config(2, kind))
         out[kind] = _steps(engine, 0, SAVED_AT)
         engine.save_checkpoint(f"{root}/{kind}")
     return out
@@ -64,7 +66,7 @@ def _resume(root: str, tp: int):
     out = {}
     for kind in KINDS:
         # a different initial model: everything must come from the checkpoint
-        engine, *_ = hf_zero.initialize(model=make_model(kind, seed=7), config=_config(tp))
+        engine, *_ = hf_zero.initialize(model=make_model(kind.removesuffix("-sp"), seed=7), config=_config(tp, kind))
         path, _ = engine.load_checkpoint(f"{root}/{kind}")
         assert path is not None and engine.global_steps == SAVED_AT
         out[kind] = _steps(engine, SAVED_AT, STEPS)
