@@ -138,7 +138,18 @@ def _combinations():
     ids = token_data(1)[0]
     # DeepSpeed's default head (full logits gathered on every rank) on the sequence-sharded final norm
     gathered = apply_tp(make_model("llama"), mesh, vocab_parallel_head=False, sequence_parallel=True)
-    return {"full_logits_loss": gathered(input_ids=ids, labels=ids).loss.item()}
+    out = {"full_logits_loss": gathered(input_ids=ids, labels=ids).loss.item()}
+    # deepspeed.tp_model_init with the config (what transformers' Trainer calls), then a disagreeing second call
+    from hf_zero.tensor_parallel import tp_info, tp_model_init
+
+    model = tp_model_init(make_model("llama"), 2, config={"tensor_parallel": {"autotp_size": 2,
+                                                                               "sequence_parallel": True}})
+    out["tp_model_init"] = tp_info(model).sequence_parallel
+    try:
+        tp_model_init(model, 2, sequence_parallel=False)
+    except ValueError as e:
+        out["disagree"] = str(e)
+    return out
 
 
 def _worker():
@@ -193,12 +204,13 @@ def test_sequence_length_must_divide(results):
         assert "sequence length 15" in msg and "tensor-parallel size 2" in msg and "pad" in msg
 
 
-def test_gathered_logits_head(results):
+def test_gathered_logits_head_and_tp_model_init(results):
     ids = token_data(1)[0]
     ref = make_model("llama")(input_ids=ids, labels=ids).loss.item()
     for out in results:
         got = out["combinations"]
         assert abs(got["full_logits_loss"] - ref) <= 1e-5 * ref
+        assert got["tp_model_init"] is True and "sequence_parallel=True, not False" in got["disagree"]
 
 
 def test_pipeline_stages_refuse_it():
