@@ -131,6 +131,15 @@ def _activations(kind: str):
             "embeds": (sp(input_ids=ids, labels=ids).loss.item(), sp(inputs_embeds=embeds, labels=ids).loss.item())}
 
 
+def _padded():
+    """A padded batch (left and right padding, masked labels): the mask is built from the full sequence."""
+    ids = token_data(1)[0]
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, 12:] = 0
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
 def _combinations():
     from hf_zero.tensor_parallel import apply_tp, build_mesh
 
@@ -139,6 +148,10 @@ def _combinations():
     # DeepSpeed's default head (full logits gathered on every rank) on the sequence-sharded final norm
     gathered = apply_tp(make_model("llama"), mesh, vocab_parallel_head=False, sequence_parallel=True)
     out = {"full_logits_loss": gathered(input_ids=ids, labels=ids).loss.item()}
+    ids_p, mask, labels = _padded()
+    for kind in ("llama", "gpt2"):
+        model = apply_tp(make_model(kind), mesh, sequence_parallel=True)
+        out[f"padded-{kind}"] = model(input_ids=ids_p, attention_mask=mask, labels=labels).loss.item()
     # deepspeed.tp_model_init with the config (what transformers' Trainer calls), then a disagreeing second call
     from hf_zero.tensor_parallel import tp_info, tp_model_init
 
@@ -204,12 +217,16 @@ def test_sequence_length_must_divide(results):
         assert "sequence length 15" in msg and "tensor-parallel size 2" in msg and "pad" in msg
 
 
-def test_gathered_logits_head_and_tp_model_init(results):
+def test_gathered_logits_padding_and_tp_model_init(results):
     ids = token_data(1)[0]
     ref = make_model("llama")(input_ids=ids, labels=ids).loss.item()
     for out in results:
         got = out["combinations"]
         assert abs(got["full_logits_loss"] - ref) <= 1e-5 * ref
+        for kind in ("llama", "gpt2"):
+            ids_p, mask, labels = _padded()
+            padded = make_model(kind)(input_ids=ids_p, attention_mask=mask, labels=labels).loss.item()
+            assert abs(got[f"padded-{kind}"] - padded) <= 1e-5 * padded, kind
         assert got["tp_model_init"] is True and "sequence_parallel=True, not False" in got["disagree"]
 
 
