@@ -1,5 +1,6 @@
 """Run by tests/test_tp_trainer.py under torchrun: the HF Trainer with a DeepSpeed config carrying
-``tensor_parallel.autotp_size`` (answered by hf_zero), recording the batches each rank trains on."""
+``tensor_parallel.autotp_size`` (answered by hf_zero), recording the batches each rank trains on. A fifth argument
+"sp" adds ``tensor_parallel.sequence_parallel: true``."""
 
 import json
 import sys
@@ -7,10 +8,13 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
+from hf_zero.tensor_parallel import tp_info
+
 sys.path.insert(0, sys.argv[4])
 from hf_tiny import synthetic_lm_dataset  # noqa: E402
 
 model_dir, out_dir, record = sys.argv[1], sys.argv[2], sys.argv[3]
+sequence_parallel = sys.argv[5:] == ["sp"]
 
 
 class RecordingTrainer(Trainer):
@@ -26,7 +30,7 @@ ds_config = {
     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": "auto", "eps": "auto"}},
     "zero_optimization": {"stage": 1, "stage3_gather_16bit_weights_on_model_save": True},
-    "tensor_parallel": {"autotp_size": 2},
+    "tensor_parallel": {"autotp_size": 2, "sequence_parallel": sequence_parallel},
 }
 args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
                          weight_decay=0.0, max_grad_norm=0.5, lr_scheduler_type="constant", logging_steps=1,
@@ -38,4 +42,5 @@ trainer.save_model(out_dir)
 rank = torch.distributed.get_rank()
 with open(f"{record}.{rank}.json", "w") as f:
     json.dump({"seen": trainer.seen, "tp_size": trainer.get_tp_size(),
+               "sequence_parallel": tp_info(trainer.model_wrapped.module).sequence_parallel,
                "train_batch_size": trainer.deepspeed.train_batch_size()}, f)

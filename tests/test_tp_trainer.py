@@ -1,5 +1,7 @@
 """``TrainingArguments(deepspeed=<config with tensor_parallel.autotp_size 2>)`` on 4 CPU processes (DP 2 x TP 2),
-no real DeepSpeed: the Trainer calls ``deepspeed.tp_model_init`` and ``deepspeed.initialize`` (hf_zero).
+no real DeepSpeed: the Trainer calls ``deepspeed.tp_model_init`` and ``deepspeed.initialize`` (hf_zero). The
+config also carries ``sequence_parallel: true`` (the tokens are 32 long), so the Trainer's path through
+``tp_model_init(config=...)`` is checked with it; without it, the same engine path is test_tp_engine.py's.
 
 Checked: the two ranks of a TP group train on the same batches and the two data-parallel replicas on different
 ones; the global batch counts replicas, not ranks; the saved ``model.safetensors`` is one ordinary file that
@@ -37,9 +39,11 @@ def test_trainer_dp2_tp2(tmp_path):
     python = make_venv(tmp_path / "venv")
     base = tiny_base_model(tmp_path / "base")
     out, record = tmp_path / "out", tmp_path / "record"
-    torchrun(python, SCRIPT, [str(base), str(out), str(record), str(EXAMPLES)], cwd=tmp_path, nproc=4, timeout=420)
+    torchrun(python, SCRIPT, [str(base), str(out), str(record), str(EXAMPLES), "sp"], cwd=tmp_path, nproc=4,
+             timeout=420)
     runs = [json.loads(Path(f"{record}.{r}.json").read_text()) for r in range(4)]
     assert all(r["tp_size"] == 2 and r["train_batch_size"] == 4 for r in runs)  # 2 replicas x micro-batch 2
+    assert all(r["sequence_parallel"] for r in runs)
     seen = [r["seen"] for r in runs]
     assert seen[0] == seen[1] and seen[2] == seen[3]  # a TP group reads one batch
     assert all(a != b for a, b in zip(seen[0], seen[2]))  # the replicas read different ones
