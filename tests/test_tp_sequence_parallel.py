@@ -131,6 +131,29 @@ def _activations(kind: str):
             "embeds": (sp(input_ids=ids, labels=ids).loss.item(), sp(inputs_embeds=embeds, labels=ids).loss.item())}
 
 
+FAMILIES = ("mistral", "qwen2", "qwen3")  # share the Llama family's sequence-parallel plan
+
+
+def _family_model(model_type: str):
+    import transformers
+
+    name = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, f"{name}Config")(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                                 num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
+                                                 head_dim=8, max_position_embeddings=64)
+    return getattr(transformers, f"{name}ForCausalLM")(cfg).train()
+
+
+def _loss_and_norm_grad(model):
+    """The loss and the first decoder layer's input-norm gradient (summed over the TP group under SP)."""
+    ids = token_data(1)[0]
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grad = model.model.layers[0].input_layernorm.weight.grad
+    return loss.item(), (grad.full_tensor() if hasattr(grad, "full_tensor") else grad)
+
+
 def _padded():
     """A padded batch (left and right padding, masked labels): the mask is built from the full sequence."""
     ids = token_data(1)[0]
@@ -152,6 +175,8 @@ def _combinations():
     for kind in ("llama", "gpt2"):
         model = apply_tp(make_model(kind), mesh, sequence_parallel=True)
         out[f"padded-{kind}"] = model(input_ids=ids_p, attention_mask=mask, labels=labels).loss.item()
+    for model_type in FAMILIES:
+        out[model_type] = _loss_and_norm_grad(apply_tp(_family_model(model_type), mesh, sequence_parallel=True))
     # deepspeed.tp_model_init with the config (what transformers' Trainer calls), then a disagreeing second call
     from hf_zero.tensor_parallel import tp_info, tp_model_init
 
@@ -217,7 +242,7 @@ def test_sequence_length_must_divide(results):
         assert "sequence length 15" in msg and "tensor-parallel size 2" in msg and "pad" in msg
 
 
-def test_gathered_logits_padding_and_tp_model_init(results):
+def test_other_families_head_padding_and_tp_model_init(results):
     ids = token_data(1)[0]
     ref = make_model("llama")(input_ids=ids, labels=ids).loss.item()
     for out in results:
@@ -227,6 +252,10 @@ def test_gathered_logits_padding_and_tp_model_init(results):
             ids_p, mask, labels = _padded()
             padded = make_model(kind)(input_ids=ids_p, attention_mask=mask, labels=labels).loss.item()
             assert abs(got[f"padded-{kind}"] - padded) <= 1e-5 * padded, kind
+        for model_type in FAMILIES:
+            ref_loss, ref_grad = _loss_and_norm_grad(_family_model(model_type))
+            loss, grad = got[model_type]
+            assert abs(loss - ref_loss) <= 1e-5 * ref_loss and rel(grad, ref_grad) <= 1e-5, model_type
         assert got["tp_model_init"] is True and "sequence_parallel=True, not False" in got["disagree"]
 
 

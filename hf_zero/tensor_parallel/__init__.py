@@ -6,6 +6,8 @@
                                                  # embedding and LM head vocabulary parallel
     loss = model(input_ids, labels=labels).loss  # vocabulary-parallel cross-entropy; no rank holds full logits
 
+    apply_tp(model, mesh.tp_mesh, sequence_parallel=True)  # also split norms / residual stream along the sequence
+
 Owns the TP mesh, the per-module sharding plans and the vocabulary-parallel loss. May import zero, offload,
 profiling, comm, ops and config; never runtime (which wires it in), integrations, or its peers pipeline and
 compression (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
@@ -16,6 +18,7 @@ from hf_zero.tensor_parallel.loss import VocabParallelCausalLMLoss, vocab_parall
 from hf_zero.tensor_parallel.mesh import TPMesh, build_mesh
 from hf_zero.tensor_parallel.model_init import tp_model_init
 from hf_zero.tensor_parallel.plans import OWN_PLANS, resolve_plan
+from hf_zero.tensor_parallel.sequence import SP_PLANS
 
 __all__ = ["apply_tp", "tp_model_init", "tp_info", "TPInfo", "build_mesh", "TPMesh", "vocab_parallel_cross_entropy",
-           "VocabParallelCausalLMLoss", "OWN_PLANS", "resolve_plan"]
+           "VocabParallelCausalLMLoss", "OWN_PLANS", "SP_PLANS", "resolve_plan"]
