@@ -7,6 +7,7 @@ Runners (all hf_zero.initialize, fp32, AdamW, the same Llama built from config, 
     ddp    ZeRO stage 0 over 2 data-parallel ranks (every rank holds everything)
     zero3  ZeRO stage 3 over 2 data-parallel ranks
     tp2    tensor_parallel.autotp_size 2 (one replica, the model split over the 2 ranks), ZeRO stage 0
+    tp2_sp tp2 with tensor_parallel.sequence_parallel (norms and residual stream split along the sequence)
     ds_tp2 DeepSpeed's AutoTP (deepspeed.tp_model_init + initialize with tensor_parallel.autotp_size 2, ZeRO 0, its
            CPU FusedAdam), run by a python with a real DeepSpeed (--ds-python; DS_ACCELERATOR=cpu is set)
 
@@ -32,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-RUNNERS = ["ddp", "zero3", "tp2", "ds_tp2"]
+RUNNERS = ["ddp", "zero3", "tp2", "tp2_sp", "ds_tp2"]
 MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=128)
 MICRO, SEQ = 4, 128
@@ -59,9 +60,9 @@ def _worker(runner: str, steps: int, out: str) -> None:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage},
            "steps_per_print": 10 ** 9}
-    tp = runner in ("tp2", "ds_tp2")
+    tp = runner in ("tp2", "tp2_sp", "ds_tp2")
     if tp:
-        cfg["tensor_parallel"] = {"autotp_size": 2}
+        cfg["tensor_parallel"] = {"autotp_size": 2, **({"sequence_parallel": True} if runner == "tp2_sp" else {})}
         model = deepspeed.tp_model_init(model, tp_size=2, dtype=torch.float32, config=cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     rank = dist.get_rank()
@@ -97,7 +98,7 @@ def _param_bytes(runner: str, module, full: dict[str, int]) -> tuple[int, int | 
             None, None
     if runner == "ddp":
         return sum(p.numel() * p.element_size() for p in module.parameters()), None, None
-    if runner == "tp2":
+    if runner in ("tp2", "tp2_sp"):
         from hf_zero.tensor_parallel.apply import is_tp_sharded
         from hf_zero.zero.local import local_tensor
 
