@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hf_zero
-import hf_zero.runtime.checkpoint as ckpt
+import hf_zero.runtime.checkpoint_commit as commit
 from hf_zero.runtime.checkpoint_files import CheckpointError
 from hf_zero.testing import run_distributed
 
@@ -178,7 +178,7 @@ def _same_tag_crash(save_dir):
     engine = _saved(save_dir)
     first = _snapshot(engine)
     _train(engine, 1)
-    real = ckpt._rename
+    real = commit._rename
     calls = []
 
     def crash_on_second(src, dst):
@@ -187,12 +187,12 @@ def _same_tag_crash(save_dir):
             raise OSError("simulated crash between the renames")
         real(src, dst)
 
-    ckpt._rename = crash_on_second
+    commit._rename = crash_on_second
     try:
         with pytest.raises(OSError):
             engine.save_checkpoint(save_dir, tag="global_step2")
     finally:
-        ckpt._rename = real
+        commit._rename = real
     listing = sorted(p.name for p in save_dir.iterdir())
     fresh = _engine(2, seed=7)
     path, client = fresh.load_checkpoint(save_dir)  # latest -> global_step2, missing: its complete .old- copy

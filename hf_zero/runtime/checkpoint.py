@@ -8,9 +8,10 @@ Layout of ``save_dir``::
     <tag>/zero_rank00003.safetensors  rank 3: fp32 master shard and optimizer-state shards of every group, RNG state
     <tag>/engine_state.pt           rank 0: counters, loss scaler, LR scheduler, client_state (loaded weights_only)
 
-Atomicity: every rank writes into ``.tmp-<tag>``; the ranks agree (one all-reduce) that all writes succeeded; only
-then rank 0 renames the directory into place and rewrites ``latest``. A crash or error part-way leaves the previous
-checkpoint and ``latest`` untouched; a leftover ``.tmp-*`` directory is ignored and replaced by the next save.
+Atomicity (checkpoint_commit.py): every rank writes into ``.tmp-<tag>``; the ranks agree (one bounded
+all-gather) that all writes succeeded; only then rank 0 renames the directory into place and rewrites ``latest``.
+A crash or error part-way leaves the previous checkpoint and ``latest`` untouched; a leftover ``.tmp-*`` directory
+is ignored and replaced by the next save.
 
 Resharding: shards follow :class:`~hf_zero.zero.layout.ShardLayout` (each parameter split into one shard per
 rank), so a checkpoint written on N ranks is re-cut for M ranks at load time from the per-parameter shards -- no
@@ -22,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hf_zero import comm
-from hf_zero.comm import faults
-from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, clean_stale, fsync_dir,
-                                              fsync_file, read_json, read_manifest, resolve_checkpoint, sha256_file,
-                                              torch_load, verify_files, write_manifest)
+from hf_zero.runtime.checkpoint_commit import agree, commit_tag
+from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
+                                              read_manifest, resolve_checkpoint, torch_load, verify_files)
 from hf_zero.runtime.checkpoint_nodes import agree_on_tag, describe_ranks, place
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.layout import ShardLayout
@@ -70,19 +69,16 @@ def _dedupe_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     return out, aliases
 
 
-def _write_rank_files(engine, tmp: Path, exclude_frozen: bool, client_state: dict,
-                      is_writer: bool, write_model: bool = True) -> dict[str, dict[str, Any]]:
+def _write_rank_files(engine, tmp: Path, exclude_frozen: bool, client_state: dict, is_writer: bool,
+                      write_model: bool = True, module_state: dict | None = None) -> dict[str, dict[str, Any]]:
     """Write this rank's files into ``tmp``, fsynced; returns their manifest entries (size, sha256)."""
-    names = _write_rank_files_unsynced(engine, tmp, exclude_frozen, client_state, is_writer, write_model)
-    out = {}
-    for name in names:
-        fsync_file(tmp / name)
-        out[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-    return out
+    names = _write_rank_files_unsynced(engine, tmp, exclude_frozen, client_state, is_writer, write_model,
+                                       module_state)
+    return {name: file_entry(tmp / name) for name in names}
 
 
-def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_state: dict,
-                               is_writer: bool, write_model: bool = True) -> list[str]:
+def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_state: dict, is_writer: bool,
+                               write_model: bool = True, module_state: dict | None = None) -> list[str]:
     """The file layout. Each component names its own state; this decides which file holds it:
 
     * this rank's ``zero_rank<r>.safetensors``: the optimizer's shards (masters, moments), the stage-3 runtime's
@@ -92,7 +88,9 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
     * its ``engine_state.pt``: counters, skipped steps, the loss scaler's and the LR scheduler's state dicts
       (each once), ``client_state``;
     * its ``model.safetensors`` (stages 0-2): the module's state dict -- unless ``write_model`` is false (a 3D
-      pipeline keeps its module in per-layer files: hf_zero/runtime/pipe_checkpoint.py).
+      pipeline keeps its module in per-layer files: hf_zero/runtime/pipe_checkpoint.py); ``module_state`` if
+      given (a tensor-parallel module's state dict, gathered by the caller before any write can fail: the gather
+      is a collective over the TP group).
 
     Unsharded optimizer state (stage 0: identical on every rank) is ``zero_rank00000``'s; a node-local directory
     without rank 0 gets its own copy of that file from its writer (without rank 0's RNG state).
@@ -114,7 +112,8 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
         save_file({k: v.detach().contiguous() for k, v in optimizer.shard_state().items()}, str(tmp / _rank_file(0)))
         written.append(_rank_file(0))
     if engine.stage3 is None and write_model:
-        sd, aliases = _dedupe_shared(engine.module_state_dict(exclude_frozen))
+        sd, aliases = _dedupe_shared(module_state if module_state is not None else
+                                     engine.module_state_dict(exclude_frozen))
         save_file(sd, str(tmp / "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
         written.append("model.safetensors")
     meta = {"format_version": FORMAT_VERSION, "world_size": engine.world_size, "stage": engine.stage,
@@ -132,108 +131,38 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
 
 
 def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_latest: bool,
-                    exclude_frozen_parameters: bool, write_model: bool = True) -> bool:
-    """Write a checkpoint on every rank (collective). Raises, leaving the previous checkpoint intact, on failure.
+                    exclude_frozen_parameters: bool, write_model: bool = True,
+                    module_state: dict | None = None) -> bool:
+    """Write a checkpoint on every rank (collective). Raises, leaving the previous checkpoint intact, on failure
+    (:class:`~hf_zero.runtime.checkpoint_commit.SaveError` on every rank, naming the rank that failed).
 
     Each directory (the shared one, or with ``checkpoint.use_node_local_storage`` each node's own: see
     checkpoint_nodes.py) gets the files of the ranks that see it, and is finalized by its writer rank; ``latest``
-    moves only after every directory holds its complete, renamed tag."""
+    moves only after every directory holds its complete, renamed tag (checkpoint_commit.py)."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if "/" in tag or tag.startswith("."):
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
     check_client_state(client_state)  # refused here, not at resume time after the weights were overwritten
     root = Path(save_dir)
-    tmp, final = root / f".tmp-{tag}", root / tag
     group = engine.process_group
     what = f"save_checkpoint({str(root)!r}, tag={tag!r})"  # for errors; collectives' labels name no path (with
     label = f"save_checkpoint(tag={tag!r})"                   # node-local storage it may differ between nodes)
     spot = place(engine.global_rank, engine.world_size, root, engine.use_node_local_storage(),
                  lambda mine, w: _agree(engine, mine, w), lambda w: comm.barrier(group, what=w), what, label)
-    error: BaseException | None = None
-    if spot.is_writer:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            clean_stale(root)
-            tmp.mkdir()
-        except OSError as exc:  # reported to every rank below, which would otherwise wait for this one
-            error = exc
-    started = _agree(engine, None if error is None else f"{type(error).__name__}: {error}", f"the start of {label}")
-    failed = [r for r, err in enumerate(started) if err is not None]
-    if failed:
-        raise RuntimeError(f"hf_zero: {what}: cannot create its directory on {describe_ranks(failed[:1], spot.nodes)}"
-                           f" ({started[failed[0]]}); the previous checkpoint is untouched") from error
-    entries: dict[str, dict[str, Any]] = {}
-    try:
-        entries = _write_rank_files(engine, tmp, exclude_frozen_parameters, client_state, spot.is_writer,
-                                    write_model)
-    except Exception as exc:  # every rank must reach the agreement below, or the others would hang
-        error = exc
-    reports = _agree(engine, (None if error is None else f"{type(error).__name__}: {error}", entries),
-                     f"the agreement of {label}")
-    failed = [r for r, (err, _) in enumerate(reports) if err is not None]
-    if failed:
-        if spot.is_writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-        comm.barrier(group, what=f"the clean-up of a failed {label}")
-        raise RuntimeError(f"hf_zero: {what} failed on {describe_ranks(failed[:1], spot.nodes)} "
-                           f"({reports[failed[0]][0]}); the previous checkpoint is untouched") from error
-    error = None
-    if spot.is_writer:
-        try:
-            manifest = {name: e for r in spot.domain for name, e in reports[r][1].items()}
-            write_manifest(tmp, manifest)
-            fsync_dir(tmp)
-            _rename_into_place(root, tmp, final, tag)
-        except Exception as exc:
-            error = exc
-    # every directory's tag is in place before any 'latest' moves (with one directory per node, a node whose
-    # rename failed would otherwise be left behind the others)
-    renamed = _agree(engine, None if error is None else f"{type(error).__name__}: {error}",
-                     f"the rename agreement of {label}")
-    failed = [r for r, err in enumerate(renamed) if err is not None]
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"hf_zero: {what} failed to finalize on {describe_ranks(failed[:1], spot.nodes)} "
-                           f"({renamed[failed[0]]}); 'latest' still names the previous checkpoint") from error
-    if spot.is_writer and save_latest:
-        _write_latest(root, tag)
-    comm.barrier(group, what=f"the end of {label}")
+    commit_tag(root, tag, is_writer=spot.is_writer, domain=spot.domain,
+               me=describe_ranks([engine.global_rank], spot.nodes),
+               agree=lambda mine, w: _agree(engine, mine, w), barrier=lambda w: comm.barrier(group, what=w),
+               write=lambda tmp: (_write_rank_files(engine, tmp, exclude_frozen_parameters, client_state,
+                                                    spot.is_writer, write_model, module_state), None),
+               save_latest=save_latest, what=what, label=label)
     return True
-
-
-def _rename_into_place(root: Path, tmp: Path, final: Path, tag: str) -> None:
-    """The writer: rename the complete, fsynced ``tmp`` into place. A same-tag save keeps the previous copy as
-    ``.old-<tag>`` until the new one is in place (a load falls back to it after a crash)."""
-    old = root / f".old-{tag}"
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        _rename(final, old)
-    _rename(tmp, final)
-    fsync_dir(root)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_latest(root: Path, tag: str) -> None:
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(tag)
-    fsync_file(latest_tmp)
-    os.replace(latest_tmp, root / "latest")
-    fsync_dir(root)
-
-
-def _rename(src: Path, dst: Path) -> None:
-    src.rename(dst)
 
 
 def _agree(engine, mine: Any, what: str) -> list[Any]:
     """Every rank's ``mine`` (a small picklable value), gathered on every rank within comms_timeout_s."""
-    if not comm.is_initialized() or engine.world_size == 1:
+    if engine.world_size == 1:
         return [mine]
-    out: list[Any] = [None] * engine.world_size
-    with faults.bounded(what, engine.process_group):
-        torch.distributed.all_gather_object(out, mine, group=engine.process_group)
-    return out
+    return agree(mine, what, engine.process_group)
 
 
 def _full_param_from_shards(files: list, key: str, layout: ShardLayout, index: int) -> torch.Tensor:

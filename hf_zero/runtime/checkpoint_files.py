@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 __all__ = ["CheckpointError", "fsync_file", "fsync_dir", "sha256_file", "write_manifest", "read_manifest",
-           "verify_files", "resolve_checkpoint", "clean_stale", "check_client_state", "read_json", "torch_load",
+           "verify_files", "file_entry", "resolve_checkpoint", "clean_stale", "check_client_state", "read_json", "torch_load",
            "MANIFEST"]
 
 MANIFEST = "manifest.json"
@@ -56,6 +56,12 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """A written file's manifest entry (size, sha256), after fsyncing it: what the manifest records is on disk."""
+    fsync_file(path)
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def write_manifest(directory: Path, files: dict[str, dict[str, Any]]) -> None:

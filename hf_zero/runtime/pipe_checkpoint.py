@@ -2,6 +2,8 @@
 tensor parallelism inside the stages -- 3D -- another TP size).
 
     <dir>/latest                                  the tag
+    <dir>/<tag>/manifest.json                     size and sha256 of pipeline.json, every layer file and every
+                                                  stage checkpoint's own manifest.json (which covers its files)
     <dir>/<tag>/pipeline.json                     stages, data-parallel size, layer boundaries, TP size at save time;
                                                   with TP, how each parameter was split (full shape, dim, fused)
     <dir>/<tag>/layer_05-model_states.pt          DeepSpeed's per-layer module files (the weights of layer 5; full
@@ -11,6 +13,12 @@ tensor parallelism inside the stages -- 3D -- another TP size).
                                                   under its own root: the saver cleans stale files in its root)
     <dir>/<tag>/pipe/stage01-tp00/zero/...        with TP, one per (stage, TP rank): the masters and optimizer
                                                   states of that rank's shards, cut over its replicas
+
+The tag is atomic as a whole (hf_zero/runtime/checkpoint_commit.py, as the ordinary checkpoint): built under
+``<dir>/.tmp-<tag>/``, published by one rename once every rank reported its parts written, ``latest`` moved last;
+a failure on any rank raises on every rank, naming it, and leaves the previous tag (same name included) as it was.
+A load verifies pipeline.json, the stage manifests and the layer files it uses against the manifest before it
+changes anything.
 
 Parameters are named by the model, not by the stage (``3.weight``: layer 3 wherever it runs; HF names for a
 wrapped HF model), so a stage of a different cut finds each of its parameters in whichever saved stage held it.
@@ -29,6 +37,7 @@ full tensors any cut and TP size can slice.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -37,17 +46,23 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hf_zero import comm
 from hf_zero.runtime.checkpoint import (_full_param_from_shards, _rank_file, load_checkpoint, read_latest_tag,
                                         save_checkpoint)
-from hf_zero.runtime.checkpoint_files import CheckpointError, sha256_file, write_manifest
+from hf_zero.runtime.checkpoint_commit import agree, agree_or_raise, commit_tag
+from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, file_entry, read_json, read_manifest,
+                                              resolve_checkpoint, sha256_file, verify_files, write_manifest)
+from hf_zero.runtime.checkpoint_nodes import agree_on_tag
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.tensor_parallel.reshard import full_from_pieces, param_layout, piece_for, replicated_layout
 from hf_zero.zero.layout import ShardLayout
 
 __all__ = ["save_pipeline_checkpoint", "load_pipeline_checkpoint"]
 
+logger = logging.getLogger("hf_zero")
 
 _ZERO_TAG = "zero"
+_INFO = "pipeline.json"
 
 
 def _stage_tag(stage: int, tp_rank: int = 0, tp_size: int = 1) -> str:
@@ -61,67 +76,91 @@ def _tp_coords(engine) -> tuple[int, int]:
 
 
 def save_pipeline_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_latest: bool = True) -> bool:
+    """Collective over every rank; the tag is published whole or not at all (checkpoint_commit.py): everything is
+    written under ``<dir>/.tmp-<tag>/``, the ranks agree that every part was written, rank 0 adds pipeline.json and
+    the manifest (every layer file, pipeline.json and each stage checkpoint's own manifest, with their sha256),
+    renames the tag into place, and only then moves ``latest``. A failure on any rank raises
+    :class:`~hf_zero.runtime.checkpoint_commit.SaveError` on every rank, naming it; the previous tag is untouched."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    root = Path(save_dir) / tag
+    if "/" in tag or tag.startswith("."):
+        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
+    root = Path(save_dir)
     grid = engine.grid
     tp, tp_rank = _tp_coords(engine)
-    # every (stage, TP rank)'s replicas write their own ordinary checkpoint, side by side; with TP the module is
-    # in the per-layer files only (a gathered copy per TP rank would be the same bytes TP times)
-    save_checkpoint(engine, root / "pipe" / _stage_tag(engine.stage_id, tp_rank, tp), tag=_ZERO_TAG,
-                    client_state=client_state or {}, save_latest=False, exclude_frozen_parameters=False,
-                    write_model=tp == 1)
-    if grid.data_parallel_id == 0:
-        layers = engine.module.layer_state_dicts()  # with TP: gathers the shards (collective over the TP group)
-        if engine.stage3 is not None:
-            from hf_zero.zero.gathered import GatheredParameters
-
-            with GatheredParameters(list(engine.module.parameters())):
-                layers = {i: {k: v.clone() for k, v in sd.items()} for i, sd in
-                          engine.module.layer_state_dicts().items()}
-        if tp_rank == 0:  # TP peers hold the same full tensors
-            for idx, sd in layers.items():
-                torch.save({k: v.detach().cpu() for k, v in sd.items()}, root / f"layer_{idx:02d}-model_states.pt")
-    elif engine.stage3 is not None:  # the gather above is collective over the replicas
+    rank = dist.get_rank()
+    # the collectives of the module's gathers first, on every rank (over the TP group / the replicas): a part that
+    # fails below must not leave its peers waiting inside one of them
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    if engine.stage3 is not None:
         from hf_zero.zero.gathered import GatheredParameters
 
-        with GatheredParameters(list(engine.module.parameters())):
-            pass
-    layouts = None
-    if tp > 1:  # how each stage's parameters are split: one stage's TP rank 0 of the first replica answers
-        mine = param_layout(engine.module) if grid.data_parallel_id == 0 and tp_rank == 0 else {}
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        layouts = {k: v for d in gathered for k, v in d.items()}
-    dist.barrier()
-    if dist.get_rank() == 0:
+        with GatheredParameters(list(engine.module.parameters())):  # collective over the replicas
+            if grid.data_parallel_id == 0:
+                layers = {i: {k: v.detach().clone() for k, v in sd.items()} for i, sd in
+                          engine.module.layer_state_dicts().items()}
+    elif grid.data_parallel_id == 0:
+        layers = engine.module.layer_state_dicts()  # with TP: gathers the shards (collective over the TP group)
+    writes_layers = grid.data_parallel_id == 0 and tp_rank == 0  # TP peers hold the same full tensors
+    # how each stage's parameters are split: one stage's TP rank 0 of the first replica answers
+    layouts = param_layout(engine.module) if tp > 1 and writes_layers else {}
+    stage = _stage_tag(engine.stage_id, tp_rank, tp)
+
+    def write(tmp: Path) -> tuple[dict, dict]:
+        # every (stage, TP rank)'s replicas write their own ordinary checkpoint, side by side; with TP the module
+        # is in the per-layer files only (a gathered copy per TP rank would be the same bytes TP times)
+        save_checkpoint(engine, tmp / "pipe" / stage, tag=_ZERO_TAG, client_state=client_state or {},
+                        save_latest=False, exclude_frozen_parameters=False, write_model=tp == 1)
+        entries = {}
+        if engine.global_rank == 0:  # the stage checkpoint's writer: its manifest covers its files
+            name = f"pipe/{stage}/{_ZERO_TAG}/{MANIFEST}"
+            entries[name] = file_entry(tmp / name)
+        if writes_layers:
+            for idx, sd in layers.items():
+                name = _layer_file(idx)
+                torch.save({k: v.detach().cpu() for k, v in sd.items()}, tmp / name)
+                entries[name] = file_entry(tmp / name)
+        return entries, layouts
+
+    def finish(tmp: Path, extras: list[dict]) -> dict:
         info = {"num_stages": engine.num_stages, "data_parallel_size": grid.data_parallel_size,
                 "parts": list(getattr(engine.module, "parts", [])), "virtual_stages": engine.module.virtual_stages,
                 "tp_size": tp}
-        if layouts is not None:
-            info["params"] = layouts
-        (root / "pipeline.json").write_text(json.dumps(info))
-        if save_latest:
-            (Path(save_dir) / "latest").write_text(tag)
-    dist.barrier()
+        if tp > 1:
+            info["params"] = {k: v for d in extras for k, v in d.items()}
+        (tmp / _INFO).write_text(json.dumps(info))
+        return {_INFO: file_entry(tmp / _INFO)}
+
+    where = f"stage {engine.stage_id}" + (f", TP rank {tp_rank}" if tp > 1 else "") + \
+        f", replica {grid.data_parallel_id}"
+    commit_tag(root, tag, is_writer=rank == 0, domain=list(range(dist.get_world_size())),
+               me=f"rank {rank} ({where})", agree=agree, barrier=lambda w: comm.barrier(None, what=w), write=write,
+               finish=finish, save_latest=save_latest, what=f"save_checkpoint({str(root)!r}, tag={tag!r})",
+               label=f"save_pipeline_checkpoint(tag={tag!r})")
     return True
+
+
+def _layer_file(unit: int) -> str:
+    return f"layer_{unit:02d}-model_states.pt"
 
 
 def load_pipeline_checkpoint(engine, load_dir, *, tag=None, load_optimizer_states: bool = True,
                              load_lr_scheduler_states: bool = True, load_module_strict: bool = True):
-    tag = tag if tag is not None else read_latest_tag(load_dir)
+    # every rank loads the same tag, or none does
+    tag = agree_on_tag(dist.get_rank(), dist.get_world_size(), Path(load_dir), tag, read_latest_tag, agree)
     if tag is None:
         return None, None
-    root = Path(load_dir) / str(tag)
-    info_path = root / "pipeline.json"
-    if not info_path.is_file():
-        raise FileNotFoundError(f"hf_zero: {str(root)!r} is not a pipeline checkpoint (no pipeline.json)")
-    info = json.loads(info_path.read_text())
+    error, root, info, manifest = None, None, None, None
+    try:
+        root, info, manifest = _read_info(engine, Path(load_dir), str(tag))
+    except Exception as exc:  # every rank must hear of it, or the others would wait for this one
+        error = exc
+    agree_or_raise(error, "load_checkpoint")
     saved_tp = int(info.get("tp_size", 1))
     tp, _ = _tp_coords(engine)
     if tp > 1 or saved_tp > 1:
         from hf_zero.runtime.pipe_tp_checkpoint import load_tp_pipeline_checkpoint
 
-        return load_tp_pipeline_checkpoint(engine, root, info, load_optimizer_states=load_optimizer_states,
+        return load_tp_pipeline_checkpoint(engine, root, info, manifest, load_optimizer_states=load_optimizer_states,
                                            load_lr_scheduler_states=load_lr_scheduler_states,
                                            load_module_strict=load_module_strict)
     if _same_cut(engine, info):
@@ -142,9 +181,31 @@ def load_pipeline_checkpoint(engine, load_dir, *, tag=None, load_optimizer_state
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states)
     finally:
-        dist.barrier()
+        comm.barrier(None, what="the end of load_pipeline_checkpoint")
         if grid.data_parallel_id == 0:
             shutil.rmtree(merged.parent, ignore_errors=True)
+
+
+def _read_info(engine, load_dir: Path, tag: str) -> tuple[Path, dict, dict | None]:
+    """The tag's directory (its complete ``.old-`` copy after a crash between a same-tag save's renames), its
+    pipeline.json and manifest -- verified before they are parsed: pipeline.json, every stage checkpoint's manifest
+    and (without TP: TP loads read and verify theirs in read_layer_files) the layer files of this stage's layers.
+    A checkpoint saved before pipeline manifests existed loads unverified, with a warning."""
+    root = resolve_checkpoint(load_dir, tag)
+    info_path = root / _INFO
+    if not info_path.is_file():
+        raise FileNotFoundError(f"hf_zero: {str(root)!r} is not a pipeline checkpoint (no {_INFO})")
+    manifest = read_manifest(root)
+    if manifest is None:
+        logger.warning("hf_zero: pipeline checkpoint %r has no %s (saved before checksums); loading it unverified",
+                       str(root), MANIFEST)
+        return root, read_json(info_path), None
+    verify_files(root, manifest, [_INFO] + sorted(n for n in manifest if n.startswith("pipe/")))
+    info = read_json(info_path)
+    if int(info.get("tp_size", 1)) == 1 and _tp_coords(engine)[0] == 1:
+        units = engine.module.layer_state_dicts()  # no collective without TP: the keys are this stage's layers
+        verify_files(root, manifest, [_layer_file(u) for u in sorted(units) if _layer_file(u) in manifest])
+    return root, info, manifest
 
 
 def _same_cut(engine, info: dict) -> bool:
@@ -161,18 +222,6 @@ def _restage_dir(engine, root: Path) -> Path:
     if tp > 1:
         name += f"-tp{tp_rank:02d}-of-{tp:02d}"
     return root / "pipe" / name / _ZERO_TAG
-
-
-def agree_or_raise(error: BaseException | None, what: str) -> None:
-    """Every rank learns whether any rank failed ``what`` (one all-gather over the world), and all raise -- the
-    failing rank its own error, the others a CheckpointError naming it -- before anything was changed."""
-    reports: list = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [r for r, msg in enumerate(reports) if msg is not None]
-    if failed:
-        raise CheckpointError(f"hf_zero: {what} failed on rank {failed[0]} (nothing was loaded): {reports[failed[0]]}")
 
 
 def _open_stage(path: Path) -> tuple[dict, list]:

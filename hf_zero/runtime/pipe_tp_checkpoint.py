@@ -19,18 +19,19 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from hf_zero import comm
 from hf_zero.runtime.checkpoint import load_checkpoint
-from hf_zero.runtime.checkpoint_files import CheckpointError, torch_load
-from hf_zero.runtime.pipe_checkpoint import (_ZERO_TAG, _assemble, _restage_dir, _same_cut, _stage_tag, _tp_coords,
-                                             agree_or_raise)
+from hf_zero.runtime.checkpoint_commit import agree_or_raise
+from hf_zero.runtime.checkpoint_files import CheckpointError, torch_load, verify_files
+from hf_zero.runtime.pipe_checkpoint import (_ZERO_TAG, _assemble, _layer_file, _restage_dir, _same_cut, _stage_tag,
+                                             _tp_coords)
 from hf_zero.tensor_parallel.state import load_full_state_dict
 
 __all__ = ["load_tp_pipeline_checkpoint", "read_layer_files"]
 
 
-def load_tp_pipeline_checkpoint(engine, root: Path, info: dict, *, load_optimizer_states: bool,
+def load_tp_pipeline_checkpoint(engine, root: Path, info: dict, manifest: dict | None, *, load_optimizer_states: bool,
                                 load_lr_scheduler_states: bool, load_module_strict: bool):
     module = engine.module
     if not hasattr(module, "unit_of"):
@@ -46,7 +47,7 @@ def load_tp_pipeline_checkpoint(engine, root: Path, info: dict, *, load_optimize
     merged = None if same else _restage_dir(engine, root)
     error, sd = None, None
     try:
-        sd = read_layer_files(module, root, strict=load_module_strict)
+        sd = read_layer_files(module, root, manifest, strict=load_module_strict)
         if merged is not None and grid.data_parallel_id == 0:
             _assemble(engine, root, info, merged)
     except Exception as exc:  # every rank must hear of it, or the others would wait for this one
@@ -63,7 +64,7 @@ def load_tp_pipeline_checkpoint(engine, root: Path, info: dict, *, load_optimize
                                           load_module_weights=False)
     finally:
         if merged is not None:
-            dist.barrier()  # every replica has read the assembled files
+            comm.barrier(None, what="the end of load_pipeline_checkpoint")  # every replica read the assembled files
             if grid.data_parallel_id == 0:
                 shutil.rmtree(merged.parent, ignore_errors=True)
     # the parameters already hold the masters (the same values, fp32 or rounded as trained); this also brings the
@@ -72,8 +73,9 @@ def load_tp_pipeline_checkpoint(engine, root: Path, info: dict, *, load_optimize
     return str(root), client_state
 
 
-def read_layer_files(module, root: Path, *, strict: bool) -> dict[str, torch.Tensor]:
-    """This stage's full tensors (name -> tensor) from the per-layer files, each checked against the model's full
+def read_layer_files(module, root: Path, manifest: dict | None, *, strict: bool) -> dict[str, torch.Tensor]:
+    """This stage's full tensors (name -> tensor) from the per-layer files, each verified against the checkpoint's
+    ``manifest`` (None: saved before pipeline manifests) before it is read and checked against the model's full
     shape. A tied LM head is read under the embedding's name (the files keep one copy, as save_pretrained does).
     ``strict``: every tensor of the stage must be there, and the stage's own layer files may hold no others."""
     own = module.state_dict(keep_vars=True)  # DTensors report their full shape
@@ -82,10 +84,12 @@ def read_layer_files(module, root: Path, *, strict: bool) -> dict[str, torch.Ten
 
     def layer_file(unit: int, wanted: str) -> tuple[Path, dict]:
         if unit not in files:
-            path = root / f"layer_{unit:02d}-model_states.pt"
+            path = root / _layer_file(unit)
             if not path.is_file():
                 raise CheckpointError(f"hf_zero: checkpoint file {str(path)!r} is missing: it holds layer {unit} "
                                       f"of the model ({wanted!r} ...); the checkpoint is incomplete")
+            if manifest is not None:
+                verify_files(root, manifest, [path.name])
             files[unit] = (path, torch_load(path))
         return files[unit]
 

@@ -1,11 +1,15 @@
 """Checkpoints of a tensor-parallel engine that reload at another TP size (and data-parallel size, ZeRO stage).
 
     <dir>/latest                       the tag
-    <dir>/<tag>/tp.json                the TP size at save time
+    <dir>/<tag>/manifest.json          size and sha256 of tp.json and of every TP rank's own manifest.json
+    <dir>/<tag>/tp.json                the TP size at save time, each parameter's layout
     <dir>/<tag>/tp/rank00/state/...    TP rank 0's ordinary hf_zero checkpoint: the master weights and optimizer
     <dir>/<tag>/tp/rank01/state/...    states of its shards, cut over its data-parallel group; model.safetensors
                                        holds the whole gathered model (names and layout of the unsplit model).
                                        One directory per TP rank: each save cleans its own directory's leftovers
+
+The tag is atomic as a whole (checkpoint_commit.py): built under ``<dir>/.tmp-<tag>/``, renamed into place once
+every rank reported its part written, ``latest`` moved last; a failure on any TP rank raises on every rank.
 
 Same TP size: each TP rank loads its own directory. Another TP size: each rank assembles a one-rank checkpoint
 of exactly its current shards -- every parameter's full master / moments rebuilt from the saved TP ranks' pieces
@@ -16,6 +20,7 @@ current one) -- and loads it through the ordinary loader, which re-cuts it for t
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,8 +30,13 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from hf_zero import comm
 from hf_zero.runtime.checkpoint import _full_param_from_shards, _rank_file, load_checkpoint, read_latest_tag, \
     save_checkpoint
+from hf_zero.runtime.checkpoint_commit import agree, agree_or_raise, commit_tag
+from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, file_entry, read_json, read_manifest,
+                                              resolve_checkpoint, verify_files)
+from hf_zero.runtime.checkpoint_nodes import agree_on_tag
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.tensor_parallel.reshard import full_from_pieces, param_layout, piece_for
 from hf_zero.tensor_parallel.state import load_full_state_dict
@@ -35,7 +45,10 @@ from hf_zero.zero.layout import ShardLayout
 __all__ = ["save_tp_checkpoint", "load_tp_checkpoint", "is_tp_checkpoint"]
 
 
+logger = logging.getLogger("hf_zero")
+
 _STATE = "state"
+_INFO = "tp.json"
 
 
 def _rank_root(root: Path, tp_rank: int) -> Path:
@@ -44,47 +57,68 @@ def _rank_root(root: Path, tp_rank: int) -> Path:
 
 def save_tp_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_latest: bool = True,
                        exclude_frozen_parameters: bool = False) -> bool:
-    """Collective over every rank: each TP rank's data-parallel group writes its own ordinary checkpoint."""
+    """Collective over every rank: each TP rank's data-parallel group writes its own ordinary checkpoint into
+    ``<dir>/.tmp-<tag>/``; the tag (tp.json, the manifest, every TP rank's part) is published whole once every rank
+    reported its part written (checkpoint_commit.py), else every rank raises naming the rank that failed."""
     info = tp_info(engine.module)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    root = Path(save_dir) / tag
-    tp_rank = info.mesh.get_local_rank()
-    save_checkpoint(engine, _rank_root(root, tp_rank), tag=_STATE, client_state=client_state or {},
-                    save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
-    if dist.get_rank() == 0:
-        (root / "tp.json").write_text(json.dumps({"tp_size": info.size, "params": param_layout(engine.module)}))
-        if save_latest:
-            tmp = Path(save_dir) / ".latest.tmp"
-            tmp.write_text(tag)
-            tmp.replace(Path(save_dir) / "latest")
-    dist.barrier()
+    if "/" in tag or tag.startswith("."):
+        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
+    root = Path(save_dir)
+    tp_rank, rank = info.mesh.get_local_rank(), dist.get_rank()
+    # the gathered model, before any write can fail (a collective over the TP group, whose members are all their
+    # data-parallel group's rank 0 -- the writer of model.safetensors -- or none of them)
+    module_state = engine.module_state_dict(exclude_frozen_parameters) \
+        if engine.global_rank == 0 and engine.stage3 is None else None
+    layouts = param_layout(engine.module)
+
+    def write(tmp: Path) -> tuple[dict, None]:
+        save_checkpoint(engine, _rank_root(tmp, tp_rank), tag=_STATE, client_state=client_state or {},
+                        save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters,
+                        module_state=module_state)
+        name = f"{_rank_root(Path(), tp_rank).as_posix()}/{_STATE}/{MANIFEST}"
+        # each part's writer: its manifest covers the part's files
+        return ({name: file_entry(tmp / name)} if engine.global_rank == 0 else {}), None
+
+    def finish(tmp: Path, _extras: list) -> dict:
+        (tmp / _INFO).write_text(json.dumps({"tp_size": info.size, "params": layouts}))
+        return {_INFO: file_entry(tmp / _INFO)}
+
+    commit_tag(root, tag, is_writer=rank == 0, domain=list(range(dist.get_world_size())),
+               me=f"rank {rank} (TP rank {tp_rank}, replica {engine.global_rank})", agree=agree,
+               barrier=lambda w: comm.barrier(None, what=w), write=write, finish=finish, save_latest=save_latest,
+               what=f"save_checkpoint({str(root)!r}, tag={tag!r})", label=f"save_tp_checkpoint(tag={tag!r})")
     return True
 
 
 def is_tp_checkpoint(load_dir, tag=None) -> bool:
     tag = tag if tag is not None else read_latest_tag(Path(load_dir))
-    return tag is not None and (Path(load_dir) / str(tag) / "tp.json").is_file()
+    if tag is None:
+        return False
+    try:
+        return (resolve_checkpoint(Path(load_dir), str(tag)) / _INFO).is_file()
+    except CheckpointError:
+        return False  # the ordinary loader names the bad tag
 
 
 def load_tp_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool = True,
                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
-    """Collective over every rank. Also loads a TP checkpoint into an engine without tensor parallelism (TP 1)."""
+    """Collective over every rank. Also loads a TP checkpoint into an engine without tensor parallelism (TP 1).
+    tp.json, the parts' manifests and the gathered model are verified against the tag's manifest (and the rest by
+    the ordinary loader) on every rank, and the ranks agree, before anything changes."""
     info = tp_info(engine.module)
-    tag = tag if tag is not None else read_latest_tag(Path(load_dir))
+    tag = agree_on_tag(dist.get_rank(), dist.get_world_size(), Path(load_dir), tag, read_latest_tag, agree)
     if tag is None:
         return None, None
-    root = Path(load_dir) / str(tag)
-    if not (root / "tp.json").is_file():
-        raise FileNotFoundError(f"hf_zero: {str(root)!r} is not a tensor-parallel checkpoint (no tp.json): it was "
-                                "written without tensor_parallel.autotp_size; load it with the same setting")
-    saved = json.loads((root / "tp.json").read_text())
+    error, root, saved, sd = None, None, None, None
+    try:
+        root, saved, sd = _read_tag(Path(load_dir), str(tag))
+    except Exception as exc:  # every rank must hear of it, or the others would wait for this one
+        error = exc
+    agree_or_raise(error, "load_checkpoint")
     saved_tp = saved["tp_size"]
     tp_size, tp_rank = (info.size, info.mesh.get_local_rank()) if info is not None else (1, 0)
     # the module (frozen parameters and buffers included) from the gathered full weights
-    sd = load_file(str(_rank_root(root, 0) / _STATE / "model.safetensors"))
-    with safe_open(str(_rank_root(root, 0) / _STATE / "model.safetensors"), "pt") as f:
-        for alias, src in json.loads((f.metadata() or {}).get("aliases", "{}")).items():
-            sd[alias] = sd[src]
     load_full_state_dict(engine.module, sd, strict=load_module_strict)
     if saved_tp == tp_size:
         return load_checkpoint(engine, _rank_root(root, tp_rank), tag=_STATE, load_module_strict=load_module_strict,
@@ -100,6 +134,34 @@ def load_tp_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool =
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(root), client_state
+
+
+def _read_tag(load_dir: Path, tag: str) -> tuple[Path, dict, dict[str, torch.Tensor]]:
+    """The tag's directory (its complete ``.old-`` copy after a crash between a same-tag save's renames), tp.json
+    and the gathered model, verified against the manifests before they are parsed."""
+    root = resolve_checkpoint(load_dir, tag)
+    if not (root / _INFO).is_file():
+        raise FileNotFoundError(f"hf_zero: {str(root)!r} is not a tensor-parallel checkpoint (no {_INFO}): it was "
+                                "written without tensor_parallel.autotp_size; load it with the same setting")
+    manifest = read_manifest(root)
+    model = _rank_root(root, 0) / _STATE / "model.safetensors"
+    if manifest is None:
+        logger.warning("hf_zero: tensor-parallel checkpoint %r has no %s (saved before checksums); loading it "
+                       "unverified", str(root), MANIFEST)
+    else:
+        verify_files(root, manifest, [_INFO] + sorted(n for n in manifest if n.startswith("tp/")))
+        part = read_manifest(model.parent)
+        if part is not None:
+            verify_files(model.parent, part, [model.name])
+    saved = read_json(root / _INFO)
+    try:
+        sd = load_file(str(model))
+        with safe_open(str(model), "pt") as f:
+            for alias, src in json.loads((f.metadata() or {}).get("aliases", "{}")).items():
+                sd[alias] = sd[src]
+    except Exception as exc:
+        raise CheckpointError(f"hf_zero: checkpoint file {str(model)!r} cannot be read: {exc}") from exc
+    return root, saved, sd
 
 
 def _assemble(engine, root: Path, saved: dict, tp: int, tp_rank: int, out: Path) -> None:
