@@ -1,11 +1,18 @@
 """Checkpoints of a tensor-parallel engine reshard across TP sizes: written at TP 2 after two steps, reloaded at
 TP 1 (no tensor parallelism) and at TP 4, the next two steps continue the single-process loss curve (AdamW moments
 and step count resharded too). GPT-2 covers the fused q|k|v column order; Llama the grouped-query split. "llama-sp"
-trains with sequence parallelism (whole norm weights as replicated DTensors), resumed at TP 1 and at TP 4 with it."""
+trains with sequence parallelism (whole norm weights as replicated DTensors), resumed at TP 1 and at TP 4 with it.
+
+The tag is atomic as a whole: re-saving it one step later with TP rank 1's shard write failing raises on both ranks,
+naming rank 1, and leaves every byte of the saved tag as it was (the reloads read it); an edited tp.json is refused
+naming the file before any parameter changes."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import shutil
 
 import pytest
 import torch
@@ -49,21 +56,69 @@ def _steps(engine, start: int, stop: int) -> list[float]:
     return losses
 
 
+def _digests(path: str) -> dict[str, str]:
+    return {os.path.relpath(os.path.join(d, f), path): hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for d, _, files in os.walk(path) for f in files}
+
+
 def _save(root: str):
+    import torch.distributed as dist
+
     import hf_zero
+    import hf_zero.runtime.checkpoint as ckpt
 
     out = {}
     for kind in KINDS:
         engine, *_ = hf_zero.initialize(model=make_model(kind.removesuffix("-sp")), config=_config(2, kind))
         out[kind] = _steps(engine, 0, SAVED_AT)
         engine.save_checkpoint(f"{root}/{kind}")
+    # the last model again, one step on: re-saving the same tag with TP rank 1's shard write failing
+    _steps(engine, SAVED_AT, SAVED_AT + 1)
+    before = _digests(f"{root}/{kind}")
+    real = ckpt.save_file
+
+    def failing(tensors, filename, metadata=None):
+        if "zero_rank" in str(filename):
+            raise OSError("disk full (injected)")
+        return real(tensors, filename, metadata=metadata)
+
+    if dist.get_rank() == 1:
+        ckpt.save_file = failing
+    try:
+        engine.save_checkpoint(f"{root}/{kind}", tag=f"global_step{SAVED_AT}")
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        ckpt.save_file = real
+    out["failed_resave"] = (error, before == _digests(f"{root}/{kind}"), sorted(os.listdir(f"{root}/{kind}")))
     return out
+
+
+def _refused_tp_json(root: str, tp: int) -> tuple[str, bool]:
+    """A copy whose tp.json was edited (still valid JSON): refused naming it, no parameter moved."""
+    import hf_zero
+    from hf_zero.runtime.checkpoint_files import CheckpointError
+
+    broken = f"{root}/broken-tp{tp}"
+    shutil.copytree(f"{root}/{KINDS[0]}", broken)
+    info = f"{broken}/global_step{SAVED_AT}/tp.json"
+    text = open(info).read()
+    open(info, "w").write(text.replace('"tp_size": 2', '"tp_size": 4'))
+    engine, *_ = hf_zero.initialize(model=make_model(KINDS[0], seed=7), config=_config(tp, KINDS[0]))
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        engine.load_checkpoint(broken)
+        error = "loaded"
+    except CheckpointError as exc:
+        error = str(exc)
+    return error, all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
 
 
 def _resume(root: str, tp: int):
     import hf_zero
 
-    out = {}
+    out = {"refused": _refused_tp_json(root, tp)} if tp == 1 else {}
     for kind in KINDS:
         # a different initial model: everything must come from the checkpoint
         engine, *_ = hf_zero.initialize(model=make_model(kind.removesuffix("-sp"), seed=7), config=_config(tp, kind))
@@ -83,6 +138,14 @@ for _tp in (1, 4):
 def test_resharded_checkpoint_continues_the_loss_curve(tp):
     before = case(2, "ckpt_save")[0]
     after = case(tp, "ckpt_resume")
+    for rank, saved in enumerate(case(2, "ckpt_save")):
+        error, unchanged, listing = saved["failed_resave"]
+        assert error is not None and "failed on rank 1 (TP rank 1, replica 0)" in error, (rank, error)
+        assert "disk full (injected)" in error and "previous checkpoint is untouched" in error, (rank, error)
+        assert unchanged and listing == [f"global_step{SAVED_AT}", "latest"], (rank, listing)
+    if tp == 1:
+        error, unchanged = after[0]["refused"]
+        assert "tp.json" in error and "sha256" in error and unchanged, error
     for kind in KINDS:
         ref = reference(kind)
         got = before[kind] + after[0][kind]
