@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hf_zero import comm
-from hf_zero.runtime.checkpoint_commit import agree, commit_tag
+from hf_zero.runtime.checkpoint_commit import agree, check_tag, commit_tag
 from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
                                               read_manifest, resolve_checkpoint, torch_load, verify_files)
 from hf_zero.runtime.checkpoint_nodes import agree_on_tag, describe_ranks, place
@@ -140,8 +140,7 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_late
     checkpoint_nodes.py) gets the files of the ranks that see it, and is finalized by its writer rank; ``latest``
     moves only after every directory holds its complete, renamed tag (checkpoint_commit.py)."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if "/" in tag or tag.startswith("."):
-        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
+    check_tag(tag)
     check_client_state(client_state)  # refused here, not at resume time after the weights were overwritten
     root = Path(save_dir)
     group = engine.process_group

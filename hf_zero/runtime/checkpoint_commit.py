@@ -33,7 +33,8 @@ from hf_zero import comm
 from hf_zero.comm import faults
 from hf_zero.runtime.checkpoint_files import CheckpointError, clean_stale, fsync_dir, fsync_file, write_manifest
 
-__all__ = ["SaveError", "agree", "agree_or_raise", "commit_tag", "error_report", "rename_into_place", "write_latest"]
+__all__ = ["SaveError", "agree", "agree_or_raise", "check_tag", "commit_tag", "error_report", "rename_into_place",
+           "write_latest"]
 
 Agree = Callable[[Any, str], list]
 
@@ -45,6 +46,12 @@ class SaveError(RuntimeError):
     def __init__(self, message: str, own: bool):
         super().__init__(message)
         self.own = own
+
+
+def check_tag(tag: str) -> None:
+    """A save's tag is a plain directory name (it becomes ``<root>/<tag>``, ``.tmp-<tag>`` and ``latest``)."""
+    if "/" in tag or tag.startswith("."):
+        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
 
 
 def agree(mine: Any, what: str, group=None) -> list[Any]:

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 __all__ = ["CheckpointError", "fsync_file", "fsync_dir", "sha256_file", "write_manifest", "read_manifest",
-           "verify_files", "file_entry", "resolve_checkpoint", "clean_stale", "check_client_state", "read_json", "torch_load",
-           "MANIFEST"]
+           "verify_files", "file_entry", "resolve_checkpoint", "clean_stale", "check_client_state", "read_json",
+           "torch_load", "MANIFEST"]
 
 MANIFEST = "manifest.json"
 

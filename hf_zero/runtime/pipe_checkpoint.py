@@ -49,9 +49,10 @@ from safetensors.torch import save_file
 from hf_zero import comm
 from hf_zero.runtime.checkpoint import (_full_param_from_shards, _rank_file, load_checkpoint, read_latest_tag,
                                         save_checkpoint)
-from hf_zero.runtime.checkpoint_commit import agree, agree_or_raise, commit_tag
-from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, file_entry, read_json, read_manifest,
-                                              resolve_checkpoint, sha256_file, verify_files, write_manifest)
+from hf_zero.runtime.checkpoint_commit import agree, agree_or_raise, check_tag, commit_tag
+from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
+                                              read_manifest, resolve_checkpoint, sha256_file, verify_files,
+                                              write_manifest)
 from hf_zero.runtime.checkpoint_nodes import agree_on_tag
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.tensor_parallel.reshard import full_from_pieces, param_layout, piece_for, replicated_layout
@@ -82,8 +83,8 @@ def save_pipeline_checkpoint(engine, save_dir, *, tag=None, client_state=None, s
     renames the tag into place, and only then moves ``latest``. A failure on any rank raises
     :class:`~hf_zero.runtime.checkpoint_commit.SaveError` on every rank, naming it; the previous tag is untouched."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if "/" in tag or tag.startswith("."):
-        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
+    check_tag(tag)
+    check_client_state(client_state or {})  # a TypeError on every rank before anything is written
     root = Path(save_dir)
     grid = engine.grid
     tp, tp_rank = _tp_coords(engine)

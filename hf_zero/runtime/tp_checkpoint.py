@@ -33,9 +33,9 @@ from safetensors.torch import load_file, save_file
 from hf_zero import comm
 from hf_zero.runtime.checkpoint import _full_param_from_shards, _rank_file, load_checkpoint, read_latest_tag, \
     save_checkpoint
-from hf_zero.runtime.checkpoint_commit import agree, agree_or_raise, commit_tag
-from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, file_entry, read_json, read_manifest,
-                                              resolve_checkpoint, verify_files)
+from hf_zero.runtime.checkpoint_commit import agree, agree_or_raise, check_tag, commit_tag
+from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
+                                              read_manifest, resolve_checkpoint, verify_files)
 from hf_zero.runtime.checkpoint_nodes import agree_on_tag
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.tensor_parallel.reshard import full_from_pieces, param_layout, piece_for
@@ -62,8 +62,8 @@ def save_tp_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_la
     reported its part written (checkpoint_commit.py), else every rank raises naming the rank that failed."""
     info = tp_info(engine.module)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if "/" in tag or tag.startswith("."):
-        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
+    check_tag(tag)
+    check_client_state(client_state or {})  # a TypeError on every rank before anything is written
     root = Path(save_dir)
     tp_rank, rank = info.mesh.get_local_rank(), dist.get_rank()
     # the gathered model, before any write can fail (a collective over the TP group, whose members are all their
