@@ -268,6 +268,22 @@ def _open(path: Path):
         raise CheckpointError(f"hf_zero: checkpoint file {str(path)!r} cannot be read: {exc}") from exc
 
 
+def open_saved(path: Path) -> tuple[dict, list]:
+    """A saved checkpoint directory's meta.json and every saved rank's file (safetensors handles, in rank order),
+    verified against its manifest before they are parsed: what the re-cuts of pipeline and tensor-parallel
+    checkpoints read directly (pipe_checkpoint.py, tp_checkpoint.py)."""
+    if not (path / "meta.json").is_file():
+        raise CheckpointError(f"hf_zero: checkpoint file {str(path / 'meta.json')!r} is missing")
+    manifest = read_manifest(path)
+    if manifest is not None:
+        verify_files(path, manifest, ["meta.json"])
+    meta = read_json(path / "meta.json")
+    names = [_rank_file(r) for r in range(int(meta.get("shard_world_size", 0)))]
+    if manifest is not None:
+        verify_files(path, manifest, ["engine_state.pt", *names])
+    return meta, [_open(path / name) for name in names]
+
+
 def _validate(engine, root: Path, tag: str, strict: bool, read_model: bool = True):
     """Everything a load reads, checked before anything changes: files present and matching their checksums,
     groups, shapes and dtypes; returns ``(path, meta, engine_state, model_state_dict | None, handles)``.

@@ -43,12 +43,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_zero import comm
-from hf_zero.runtime.checkpoint import (_full_param_from_shards, _rank_file, load_checkpoint, read_latest_tag,
-                                        save_checkpoint)
+from hf_zero.runtime.checkpoint import (_full_param_from_shards, _rank_file, load_checkpoint, open_saved,
+                                        read_latest_tag, save_checkpoint)
 from hf_zero.runtime.checkpoint_commit import agree, agree_or_raise, check_tag, commit_tag
 from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
                                               read_manifest, resolve_checkpoint, sha256_file, verify_files,
@@ -225,14 +224,6 @@ def _restage_dir(engine, root: Path) -> Path:
     return root / "pipe" / name / _ZERO_TAG
 
 
-def _open_stage(path: Path) -> tuple[dict, list]:
-    meta_path = path / "meta.json"
-    if not meta_path.is_file():
-        raise CheckpointError(f"hf_zero: pipeline checkpoint file {str(meta_path)!r} is missing")
-    meta = json.loads(meta_path.read_text())
-    return meta, [safe_open(str(path / _rank_file(r)), "pt") for r in range(meta["shard_world_size"])]
-
-
 def _assemble(engine, root: Path, info: dict, out: Path) -> None:
     """A one-rank hf_zero checkpoint holding exactly this stage's parameters (with tensor parallelism: this TP
     rank's pieces of them), read from the saved stages (and re-cut from the saved TP ranks' pieces). Every
@@ -246,7 +237,7 @@ def _assemble(engine, root: Path, info: dict, out: Path) -> None:
     where: dict[str, tuple] = {}  # parameter name -> (saved stage, group, index)
     sources = []  # per saved stage, per saved TP rank: (directory, meta, rank-file handles)
     for s in range(info["num_stages"]):
-        ranks = [(path, *_open_stage(path)) for path in
+        ranks = [(path, *open_saved(path)) for path in
                  (pipe_root / _stage_tag(s, r, saved_tp) / _ZERO_TAG for r in range(saved_tp))]
         sources.append(ranks)
         for gj, group in enumerate(ranks[0][1]["groups"]):

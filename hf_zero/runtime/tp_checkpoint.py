@@ -31,8 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hf_zero import comm
-from hf_zero.runtime.checkpoint import _full_param_from_shards, _rank_file, load_checkpoint, read_latest_tag, \
-    save_checkpoint
+from hf_zero.runtime.checkpoint import _full_param_from_shards, _rank_file, load_checkpoint, open_saved, \
+    read_latest_tag, save_checkpoint
 from hf_zero.runtime.checkpoint_commit import agree, agree_or_raise, check_tag, commit_tag
 from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
                                               read_manifest, resolve_checkpoint, verify_files)
@@ -104,36 +104,37 @@ def is_tp_checkpoint(load_dir, tag=None) -> bool:
 def load_tp_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool = True,
                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
     """Collective over every rank. Also loads a TP checkpoint into an engine without tensor parallelism (TP 1).
-    tp.json, the parts' manifests and the gathered model are verified against the tag's manifest (and the rest by
-    the ordinary loader) on every rank, and the ranks agree, before anything changes."""
+    Everything it reads is verified against the manifests (tp.json, the parts' manifests, the gathered model, the
+    shards of the part it loads or of every part it re-cuts) on every rank, and the ranks agree, before anything
+    changes."""
     info = tp_info(engine.module)
     tag = agree_on_tag(dist.get_rank(), dist.get_world_size(), Path(load_dir), tag, read_latest_tag, agree)
     if tag is None:
         return None, None
-    error, root, saved, sd = None, None, None, None
-    try:
-        root, saved, sd = _read_tag(Path(load_dir), str(tag))
-    except Exception as exc:  # every rank must hear of it, or the others would wait for this one
-        error = exc
-    agree_or_raise(error, "load_checkpoint")
-    saved_tp = saved["tp_size"]
     tp_size, tp_rank = (info.size, info.mesh.get_local_rank()) if info is not None else (1, 0)
-    # the module (frozen parameters and buffers included) from the gathered full weights
-    load_full_state_dict(engine.module, sd, strict=load_module_strict)
-    if saved_tp == tp_size:
-        return load_checkpoint(engine, _rank_root(root, tp_rank), tag=_STATE, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_weights=False)
+    error, root, sd, where = None, None, None, None
     tmp = Path(tempfile.mkdtemp(prefix="hf_zero_tp_ckpt_"))
     try:
-        _assemble(engine, root, saved, tp_size, tp_rank, tmp / "one")
-        path, client_state = load_checkpoint(engine, tmp, tag="one", load_module_strict=load_module_strict,
+        try:
+            root, saved, sd = _read_tag(Path(load_dir), str(tag))
+            if saved["tp_size"] == tp_size:
+                where = (_rank_root(root, tp_rank), _STATE)
+                open_saved(where[0] / _STATE)  # its shards verified now, before the module below changes
+            else:  # this rank's pieces, re-cut from every saved part (verified as they are opened)
+                _assemble(engine, root, saved, tp_size, tp_rank, tmp / "one")
+                where = (tmp, "one")
+        except Exception as exc:  # every rank must hear of it, or the others would wait for this one
+            error = exc
+        agree_or_raise(error, "load_checkpoint")
+        # the module (frozen parameters and buffers included) from the gathered full weights
+        load_full_state_dict(engine.module, sd, strict=load_module_strict)
+        path, client_state = load_checkpoint(engine, where[0], tag=where[1], load_module_strict=load_module_strict,
                                              load_optimizer_states=load_optimizer_states,
                                              load_lr_scheduler_states=load_lr_scheduler_states,
                                              load_module_weights=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return str(root), client_state
+    return (path if where[0] != tmp else str(root)), client_state
 
 
 def _read_tag(load_dir: Path, tag: str) -> tuple[Path, dict, dict[str, torch.Tensor]]:
@@ -168,9 +169,7 @@ def _assemble(engine, root: Path, saved: dict, tp: int, tp_rank: int, out: Path)
     """Write a one-rank checkpoint under ``out`` holding this rank's current shards of every group's state."""
     saved_tp = saved["tp_size"]
     dirs = [_rank_root(root, r) / _STATE for r in range(saved_tp)]
-    metas = [json.loads((d / "meta.json").read_text()) for d in dirs]
-    handles = [[safe_open(str(d / _rank_file(r)), "pt") for r in range(m["shard_world_size"])]
-               for d, m in zip(dirs, metas)]
+    metas, handles = zip(*(open_saved(d) for d in dirs))  # verified against each part's manifest
     tensors = {}
     try:
         for gi, g in enumerate(engine.groups):
