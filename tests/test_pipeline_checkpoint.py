@@ -2,8 +2,9 @@
 4 stages and on 1 stage x 2 replicas (ZeRO-1), training continues on the one-process reference's loss curve.
 
 The tag is atomic as a whole: a re-save of the same tag one step later that fails on stage 1 (its layer file's
-write) raises on both ranks within seconds, naming rank 1, and leaves every byte of the saved tag as it was -- the
-reloads above read it. A truncated layer file and an edited pipeline.json (still valid JSON) are refused on every
+write) raises on both ranks within seconds, naming rank 1, and leaves every byte of the saved tag as it was; a
+second re-save that crashes between its two renames leaves the previous tag as .old-<tag> -- which the reloads
+above read. A truncated layer file and an edited pipeline.json (still valid JSON) are refused on every
 rank, naming the file, before any parameter changes."""
 
 from __future__ import annotations
@@ -84,7 +85,31 @@ def _failed_resave(engine, ckpt: str, tag: str):
         error = str(exc)
     finally:
         torch.save = real_save
-    return error, time.monotonic() - start, before == _digests(ckpt), sorted(os.listdir(ckpt))
+    seconds, unchanged, listing = time.monotonic() - start, before == _digests(ckpt), sorted(os.listdir(ckpt))
+    return error, seconds, unchanged, listing, _crash_between_renames(engine, ckpt, tag)
+
+
+def _crash_between_renames(engine, ckpt: str, tag: str):
+    """Rank 0 dies (here: raises) after renaming the previous tag to .old-<tag> and before renaming the new one into
+    place: the reloads must then read the .old- copy, the previous checkpoint."""
+    import hf_zero.runtime.checkpoint_commit as commit
+
+    real = commit._rename
+
+    def crash_before_publishing(src, dst):  # the stages' own checkpoints inside the tag rename their .tmp-zero as usual
+        if src.name == f".tmp-{tag}":
+            raise OSError("simulated crash between the renames")
+        real(src, dst)
+
+    commit._rename = crash_before_publishing
+    try:
+        engine.save_checkpoint(ckpt, tag=tag)
+        error = None
+    except (OSError, RuntimeError) as exc:
+        error = str(exc)
+    finally:
+        commit._rename = real
+    return error, sorted(os.listdir(ckpt))
 
 
 def _refusals(engine, net, ckpt: str) -> dict:
@@ -99,7 +124,7 @@ def _refusals(engine, net, ckpt: str) -> dict:
         broken = f"{ckpt}-broken-{name}"
         if dist.get_rank() == 0:
             shutil.copytree(ckpt, broken)
-            path = os.path.join(broken, tag, name)
+            path = os.path.join(broken, f".old-{tag}", name)  # the previous copy, after the crash above
             data = open(path, "rb").read()
             edited = data[:len(data) // 2] if name.endswith(".pt") else \
                 data.replace(b'"num_stages": 2', b'"num_stages": 4')  # still valid JSON: only the checksum tells
@@ -121,12 +146,17 @@ def test_checkpoint_from_two_stages_continues_on_four_and_on_one(tmp_path):
     ref_losses, _, ref_state, _ = reference_run(True, 3, M, 1, adam=True)
     saved = run_distributed(_run, world_size=2, args=(ckpt, 2, 0, 0, 2, True), timeout_s=300)
     assert saved[0][0] == pytest.approx(ref_losses[:2], rel=1e-5)
-    for rank, (_, _, _, (error, seconds, unchanged, listing)) in enumerate(saved):
+    for rank, (_, _, _, (error, seconds, unchanged, listing, (crash, after_crash))) in enumerate(saved):
         # the failed re-save of the same tag: every rank names rank 1 and its error, at once, and nothing moved
         assert error is not None and "failed on rank 1 (stage 1, replica 0)" in error, (rank, error)
         assert "disk full (injected)" in error and "previous checkpoint is untouched" in error, (rank, error)
         assert seconds < 30, (rank, seconds)
         assert unchanged and listing == ["global_step2", "latest"], (rank, listing)
+        # a crash between the renames of the next re-save: the previous tag survives as .old-global_step2, which
+        # the reloads below read
+        assert "simulated crash between the renames" in crash, (rank, crash)
+        assert rank == 0 or "failed to finalize on rank 0 (stage 0, replica 0)" in crash, (rank, crash)
+        assert after_crash == [".old-global_step2", ".tmp-global_step2", "latest"], (rank, after_crash)
     for stages, world, zero in ((4, 4, 0), (1, 2, 1)):
         results = run_distributed(_run, world_size=world, args=(ckpt, stages, zero, 2, 1, False, stages == 1),
                                   timeout_s=300)
