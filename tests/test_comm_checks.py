@@ -83,13 +83,42 @@ def test_buffer_pool_reuses_freed_buffers_within_its_cap():
     small = buffer_pool.take(1000, torch.float32, "cpu")
     buffer_pool.give(small)  # below MIN_POOLED_BYTES: left to the heap
     assert buffer_pool.cached_bytes() == 0
-    for _ in range(buffer_pool.POOL_CAP_BYTES // (8 << 20) + 2):
+    for _ in range(buffer_pool.cap_bytes() // (8 << 20) + 2):
         buffer_pool.give(torch.empty(2 << 20))  # 8 MiB each
-    assert buffer_pool.cached_bytes() <= buffer_pool.POOL_CAP_BYTES
+    assert buffer_pool.cached_bytes() <= buffer_pool.cap_bytes()
     tiny = buffer_pool.take(1 << 18, torch.float32, "cpu")  # 1 MiB: less than half of any cached buffer
     assert all(tiny.untyped_storage().data_ptr() != f.untyped_storage().data_ptr() for f in buffer_pool._free)
     buffer_pool.clear()
     assert buffer_pool.cached_bytes() == 0
+
+
+
+def test_buffer_pool_moves_storage_bytes_and_recycles_only_unshared_buffers():
+    """ZeRO-3's parked parameters: the bytes of a storage go to the pool and come back into the same storage, so
+    views made before (autograd's saved weight views) see the refilled values; a buffer with a live view is never
+    recycled. And the gradient shard's zeroing by madvise reads back as zeros, with its pages out of the RSS."""
+    from hf_zero.comm import buffer_pool
+    from hf_zero.comm.host_memory import rss_bytes, zero_and_release
+
+    buffer_pool.clear()
+    full = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB
+    view = full.view(512, 1024).t()[3:5]  # what autograd saves of a weight
+    buffer_pool.release_storage(full)
+    assert full.untyped_storage().nbytes() == 0 and buffer_pool.cached_bytes() == 2 << 20
+    buffer_pool.refill_storage(full, fit=0.75)  # the same bytes come back, no new buffer
+    assert full.untyped_storage().nbytes() == 2 << 20 and buffer_pool.cached_bytes() == 0
+    full.copy_(torch.arange(1 << 19, dtype=torch.float32) * 2)
+    assert view[1, 0].item() == 8.0  # element [0, 4] of the (512, 1024) matrix, doubled
+    assert not buffer_pool.give_if_unshared(full)  # ``view`` still points at it
+    del view
+    assert buffer_pool.give_if_unshared(full) and buffer_pool.cached_bytes() == 2 << 20
+    buffer_pool.clear()
+
+    shard = torch.randn(8 << 20)[5:]  # 32 MiB, not page-aligned at either end
+    before = rss_bytes()
+    zero_and_release(shard)
+    assert shard.count_nonzero().item() == 0
+    assert before - rss_bytes() > 24 << 20
 
 
 if __name__ == "__main__":

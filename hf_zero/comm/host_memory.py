@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 
 import psutil
+import torch
 
-__all__ = ["rss_bytes", "peak_rss_bytes", "reset_peak_rss", "tune_host_malloc", "MALLOC_MMAP_THRESHOLD",
-           "MALLOC_MMAP_THRESHOLD_STAGE3"]
+__all__ = ["rss_bytes", "peak_rss_bytes", "reset_peak_rss", "tune_host_malloc", "zero_and_release",
+           "MALLOC_MMAP_THRESHOLD", "MALLOC_MMAP_THRESHOLD_STAGE3"]
 
 _sampled_peak = 0
 
@@ -109,3 +110,44 @@ def tune_host_malloc(threshold: int = MALLOC_MMAP_THRESHOLD) -> bool:
         done = False
     _tuned = threshold if done else 0
     return done
+
+
+# ---- zeroing by handing pages back ---------------------------------------------------------------------------------
+
+_MADV_DONTNEED = 4  # madvise advice number (sys/mman.h)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_libc = None
+
+
+def zero_and_release(t: torch.Tensor) -> None:
+    """``t.zero_()`` for a contiguous CPU tensor, but the whole pages inside it are handed back to the kernel
+    (``madvise(MADV_DONTNEED)``: private anonymous memory reads as zeros afterwards) instead of being written: they
+    leave the resident set until something writes them again. ZeRO-3's gradient shard is zeroed after every step
+    and then filled bucket by bucket during the next backward, so it costs resident memory only as its slices are
+    reached -- not at the start of backward, where the activations make the peak. Elsewhere (other devices, no libc,
+    small tensors) it is ``zero_()``."""
+    global _libc
+    nbytes = t.numel() * t.element_size()
+    # shared memory would read back its file's bytes, pinned memory must keep its pages (pinning needs CUDA)
+    if t.device.type != "cpu" or not t.is_contiguous() or nbytes < 16 * _PAGE or t.is_shared() or \
+            torch.cuda.is_initialized():
+        t.zero_()
+        return
+    start = t.data_ptr()
+    lo = -(-start // _PAGE) * _PAGE
+    hi = (start + nbytes) // _PAGE * _PAGE
+    try:
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        failed = _libc.madvise(lo, hi - lo, _MADV_DONTNEED) != 0
+    except (OSError, AttributeError):
+        failed = True
+    if failed:
+        t.zero_()
+        return
+    flat = t.view(-1).view(torch.uint8)  # the partial pages at both ends are written
+    flat[:lo - start].zero_()
+    flat[hi - start:].zero_()

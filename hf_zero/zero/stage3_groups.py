@@ -17,6 +17,7 @@ from concurrent.futures import Future
 import torch
 
 from hf_zero import comm
+from hf_zero.comm.host_memory import zero_and_release
 from hf_zero.config.policies import NVMeOffloadPolicy, ZeroPolicy
 from hf_zero.zero.layout import ShardLayout
 
@@ -104,7 +105,8 @@ class Stage3Group:
         """The gradient shard always exists: the ShardedParams' grad storages are views of it."""
 
     def clear_grad(self) -> None:
-        self.grad.zero_()
+        # zeros whose pages go back to the kernel: resident again only as the next backward's reductions reach them
+        zero_and_release(self.grad)
 
 
 def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dtype, grad_dtype: torch.dtype,

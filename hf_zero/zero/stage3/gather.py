@@ -23,7 +23,7 @@ from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import ShardLayout
 
 from .divergence import TRAILER_NUMEL, check_trailers, params_key, wait_or_diagnose, write_trailer
-from .param import ParamState, ShardedParam
+from .param import GATHERED_FIT, ParamState, ShardedParam
 
 __all__ = ["Gatherer", "PendingGather", "gatherer_for", "DEFAULT_DIVERGENCE_TIMEOUT_S"]
 
@@ -62,8 +62,8 @@ class PendingGather:
         with contextlib.ExitStack() as refills:
             for sp in self.sps:
                 out = sp.take_parked() if sp.dtype == self.packed.dtype else None
-                if out is None:
-                    out = torch.empty(sp.numel, dtype=self.packed.dtype, device=self.packed.device)
+                if out is None:  # a kept buffer (comm/buffer_pool.py): no fresh mmap to fault in
+                    out = buffer_pool.take(sp.numel, self.packed.dtype, self.packed.device, fit=GATHERED_FIT)
                 else:  # the same values again, into storage that views saved by autograd still point at
                     refills.enter_context(torch.autograd._unsafe_preserve_version_counter(out))
                 outs.append(out)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from hf_zero.comm import buffer_pool
 from hf_zero.zero.layout import ShardLayout, param_shard_numel
 
 from .storage import ResidentStorage, ShardStorage, ShardStore
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
     from .gather import PendingGather
 
 __all__ = ["HoldReason", "ParamState", "ShardedParam", "sharded_param_of", "is_sharded"]
+
+# A gathered parameter's buffer comes from comm/buffer_pool.py when a kept buffer is at most this much larger: it
+# lives as long as the parameter is gathered (and, parked, until the end of the step), so slack would be resident.
+GATHERED_FIT = 0.75
 
 _SP_ATTR = "_hf_zero_sharded"  # the only internal attribute hf_zero sets on an nn.Parameter
 _next_ds_id = itertools.count()
@@ -262,13 +267,16 @@ class ShardedParam:
         assert not self.persistent, f"{self.name} is persistent and never partitioned"
         assert self.holders == 0, f"{self.name}: partitioned while users still need it ({self.describe_holds()})"
         full = self._full
-        if park and full is not None and full.storage_offset() == 0 and \
-                full.untyped_storage().nbytes() == full.numel() * full.element_size():
-            full.untyped_storage().resize_(0)
+        if park and full is not None and full.storage_offset() == 0:
+            buffer_pool.release_storage(full)  # the bytes go to the pool: the next gather's buffer, no fresh mmap
             self._parked = full
+            full = None
         self._full = None
         self.pending = None
         self.param.data = self._placeholder()
+        if full is not None:
+            # no view of it left (autograd saved none, or freed them in backward): the next gather may reuse it
+            buffer_pool.give_if_unshared(full)
         self.state = ParamState.PARTITIONED
         self._publish_compat()
 
@@ -278,7 +286,7 @@ class ShardedParam:
         views see the same values again, which is not an in-place change autograd should reject."""
         full, self._parked = self._parked, None
         if full is not None:
-            full.untyped_storage().resize_(full.numel() * full.element_size())
+            buffer_pool.refill_storage(full, fit=GATHERED_FIT)
         return full
 
     def forget_parked(self) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hf_zero.comm import faults, get_rank, get_world_size
+from hf_zero.comm import buffer_pool, faults, get_rank, get_world_size
 from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD_STAGE3, tune_host_malloc
 from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import capped_bucket_numel
@@ -73,6 +73,8 @@ class Stage3Runtime:
         self.group = group
         if not torch.cuda.is_available():  # CPU training: stage 3's mmap threshold (comm/host_memory.py)
             tune_host_malloc(MALLOC_MMAP_THRESHOLD_STAGE3)
+            # gathered parameters and packed gradients are pooled too (param.py, _on_grad_accumulated)
+            buffer_pool.raise_cap(buffer_pool.POOL_CAP_BYTES_STAGE3)
         self.rank = get_rank(group)
         self.world_size = get_world_size(group)
         self.compute_dtype = compute_dtype
@@ -433,6 +435,9 @@ class Stage3Runtime:
         self._queue_end_of_backward()
         if grad is not None:
             self.reducer.add(sp, grad)
+            # packed now: its bytes can serve the next gather (comm/buffer_pool.py) instead of a fresh mmap
+            buffer_pool.give_if_unshared(grad)
+            del grad
         if sp.ds_id in self._awaiting_grad:
             self._awaiting_grad.discard(sp.ds_id)
             self._unhold(sp, HoldReason.GRAD_PENDING)
