@@ -64,6 +64,7 @@ class Stage3Group:
             if self.param16 is not None:
                 sp.use_shard_storage(self.param16[lo:hi])
             sp.use_grad_storage(self.grad[lo:hi])
+        self.grad_fresh = True  # torch.zeros above
 
     def release_master(self) -> None:
         """See :meth:`ShardedGroup.release_master <hf_zero.zero.sharded_group.ShardedGroup.release_master>`."""
@@ -107,6 +108,19 @@ class Stage3Group:
     def clear_grad(self) -> None:
         # zeros whose pages go back to the kernel: resident again only as the next backward's reductions reach them
         zero_and_release(self.grad)
+        self.grad_fresh = True
+
+    @property
+    def grad_fresh(self) -> bool:
+        """Whether the gradient shard holds the zeros of :meth:`clear_grad` (see ShardedParam.grad_zeroed). Whoever
+        writes ``grad`` other than the reducer sets it False (tensor_fragment's safe_set_*_grad)."""
+        return self._grad_fresh
+
+    @grad_fresh.setter
+    def grad_fresh(self, fresh: bool) -> None:
+        self._grad_fresh = bool(fresh)
+        for sp in self.sps:
+            sp.grad_zeroed = self._grad_fresh
 
 
 def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dtype, grad_dtype: torch.dtype,

@@ -111,6 +111,9 @@ class ShardedParam:
         self._holds = {reason: 0 for reason in HoldReason}  # uses currently needing the full data, by reason
         self.pending: PendingGather | None = None
         self.grad_storage = None
+        # grad_storage holds zeros nobody wrote since (set by its optimizer group after clearing it): the first
+        # reduced shard is copied in instead of added, so pages handed back to the kernel are not read first
+        self.grad_zeroed = False
         flat = param.data.detach().reshape(-1)
         shard = torch.empty(self.shard_numel, dtype=dtype or param.dtype, device=param.device)
         self.layout.shard_of(flat, 0, rank, shard)
@@ -210,6 +213,7 @@ class ShardedParam:
         if not self.requires_grad:
             raise ValueError(f"{self.name} is frozen (requires_grad=False) and has no gradient storage")
         self.grad_storage = view
+        self.grad_zeroed = False
 
     # ------------------------------------------------------------------ holds
     @property

@@ -40,6 +40,11 @@ class Stage3GradReducer:
         self._used = 0
         self._entries: list[tuple[ShardedParam, int]] = []  # (param, column offset)
         self._inflight: list[tuple[object, torch.Tensor, list[tuple[ShardedParam, int]], torch.Tensor]] = []
+        # Gradients arrive in the same order every backward, so each bucket is sized to what the same bucket of
+        # the previous backward held: it is sent full, with no compacting copy into a smaller buffer. A bucket that
+        # ends up only partly filled (the order changed) is compacted as before.
+        self._widths: list[int] = []       # filled columns of each bucket of the last complete backward
+        self._next_widths: list[int] = []  # ... of this one so far
         self.reduced_numel = 0  # statistics: elements reduce-scattered (per rank row)
         self.timers = NO_TIMERS  # the engine's: time blocked in reduce-scatters counts as "communication"
 
@@ -50,6 +55,9 @@ class Stage3GradReducer:
             self.flush()
         if self._bucket is None:
             capacity = max(capped_bucket_numel(self.bucket_numel, grad.element_size()) // self.world_size, width)
+            index = len(self._next_widths)
+            if index < len(self._widths) and width <= self._widths[index] <= capacity:
+                capacity = self._widths[index]
             self._bucket = buffer_pool.take((self.world_size, capacity), grad.dtype, grad.device)
             self._used = 0
         block = self._bucket[:, self._used:self._used + width]
@@ -62,6 +70,7 @@ class Stage3GradReducer:
         if self._bucket is None:
             return
         bucket = self._bucket
+        self._next_widths.append(self._used)
         if self._used == bucket.shape[1]:
             packed = bucket
         else:  # compact the filled columns into a (world_size, used) buffer, and give the bucket back
@@ -80,6 +89,7 @@ class Stage3GradReducer:
     def finish(self) -> None:
         self.flush()
         self._drain(keep=0)
+        self._widths, self._next_widths = self._next_widths, []
 
     def _drain(self, keep: int) -> None:
         while len(self._inflight) > keep:
@@ -90,6 +100,10 @@ class Stage3GradReducer:
             for sp, off in entries:
                 if sp.grad_storage is None:
                     sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=out.device)
-                sp.grad_storage.add_(out[off:off + sp.shard_numel])
+                if sp.grad_zeroed:  # known zeros (pages possibly handed back): write, don't read them first
+                    sp.grad_storage.copy_(out[off:off + sp.shard_numel])
+                    sp.grad_zeroed = False
+                else:
+                    sp.grad_storage.add_(out[off:off + sp.shard_numel])
             buffer_pool.give(out)
             buffer_pool.give(_packed)
