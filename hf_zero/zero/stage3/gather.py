@@ -125,19 +125,20 @@ class Gatherer:
         if self.world_size > 1 and (force or faults.checks_enabled()):
             self.header_check_count += 1  # all_gather_packed runs it, before the payload
         dtype, device = sps[0].dtype, sps[0].storage.device
-        send = buffer_pool.take(span + TRAILER_NUMEL, dtype, device)
-        # each shard straight into the send buffer, from memory or (offload_param nvme) from its swap file
+        packed = buffer_pool.take((self.world_size, span + TRAILER_NUMEL), dtype, device)
+        # in place: this rank's row of the output is what it sends (NCCL and the per-row gloo path both take it)
+        send = packed[self.rank]
+        # each shard straight into the send row, from memory or (offload_param nvme) from its swap file
         reads = [sp.storage.read_async(send[layout.offsets[i]:layout.offsets[i + 1]]) for i, sp in enumerate(sps)]
         reads = [f for f in reads if not f.done() or f.exception() is not None]  # resident copies are done
         if reads:
             with self.timers.phase("offload_io"):
                 wait_all(reads)
         write_trailer(send[span:], key, seq)
-        packed = buffer_pool.take((self.world_size, span + TRAILER_NUMEL), dtype, device)
         # async: the header check is deferred (comm/faults.check_deferred), no rank waits for the others here
         work = all_gather_packed(packed, send, group=self.group, async_op=True, what=f"the gather of {label}",
                                  force_check=force, defer_check=async_op)
-        pending = PendingGather(self, list(sps), layout, packed, work, key, seq, label, send)
+        pending = PendingGather(self, list(sps), layout, packed, work, key, seq, label)
         for sp in sps:
             sp.to_gathering(pending)
         if not async_op:
