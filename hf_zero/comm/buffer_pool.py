@@ -1,4 +1,5 @@
-"""A small cache of the large transient buffers of hf_zero's collectives (packed buckets, gather buffers).
+"""A small cache of the large transient buffers of hf_zero's collectives (packed buckets, gather buffers) and, at
+ZeRO-3, of its gathered parameters and of the gradients it has packed.
 
 Why: with glibc's mmap threshold fixed at 1 MiB (host_memory.tune_host_malloc, for the memory it hands back),
 every buffer of a MiB or more is a fresh mmap, and every page of it is faulted in and zeroed by the kernel on first
@@ -9,8 +10,14 @@ so keeping a few freed buffers and handing them out again removes those faults, 
 :data:`POOL_CAP_BYTES` kept between uses -- buffers that exist in flight anyway during backward, where the peak is.
 
 Only the caller knows when a buffer is free: :func:`give` a buffer only once nothing reads or writes it any more
-(its collective waited, its values copied out) and no view of it escapes. A buffer that is never given back is
-simply freed by Python as before.
+(its collective waited, its values copied out) and no view of it escapes; :func:`give_if_unshared` checks the
+last part itself (a released parameter may still be viewed by autograd). A buffer that is never given back is
+simply freed by Python as before. Buffers are kept as bytes: any dtype may take one.
+
+:func:`release_storage` / :func:`refill_storage` move the bytes of a storage out and back without changing which
+storage it is: ZeRO-3 parks a parameter released in forward that way (autograd's saved views of the weight keep
+pointing at the storage; the backward's gather refills it), so parking hands the bytes to the next gather instead
+of to the kernel.
 """
 
 from __future__ import annotations

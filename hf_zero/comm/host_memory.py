@@ -81,18 +81,30 @@ def reset_peak_rss() -> None:
 # stay in the heap), 17% less CPU per step for 70 MB.
 MALLOC_MMAP_THRESHOLD = 2 << 20
 MALLOC_MMAP_THRESHOLD_STAGE3 = 1 << 20
-_M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
+# The blocks under the threshold come from the heap, whose top glibc hands back as soon as 128 KiB of it are free
+# (M_TRIM_THRESHOLD's default; fixing the mmap threshold also stops glibc from raising it) and grows again by what
+# the next request needs: every step shrinks and regrows it, faulting the pages in again. ZeRO-3 (stage3_heap_top)
+# keeps up to 32 MiB free at the top and grows it 16 MiB at a time: 146k -> 119k page faults per step on the 32M
+# Llama for +14-23 MB peak (docs/zero_memory.md).
+HEAP_TRIM_THRESHOLD_STAGE3 = 32 << 20
+HEAP_TOP_PAD_STAGE3 = 16 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
 _tuned: int | None = None  # the threshold set so far (None: not yet; 0: left to glibc or the user)
 
 
-def tune_host_malloc(threshold: int = MALLOC_MMAP_THRESHOLD) -> bool:
+def tune_host_malloc(threshold: int = MALLOC_MMAP_THRESHOLD, *, stage3_heap_top: bool = False) -> bool:
     """Fix glibc's mmap threshold at ``threshold`` bytes (:data:`MALLOC_MMAP_THRESHOLD` for stages 0-2,
     :data:`MALLOC_MMAP_THRESHOLD_STAGE3` for stage 3); from then on blocks that size and larger are mmapped. Once
     set, a later call only lowers it (a process training at stage 3 keeps stage 3's threshold).
 
     Not done where the user chose: ``MALLOC_MMAP_THRESHOLD_`` set in the environment (glibc already applied it), or
     ``HF_ZERO_HOST_MALLOC=default`` (the opt-out). ``HF_ZERO_HOST_MALLOC=<bytes>`` picks the threshold for every
-    stage. A no-op off glibc. Returns whether the threshold was set (or lowered)."""
+    stage. A no-op off glibc. Returns whether the threshold was set (or lowered).
+
+    ``stage3_heap_top``: also keep :data:`HEAP_TRIM_THRESHOLD_STAGE3` free at the top of the heap and grow it by
+    :data:`HEAP_TOP_PAD_STAGE3` (each unless ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_TOP_PAD_`` is in the environment)."""
     global _tuned
     choice = os.environ.get("HF_ZERO_HOST_MALLOC", "").strip().lower()
     if choice == "default" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
@@ -100,16 +112,36 @@ def tune_host_malloc(threshold: int = MALLOC_MMAP_THRESHOLD) -> bool:
         return False
     threshold = int(choice) if choice.isdigit() else int(threshold)
     if _tuned is not None and (_tuned == 0 or _tuned <= threshold):
+        if _tuned and stage3_heap_top:
+            _tune_heap_top()
         return False
     try:
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6")
-        done = bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)))
+        done = bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)))
     except (OSError, AttributeError):
         done = False
     _tuned = threshold if done else 0
+    if done and stage3_heap_top:
+        _tune_heap_top()
     return done
+
+
+_heap_top_tuned = False
+
+
+def _tune_heap_top() -> None:
+    global _heap_top_tuned
+    if _heap_top_tuned:
+        return
+    _heap_top_tuned = True
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(HEAP_TRIM_THRESHOLD_STAGE3))
+    if "MALLOC_TOP_PAD_" not in os.environ:
+        libc.mallopt(_M_TOP_PAD, ctypes.c_int(HEAP_TOP_PAD_STAGE3))
 
 
 # ---- zeroing by handing pages back ---------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ class Init:
         if not torch.cuda.is_available():  # CPU training: host memory is the training memory (comm/host_memory.py)
             from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD_STAGE3, tune_host_malloc
 
-            tune_host_malloc(MALLOC_MMAP_THRESHOLD_STAGE3)
+            tune_host_malloc(MALLOC_MMAP_THRESHOLD_STAGE3, stage3_heap_top=True)
         # Looked up at enter time, as transformers expects (it may have swapped it in); see the module docstring
         # for why it is not installed anywhere.
         self._fp_constructor_wrapper = globals()["zero_wrapper_for_fp_tensor_constructor"]

@@ -1,8 +1,10 @@
 """Packed all-gathers of ShardedParams, one :class:`Gatherer` per process group.
 
-A gather of parameters ``p0..pk`` is one collective: each rank sends its shards back to back (the flat shard of
-zero/layout.py) plus a divergence trailer, and receives the packed ``(world_size, span + TRAILER_NUMEL)`` buffer,
-which is unpacked into one flat ``(numel,)`` buffer per parameter.
+A gather of parameters ``p0..pk`` is one collective: each rank writes its shards back to back (the flat shard of
+zero/layout.py) plus a divergence trailer into its own row of the packed ``(world_size, span + TRAILER_NUMEL)``
+buffer, receives the other rows in place, and unpacks the buffer into one flat ``(numel,)`` buffer per parameter.
+Packed and flat buffers come from comm/buffer_pool.py (a fresh one would be a fresh mmap on CPU, faulted in page by
+page every step); a parameter parked in forward is refilled in its own storage (ShardedParam.take_parked).
 
 NOTE: the unpack is a copy (the trailer, and rows that interleave parameters, keep any parameter from being
 contiguous in the packed buffer), so a gather peaks at twice its parameters' bytes until the packed buffer is

@@ -4,7 +4,8 @@ A gradient arriving for parameter ``p`` (full shape, compute dtype) is packed --
 ``grad_scale`` -- into columns ``[off, off + shard_numel)`` of the current bucket ``(world_size, capacity)``.
 When the next gradient does not fit, the bucket is reduce-scattered: rank ``r`` receives ``(used,)``, the sum over
 ranks of row ``r``, i.e. its shard of every parameter in the bucket, and *adds* each shard into the parameter's
-grad storage (gradient accumulation across micro-steps is this addition). With ``overlap_comm`` one bucket stays
+grad storage (gradient accumulation across micro-steps is this addition; the first shard after the optimizer
+cleared the storage is copied instead, ShardedParam.grad_zeroed). With ``overlap_comm`` one bucket stays
 in flight while the next one fills. A bucket holds at most ``reduce_bucket_size`` elements and
 :data:`~hf_zero.comm.buckets.BUCKET_CAP_BYTES` (unless one gradient alone is larger), so reductions start early in
 backward and a partly filled last bucket is compacted from little memory.

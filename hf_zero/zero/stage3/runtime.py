@@ -72,7 +72,7 @@ class Stage3Runtime:
         self.module = module
         self.group = group
         if not torch.cuda.is_available():  # CPU training: stage 3's mmap threshold (comm/host_memory.py)
-            tune_host_malloc(MALLOC_MMAP_THRESHOLD_STAGE3)
+            tune_host_malloc(MALLOC_MMAP_THRESHOLD_STAGE3, stage3_heap_top=True)
             # gathered parameters and packed gradients are pooled too (param.py, _on_grad_accumulated)
             buffer_pool.raise_cap(buffer_pool.POOL_CAP_BYTES_STAGE3)
         self.rank = get_rank(group)
