@@ -111,8 +111,10 @@ def all_gather_packed(packed: torch.Tensor, shard: torch.Tensor, group=None, asy
 # collective -- with hf_zero's fixed mmap threshold (host_memory.py), fresh mmaps faulted in page by page. Measured
 # on the 2-core machine, 2 ranks, an 11.6 MB packed buffer (one layer of the 32M Llama), per collective:
 #
-#     all_gather_into_tensor  2834 faults  9.6-11.0 ms CPU  22-35 ms wall    one broadcast per row     0 faults  3.2-4.5 ms CPU   9-11 ms wall
-#     reduce_scatter_tensor   3306 faults 12.7-16.5 ms CPU  31-33 ms wall    one reduce per row     1026 faults  8.6 ms CPU      11 ms wall
+#     all_gather_into_tensor   2834 faults   9.6-11.0 ms CPU   22-35 ms wall
+#     one broadcast per row       0 faults   3.2-4.5 ms CPU     9-11 ms wall
+#     reduce_scatter_tensor    3306 faults  12.7-16.5 ms CPU   31-33 ms wall
+#     one reduce per row       1026 faults   8.6 ms CPU           11 ms wall
 #
 # The same bytes cross the wire (each rank sends its row to / receives every other row from each peer); the rows go
 # in place. (An all-reduce would also avoid the copies, but moves twice the bytes of a reduce-scatter.)
