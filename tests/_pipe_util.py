@@ -1,4 +1,5 @@
-"""Shared pieces of the pipeline tests: a small layer list (tied or not), its data, and the one-process reference.
+"""Shared pieces of the pipeline tests: a small layer list (tied or not), its data, the one-process reference, and
+the padded HF micro-batches of the wrapped-model and 3D tests.
 
 The layers are built with ``seed_layers=True`` semantics (layer ``i`` right after ``manual_seed(1234 + i)``), so
 the pipeline (each stage builds only its own layers) and the reference (one process builds all) hold the same
@@ -66,6 +67,15 @@ def data(steps: int, micro_batches: int, dp: int, seed: int = 5):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(steps, micro_batches, dp, MICRO, W, generator=g),
             torch.randn(steps, micro_batches, dp, MICRO, W, generator=g))
+
+
+def padded_micro_batch(g: torch.Generator, micro: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
+    """One HF micro-batch: token ids right-padded to ``seq`` with ragged lengths (2..seq), its attention mask and
+    labels masked to -100 on the padding (the pipeline/TP tests' data, drawn from ``g`` in a fixed order)."""
+    ids = torch.randint(0, vocab, (micro, seq), generator=g)
+    lengths = torch.randint(2, seq + 1, (micro,), generator=g)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 ADAM = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}

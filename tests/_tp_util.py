@@ -53,6 +53,18 @@ def train(model, opt_kind: str, steps: int, data: torch.Tensor | None = None, st
     return losses
 
 
+def engine_steps(engine, batches) -> tuple[list[float], list[float]]:
+    """One engine step per token-id batch (labels = inputs): this rank's losses and the engine's global grad norms."""
+    losses, norms = [], []
+    for ids in batches:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative error of ``a`` against the reference ``b`` (norm-wise)."""
     denom = b.float().norm().item()

@@ -16,6 +16,8 @@ import torch
 
 from hf_zero.testing import run_distributed
 
+from _pipe_util import padded_micro_batch
+
 VOCAB, SEQ, MICRO, STEPS, LR, CLIP = 64, 8, 2, 2, 0.5, 1.0
 ADAM_LR = 1e-2  # CPU optimizer offload runs hf_zero's CPU Adam: those cases train with AdamW
 
@@ -55,11 +57,7 @@ def make_batches(micro_batches: int, dp: int, steps: int = STEPS):
         for _ in range(dp):
             mbs = []
             for _ in range(micro_batches):
-                ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
-                lengths = torch.randint(2, SEQ + 1, (MICRO,), generator=g)
-                mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
-                labels = ids.masked_fill(mask == 0, -100)
-                mbs.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+                mbs.append(padded_micro_batch(g, MICRO, SEQ, VOCAB))
             per_rep.append(mbs)
         out.append(per_rep)
     return out

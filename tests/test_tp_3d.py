@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _pipe_util import padded_micro_batch
 from _tp_spawns import case, register
 
 VOCAB, SEQ, MICRO, M, STEPS, LR, CLIP = 64, 8, 2, 2, 2, 0.5, 0.5
@@ -43,10 +44,7 @@ def make_batches():
         for _ in range(DP):
             mbs = []
             for _ in range(M):
-                ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
-                lengths = torch.randint(2, SEQ + 1, (MICRO,), generator=g)
-                mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
-                mbs.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+                mbs.append(padded_micro_batch(g, MICRO, SEQ, VOCAB))
             step.append(mbs)
         out.append(step)
     return out

@@ -24,6 +24,7 @@ import shutil
 import pytest
 import torch
 
+from _pipe_util import padded_micro_batch
 from _tp_spawns import SHARED_DIR, case, register
 
 VOCAB, SEQ, MICRO, M, LR, CLIP = 64, 8, 2, 4, 1e-2, 0.5  # M micro-batches of MICRO rows: the global batch
@@ -55,10 +56,7 @@ def make_batches():
     for _ in range(STEPS):
         mbs = []
         for _ in range(M):
-            ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
-            lengths = torch.randint(2, SEQ + 1, (MICRO,), generator=g)
-            mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
-            mbs.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+            mbs.append(padded_micro_batch(g, MICRO, SEQ, VOCAB))
         out.append(mbs)
     return out
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _tp_spawns import SHARED_DIR, case, register
-from _tp_util import make_model, rel, token_data
+from _tp_util import engine_steps, make_model, rel, token_data
 
 STEPS, CLIP = 3, 0.05
 # GPT-2 trains with SGD: Adam turns an element's rounding noise into an O(lr) step when its gradient is near zero
@@ -78,13 +78,7 @@ def _train(kind: str, path: str, sequence_parallel: bool = False):
         "optimizer": {"type": OPTIMIZER[kind][0], "params": dict(OPTIMIZER[kind][1])},
         "zero_optimization": {"stage": 1}, "steps_per_print": 1000,
         "tensor_parallel": {"autotp_size": 2, "sequence_parallel": sequence_parallel}})
-    data, losses, norms = token_data(STEPS), [], []
-    for s in range(STEPS):
-        loss = engine(input_ids=data[s], labels=data[s]).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        norms.append(engine.get_global_grad_norm())
+    losses, norms = engine_steps(engine, token_data(STEPS))
     layout = {n.rsplit(".0.", 1)[1]: (isinstance(p, DTensor), tuple(local_of(p).shape), p.requires_grad)
               for n, p in model.named_parameters() if ".layers.0.self_attn." in n or ".h.0.attn.c_attn" in n}
     full = engine.module_state_dict()  # gathered over the TP group, on every rank

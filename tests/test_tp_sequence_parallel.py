@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _tp_spawns import case, register
-from _tp_util import BATCH, SEQ, make_model, rel, token_data
+from _tp_util import BATCH, SEQ, engine_steps, make_model, rel, token_data
 from hf_zero.config.errors import ConfigError
 from hf_zero.tensor_parallel.config import parse_tp_config
 from hf_zero.tensor_parallel.plans import resolve_plan
@@ -54,13 +54,7 @@ def _train(kind: str, stage: int):
 
     engine, *_ = hf_zero.initialize(model=make_model(kind), config=_config(kind, stage))
     data = token_data(STEPS)
-    losses, norms = [], []
-    for s in range(STEPS):
-        loss = engine(input_ids=data[s], labels=data[s]).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        norms.append(engine.get_global_grad_norm())
+    losses, norms = engine_steps(engine, data)
     out = {"losses": losses, "norms": norms, "state": full_state_dict(engine.module),
            "sp": tp_info(engine.module).sequence_parallel}
     try:  # 15 tokens over 2 ranks
