@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
-from hf_zero import comm
-from hf_zero.comm import faults
+from hf_zero.runtime.checkpoint_commit import agree
 
 __all__ = ["resolve_save_tag"]
 
@@ -31,11 +28,7 @@ KEY = "checkpoint.tag_validation"
 def resolve_save_tag(tag, default: str, policy: str) -> str:
     """The tag this rank saves under: ``tag`` (or ``default``) when every rank agrees, else per ``policy``."""
     mine = str(tag) if tag is not None else default
-    if not comm.is_initialized() or comm.get_world_size() == 1:
-        return mine
-    tags: list = [None] * comm.get_world_size()
-    with faults.bounded("the tag check of save_checkpoint"):
-        torch.distributed.all_gather_object(tags, mine)
+    tags = agree(mine, "the tag check of save_checkpoint")
     if len(set(tags)) == 1:
         return mine
     groups: dict[str, list[int]] = {}
