@@ -7,6 +7,7 @@ paths."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -69,17 +70,28 @@ def _train():
         assert all(g.grad.count_nonzero().item() == 0 for g in engine.groups)
     sd = engine._zero3_consolidated_16bit_state_dict()
     params = {n: t.detach().float().clone() for n, t in (sd or {}).items()}
-    out = losses, params, buffer_pool.cap_bytes(), buffer_pool.cached_bytes()
+    from hf_zero.comm import shm_ring
+
+    ring = shm_ring.ring_for(None)
+    out = losses, params, buffer_pool.cap_bytes(), buffer_pool.cached_bytes(), ring.taken if ring else None
     engine.destroy()
     return out
 
 
-def test_zero3_pooled_host_buffers_match_one_process():
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_zero3_pooled_host_buffers_match_one_process(shm):
+    """With the ranks' shared-memory ring (the default on one host: the gathers' and reduce-scatters' packed buffers
+    live there, comm/shm_ring.py, and the pool keeps its default cap) and without it (gloo; the pool's cap is raised
+    to hold those buffers too)."""
     ref_losses, ref_params = _reference(2)
-    results = run_distributed(_train, 2, timeout_s=180)
-    for rank, (losses, params, cap, cached) in enumerate(results):
+    results = run_distributed(_train, 2, timeout_s=180, env={"HF_ZERO_SHM_COMM": shm})
+    for rank, (losses, params, cap, cached, ring_taken) in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-        assert cap == 4 * 16 << 20 and cached >= 4 << 20, (rank, cap, cached)  # the 4 MiB weight's buffer is kept
+        if shm == "1":  # every gather and reduce-scatter of 3 steps x 2 micro-batches went through the ring
+            assert ring_taken >= 3 * 2 * 4 and cap == 2 * 16 << 20, (rank, ring_taken, cap)
+        else:
+            assert ring_taken is None and cap == 4 * 16 << 20, (rank, ring_taken, cap)
+        assert cached >= 4 << 20, (rank, cached)  # the 4 MiB weight's buffer is kept
     assert sorted(results[0][1]) == sorted(ref_params)
     # Adam turns a last-bit difference in a near-zero gradient (the micro-batch sums are associated differently from
     # the one-process mean) into a fraction of an lr-sized step: up to 3e-5 with lr 1e-3, the same on main without

@@ -19,7 +19,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from hf_zero.comm import all_gather_packed, buffer_pool, faults
+from hf_zero.comm import all_gather_packed, buffer_pool, faults, give_packed, shm_ring, take_gather_buffer
 from hf_zero.offload.swapper import wait_all
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import ShardLayout
@@ -70,8 +70,7 @@ class PendingGather:
                     refills.enter_context(torch.autograd._unsafe_preserve_version_counter(out))
                 outs.append(out)
             self.layout.unpack(self.packed[:, :span], 0, outs)
-        buffer_pool.give(self.packed)
-        buffer_pool.give(self.send)
+        give_packed(self.packed, g.group)  # (send is a view of it)
         self.packed = self.work = self.send = None
         self.done = True
         for sp, out in zip(self.sps, outs):
@@ -93,6 +92,7 @@ class Gatherer:
         self.timers = NO_TIMERS  # the engine's: time blocked waiting for a gather counts as "communication"
         if self.world_size > 1:
             faults.channel_for(group)  # created now, at the first partition, where every rank comes (collective)
+            shm_ring.ring_for(group)  # likewise (one host, CPU: the packed buffers in shared memory)
         self.seq = 0
         self._labels: dict[int, str] = {}
         self.live_numel = 0
@@ -127,7 +127,8 @@ class Gatherer:
         if self.world_size > 1 and (force or faults.checks_enabled()):
             self.header_check_count += 1  # all_gather_packed runs it, before the payload
         dtype, device = sps[0].dtype, sps[0].storage.device
-        packed = buffer_pool.take((self.world_size, span + TRAILER_NUMEL), dtype, device)
+        packed = take_gather_buffer((self.world_size, span + TRAILER_NUMEL), dtype, device, self.group,
+                                    f"the gather of {label}", self.timeout_s)
         # in place: this rank's row of the output is what it sends (NCCL and the per-row gloo path both take it)
         send = packed[self.rank]
         # each shard straight into the send row, from memory or (offload_param nvme) from its swap file

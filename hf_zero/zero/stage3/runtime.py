@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hf_zero.comm import buffer_pool, faults, get_rank, get_world_size
+from hf_zero.comm import buffer_pool, faults, get_rank, get_world_size, shm_ring
 from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD_STAGE3, tune_host_malloc
 from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import capped_bucket_numel
@@ -73,8 +73,11 @@ class Stage3Runtime:
         self.group = group
         if not torch.cuda.is_available():  # CPU training: stage 3's mmap threshold (comm/host_memory.py)
             tune_host_malloc(MALLOC_MMAP_THRESHOLD_STAGE3, stage3_heap_top=True)
-            # gathered parameters and packed gradients are pooled too (param.py, _on_grad_accumulated)
-            buffer_pool.raise_cap(buffer_pool.POOL_CAP_BYTES_STAGE3)
+            # gathered parameters and packed gradients are pooled too (param.py, _on_grad_accumulated) -- unless
+            # the ranks share a host: the gathers' packed buffers then live in the shared ring (comm/shm_ring.py),
+            # which takes that room, and the pool keeps the default cap
+            if shm_ring.ring_for(group) is None:
+                buffer_pool.raise_cap(buffer_pool.POOL_CAP_BYTES_STAGE3)
         self.rank = get_rank(group)
         self.world_size = get_world_size(group)
         self.compute_dtype = compute_dtype

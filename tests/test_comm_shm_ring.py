@@ -1,0 +1,123 @@
+"""The shared-memory ring (comm/shm_ring.py): ZeRO's packed all-gathers and reduce-scatters between ranks of one host.
+
+Every value is an integer in fp32 (exact), so the gathered rows and reduced sums are compared with ``==``. A 1 MiB
+ring with buffers of up to 0.9 MiB wraps around many times, has several buffers in flight, given back out of
+order, and turns down what does not fit (the caller then goes through gloo, on every rank alike).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_zero.testing import run_distributed
+
+
+def _exchange(sub: bool):
+    import torch.distributed as dist
+
+    from hf_zero.comm import (all_gather_packed, give_packed, reduce_scatter_packed, shm_ring, take_gather_buffer,
+                              take_reduce_buffer)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = None
+    members = list(range(world))
+    if sub:  # a subgroup of ranks 1 and 3: its own ring, global ranks in its flags' errors
+        members = [1, 3]
+        group = dist.new_group(members)
+        if rank not in members:
+            return None
+    r, w = members.index(rank), len(members)
+    ring = shm_ring.ring_for(group)
+    gen = torch.Generator().manual_seed(7)  # the same sizes on every rank
+    bad = []
+    in_flight = []  # (kind, buffer, work, expected, out)
+    for it in range(60):
+        reduce = it % 3 == 2
+        span = int(torch.randint(1, 150_000 // (w * w if reduce else w), (1,), generator=gen))
+        if it % 17 == 5:
+            span = 260_000  # (w, span) fp32 is over three quarters of the 1 MiB ring at w >= 2: turned down
+        if reduce:  # a reduce-scatter of the first `used` columns of a bucket
+            used = max(1, span - int(torch.randint(0, span, (1,), generator=gen)))
+            bucket = take_reduce_buffer((w, span), torch.float32, "cpu", group)
+            for row in range(w):
+                bucket[row, :used] = torch.arange(used, dtype=torch.float32) + 1000 * (r + 1) + 10 * row + it
+            out = torch.empty(used)
+            work = reduce_scatter_packed(out, bucket[:, :used] if shm_ring.is_ring_memory(bucket) else
+                                         bucket[:, :used].contiguous(), group=group, async_op=True)
+            # rank r receives sum over j of row r of rank j's bucket
+            expected = (torch.arange(used, dtype=torch.float32) * w + 1000 * sum(j + 1 for j in range(w))
+                        + w * (10 * r + it))
+            in_flight.append(("reduce", bucket, work, expected, out))
+        else:
+            packed = take_gather_buffer((w, span), torch.float32, "cpu", group)
+            shard = torch.arange(span, dtype=torch.float32) + 100_000 * r + it
+            work = all_gather_packed(packed, shard, group=group, async_op=True)
+            expected = torch.stack([torch.arange(span, dtype=torch.float32) + 100_000 * j + it for j in range(w)])
+            in_flight.append(("gather", packed, work, expected, packed))
+        if len(in_flight) == 3 or it == 59:  # waited in order, given back in reverse order
+            for kind, buf, work, expected, out in in_flight:
+                work.wait()
+                if not torch.equal(out, expected):
+                    bad.append((it, kind))
+            for kind, buf, *_ in reversed(in_flight):
+                give_packed(buf, group)
+            in_flight = []
+    return {"bad": bad, "taken": ring.taken if ring else 0, "refused": ring.refused if ring else 0,
+            "ring": ring is not None, "size": ring.size if ring else 0}
+
+
+@pytest.mark.parametrize("world, sub", [(2, False), (4, False), (4, True)])
+def test_ring_gathers_and_reduce_scatters_exact_values_wrapping_a_small_ring(world, sub):
+    results = run_distributed(_exchange, world, args=(sub,), env={"HF_ZERO_SHM_COMM_MIB": "1"})
+    members = [1, 3] if sub else list(range(world))
+    for rank in members:
+        res = results[rank]
+        assert res["ring"] and res["size"] < (1 << 20), res
+        assert res["bad"] == [], res
+        # 60 collectives: those over three quarters of the ring (4 of them, at it % 17 == 5) go through gloo
+        assert res["refused"] >= 4 and res["taken"] + res["refused"] >= 60, res
+        assert res["taken"] >= 40, res
+    assert len({(results[r]["taken"], results[r]["refused"]) for r in members}) == 1  # the same answers everywhere
+
+
+def test_switched_off_the_same_collectives_go_through_gloo():
+    results = run_distributed(_exchange, 2, args=(False,), env={"HF_ZERO_SHM_COMM": "0"})
+    for res in results:
+        assert not res["ring"] and res["bad"] == [] and res["taken"] == 0, res
+
+
+def _stalled_peer():
+    import time
+
+    import torch.distributed as dist
+
+    from hf_zero.comm import shm_ring
+
+    rank = dist.get_rank()
+    ring = shm_ring.ring_for(None)
+    packed = ring.take_gather((2, 1000), torch.float32)
+    region = ring.region_of(packed)
+    out = {}
+    if rank == 0:
+        ring.publish(region)
+        start = time.monotonic()
+        try:
+            ring.wait_ready(region, "the test's gather", timeout_s=0.6)
+        except TimeoutError as exc:
+            out["error"] = str(exc)
+        out["seconds"] = time.monotonic() - start
+    dist.barrier()  # rank 1 publishes only after rank 0 gave up
+    if rank == 1:
+        ring.publish(region)
+    start = time.monotonic()
+    ring.wait_ready(region, "the test's gather", timeout_s=5.0)
+    out["then"] = time.monotonic() - start
+    return out
+
+
+def test_a_peer_that_never_writes_its_part_ends_the_wait_naming_it():
+    res = run_distributed(_stalled_peer, 2)[0]
+    assert "timed out after 0.6s in the test's gather: rank(s) [1] has not written its part" in res["error"], res
+    assert 0.6 <= res["seconds"] < 0.6 + 0.5 + 1.0, res  # the liveness period is 0.25 s; slack for a loaded machine
+    assert res["then"] < 5.0
