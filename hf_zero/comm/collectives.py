@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import buffer_pool, faults, shm_ring
+from . import faults, shm_ring
+from .shm_collectives import bounce_all_gather, bounce_reduce_scatter, shm_all_gather
 
-__all__ = ["reduce_scatter_packed", "all_gather_packed", "all_reduce_", "Work", "DoneWork", "BoundedWork",
-           "take_gather_buffer", "take_reduce_buffer", "give_packed"]
+__all__ = ["reduce_scatter_packed", "all_gather_packed", "all_reduce_", "Work", "DoneWork", "BoundedWork"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -84,9 +84,9 @@ def reduce_scatter_packed(out: torch.Tensor, packed: torch.Tensor, group=None, a
     if packed.shape[0] == 1:
         out.copy_(packed[0])
         return DoneWork()
-    ring, region = shm_ring.region_of(packed, group)
-    if region is not None:
-        return _issue("reduce_scatter", _shm_reduce_scatter, packed, what, group, async_op, ring, region, out, packed,
+    ring = shm_ring.existing(group) if packed.device.type == "cpu" else None
+    if ring is not None:  # one host: bounced through shared memory at wait() (shm_collectives.py)
+        return _issue("reduce_scatter", bounce_reduce_scatter, packed, what, group, async_op, ring, what, out, packed,
                       defer_check=defer_check)
     if _by_rows(packed, group):
         return _issue("reduce_scatter", _row_reduces, packed, what, group, async_op, out, packed,
@@ -102,9 +102,11 @@ def all_gather_packed(packed: torch.Tensor, shard: torch.Tensor, group=None, asy
     if packed.shape[0] == 1:
         packed[0].copy_(shard)
         return DoneWork()
-    ring, region = shm_ring.region_of(packed, group)
-    if region is not None:
-        return _issue("all_gather", _shm_all_gather, packed, what, group, async_op, ring, region, packed, shard,
+    ring = shm_ring.existing(group) if packed.device.type == "cpu" else None
+    if ring is not None:  # one host: through shared memory (shm_collectives.py)
+        region = ring.region_of(packed)
+        fn, first = (shm_all_gather, region) if region is not None else (bounce_all_gather, what)
+        return _issue("all_gather", fn, packed, what, group, async_op, ring, first, packed, shard,
                       force_check=force_check, defer_check=defer_check)
     if _by_rows(packed, group):
         return _issue("all_gather", _row_broadcasts, packed, what, group, async_op, packed, shard,
@@ -169,90 +171,6 @@ def _row_reduces(out: torch.Tensor, packed: torch.Tensor, group=None, async_op: 
              for r in range(packed.shape[0])]
     row = packed[rank]
     return _RowWorks(works, None if out.data_ptr() == row.data_ptr() else (lambda: out.copy_(row)))
-
-
-# ---- one host, CPU: the packed buffers live in shared memory (shm_ring.py) and a collective is a flag per rank ---------
-def take_gather_buffer(shape, dtype: torch.dtype, device, group=None, what: str = "a gather",
-                       timeout_s: float | None = None) -> torch.Tensor:
-    """The packed ``(world_size, span)`` buffer of an all-gather: shared memory where the group's ranks share a
-    host (the ring's, shm_ring.py), else a private buffer (buffer_pool.py). Give it back with :func:`give_packed`."""
-    if torch.device(device).type == "cpu":
-        t = shm_ring.take_gather(shape, dtype, group, what, faults.timeout_s() if timeout_s is None else timeout_s)
-        if t is not None:
-            return t
-    return buffer_pool.take(shape, dtype, device)
-
-
-def take_reduce_buffer(shape, dtype: torch.dtype, device, group=None, what: str = "a reduce-scatter",
-                       timeout_s: float | None = None) -> torch.Tensor:
-    """This rank's packed ``(world_size, span)`` bucket of a reduce-scatter, shared or private as
-    :func:`take_gather_buffer`. :func:`reduce_scatter_packed` may then reduce a leading column slice of it."""
-    if torch.device(device).type == "cpu":
-        t = shm_ring.take_reduce(shape, dtype, group, what, faults.timeout_s() if timeout_s is None else timeout_s)
-        if t is not None:
-            return t
-    return buffer_pool.take(shape, dtype, device)
-
-
-def reduce_bucket_numel(numel: int, world_size: int, itemsize: int, group=None) -> int:
-    """A reduce-scatter bucket's elements per rank row: ``numel`` (already capped by comm/buckets.py), smaller where
-    the ring must hold it (its ``world_size`` blocks in at most a quarter of the ring; collectives there cost a flag,
-    so smaller buckets cost no latency)."""
-    ring = shm_ring.ring_for(group) if world_size > 1 else None
-    if ring is None:
-        return numel
-    return max(1, min(numel, ring.size // (4 * world_size * world_size * itemsize)))
-
-
-def give_packed(t: torch.Tensor | None, group=None) -> None:
-    """Done with a buffer from :func:`take_gather_buffer` / :func:`take_reduce_buffer` (or any other): shared
-    buffers go back to the ring, private ones to buffer_pool. A view of a shared buffer is never pooled."""
-    if t is None:
-        return
-    if shm_ring.give(t, group) or shm_ring.is_ring_memory(t):
-        return
-    buffer_pool.give(t)
-
-
-class _ShmWork:
-    """A collective through the ring: complete once every rank has published its part; ``then`` runs once, after."""
-
-    def __init__(self, ring, region, then=None) -> None:
-        self.ring, self.region, self.then = ring, region, then
-
-    def wait(self, timeout=None) -> bool:
-        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-        self.ring.wait_ready(self.region, "a shared-memory collective",
-                             faults.timeout_s() if seconds is None else float(seconds))
-        if self.then is not None:
-            then, self.then = self.then, None
-            then()
-        return True
-
-    def is_completed(self) -> bool:
-        return self.ring.ready(self.region)
-
-
-def _shm_all_gather(ring, region, packed: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = True):
-    row = packed[ring.rank]
-    if shard.data_ptr() != row.data_ptr():
-        row.copy_(shard)
-    ring.publish(region)
-    return _ShmWork(ring, region)
-
-
-def _shm_reduce_scatter(ring, region, out: torch.Tensor, packed: torch.Tensor, group=None, async_op: bool = True):
-    ring.publish(region)
-    blocks = region.view  # (world, world, span): rank j's bucket is blocks[j]
-    n, r = out.numel(), ring.rank
-
-    def reduce() -> None:
-        # in rank order on every rank: the same sum every run (gloo's order for two ranks)
-        out.copy_(blocks[0, r, :n])
-        for j in range(1, ring.world):
-            out.add_(blocks[j, r, :n])
-
-    return _ShmWork(ring, region, reduce)
 
 
 def _global(group, r: int) -> int:

@@ -6,9 +6,9 @@ step (the forward's and the backward's gathers) and its gradient once. Measured 
 gathering 16 MB: 7-9 ms wall and 5 ms CPU per rank with gloo, against 1-2 ms to copy the same 16 MB in memory.
 
 How: one shared file per process group (``/dev/shm``, unlinked once every rank has mapped it) holds a ring of
-buffers. The packed buffers of the gathers and gradient reduce-scatters (zero/layout.py) are *taken* from the ring
-instead of from private memory (:func:`take_gather` / :func:`take_reduce`), so what a rank packs into its row is
-already where the other ranks read it. A collective is then only a flag per rank:
+buffers. A packed buffer (zero/layout.py) is *taken* from the ring, so what a rank writes there is already where the
+other ranks read it (shm_collectives.py: ZeRO-3's gathers pack straight into it; gradient buckets are copied in at
+the reduce-scatter). A collective is then only a flag per rank:
 
 - all-gather: each rank writes its row of the shared ``(world, span)`` buffer and publishes it; the gather is
   complete once every rank has published (the caller unpacks straight from the shared rows);
@@ -44,7 +44,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShmRing", "ring_for", "region_of", "take_gather", "take_reduce", "give", "is_ring_memory", "enabled",
+__all__ = ["ShmRing", "ring_for", "existing", "give", "is_ring_memory", "enabled",
            "DEFAULT_RING_BYTES"]
 
 DEFAULT_RING_BYTES = 32 << 20
@@ -310,22 +310,11 @@ def _open(group, rank: int, world: int, usable: bool) -> ShmRing | None:
     return ShmRing(mem, group, rank, world, [v[0] for v in votes])
 
 
-def region_of(t: torch.Tensor, group=None):
-    ring = _RINGS.get(_key(group)) if _RINGS and dist.is_initialized() else None
-    if ring is None:
-        return None, None
-    region = ring.region_of(t)
-    return (ring, region) if region is not None else (None, None)
-
-
-def take_gather(shape, dtype, group=None, what: str = "a gather", timeout_s: float = 300.0):
-    ring = ring_for(group)
-    return ring.take_gather(tuple(shape), dtype, what, timeout_s) if ring is not None else None
-
-
-def take_reduce(shape, dtype, group=None, what: str = "a reduce-scatter", timeout_s: float = 300.0):
-    ring = ring_for(group)
-    return ring.take_reduce(tuple(shape), dtype, what, timeout_s) if ring is not None else None
+def existing(group=None) -> ShmRing | None:
+    """The ring of ``group`` if :func:`ring_for` built one (no collective)."""
+    if not _RINGS or not dist.is_initialized():
+        return None
+    return _RINGS.get(_key(group))
 
 
 def is_ring_memory(t: torch.Tensor) -> bool:

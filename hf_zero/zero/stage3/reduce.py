@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_zero.comm import (buffer_pool, give_packed, reduce_bucket_numel, reduce_scatter_packed, shm_ring,
-                          take_reduce_buffer)
+from hf_zero.comm import buffer_pool, reduce_scatter_packed
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import capped_bucket_numel
 
@@ -56,14 +55,11 @@ class Stage3GradReducer:
                                          self._bucket.dtype != grad.dtype):
             self.flush()
         if self._bucket is None:
-            per_row = reduce_bucket_numel(capped_bucket_numel(self.bucket_numel, grad.element_size()) // self.world_size,
-                                          self.world_size, grad.element_size(), self.group)
-            capacity = max(per_row, width)
+            capacity = max(capped_bucket_numel(self.bucket_numel, grad.element_size()) // self.world_size, width)
             index = len(self._next_widths)
             if index < len(self._widths) and width <= self._widths[index] <= capacity:
                 capacity = self._widths[index]
-            self._bucket = take_reduce_buffer((self.world_size, capacity), grad.dtype, grad.device, self.group,
-                                              "a gradient reduce-scatter", self._timeout_s())
+            self._bucket = buffer_pool.take((self.world_size, capacity), grad.dtype, grad.device)
             self._used = 0
         block = self._bucket[:, self._used:self._used + width]
         sp.layout.pack([grad.detach().reshape(-1)], 0, block, scale=self.grad_scale)
@@ -78,8 +74,6 @@ class Stage3GradReducer:
         self._next_widths.append(self._used)
         if self._used == bucket.shape[1]:
             packed = bucket
-        elif shm_ring.is_ring_memory(bucket):  # shared: the filled columns are reduced where they are
-            packed = bucket[:, :self._used]
         else:  # compact the filled columns into a (world_size, used) buffer, and give the bucket back
             packed = buffer_pool.take((self.world_size, self._used), bucket.dtype, bucket.device)
             packed.copy_(bucket[:, :self._used])
@@ -113,4 +107,4 @@ class Stage3GradReducer:
                 else:
                     sp.grad_storage.add_(out[off:off + sp.shard_numel])
             buffer_pool.give(out)
-            give_packed(_packed, self.group)
+            buffer_pool.give(_packed)

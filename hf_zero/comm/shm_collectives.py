@@ -1,0 +1,174 @@
+"""ZeRO's packed all-gather and reduce-scatter through the shared ring of shm_ring.py (ranks of one host, CPU).
+
+Two ways, picked per call by :func:`~hf_zero.comm.collectives.all_gather_packed` / ``reduce_scatter_packed``:
+
+- **in place** (all-gathers): the caller took its packed buffer from the ring (:func:`take_gather_buffer`), so its
+  row is already where the other ranks read it. Issuing is one flag; waiting is waiting for the other ranks' flags.
+  ZeRO-3's parameter gathers go this way: the gathered rows are unpacked straight from shared memory.
+- **bounced** (reduce-scatters, and all-gathers of a private buffer): a gradient bucket is filled over much of a
+  backward and would hold ring space all that time, and a buffer may be too large for the ring or turned down by
+  it. At ``wait()`` the columns go through the ring
+  in chunks of at most :data:`_BOUNCE_FRACTION` of it: this rank's part copied in, flags, the result copied (or, for
+  a reduce-scatter, summed) out. One extra copy of this rank's part, against gloo's two socket copies per byte on
+  each side.
+
+Sums are taken in rank order on every rank, so a reduce-scatter gives the same bits every run. Every ring operation
+happens in program order (issue or wait), which is the same on every rank, so the ring's offsets agree; a chunk the
+ring turns down (the same answer on every rank) goes through gloo's per-row collectives instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import buffer_pool, faults, shm_ring
+
+__all__ = ["take_gather_buffer", "give_packed", "shm_all_gather", "bounce_all_gather", "bounce_reduce_scatter"]
+
+_BOUNCE_FRACTION = 8  # a bounced chunk's ring region: at most 1/8 of the ring
+
+
+def take_gather_buffer(shape, dtype: torch.dtype, device, group=None, what: str = "a gather",
+                       timeout_s: float | None = None) -> torch.Tensor:
+    """The packed ``(world_size, span)`` buffer of an all-gather: shared memory where the group has a ring (its
+    ranks share a host), else a private buffer (buffer_pool.py). Give it back with :func:`give_packed`."""
+    ring = shm_ring.existing(group) if torch.device(device).type == "cpu" else None
+    if ring is not None:
+        t = ring.take_gather(tuple(shape), dtype, what, faults.timeout_s() if timeout_s is None else timeout_s)
+        if t is not None:
+            return t
+    return buffer_pool.take(shape, dtype, device)
+
+
+def give_packed(t: torch.Tensor | None, group=None) -> None:
+    """Done with a buffer from :func:`take_gather_buffer` (or any other packed buffer): shared ones go back to the
+    ring, private ones to buffer_pool. A view of shared memory is never pooled."""
+    if t is None:
+        return
+    if shm_ring.give(t, group) or shm_ring.is_ring_memory(t):
+        return
+    buffer_pool.give(t)
+
+
+def _seconds(timeout) -> float:
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+    return faults.timeout_s() if seconds is None else float(seconds)
+
+
+class _ShmWork:
+    """A collective in the ring: complete once every rank has published its part; ``then`` runs once, after."""
+
+    def __init__(self, ring, region, what: str, then=None) -> None:
+        self.ring, self.region, self.what, self.then = ring, region, what, then
+
+    def wait(self, timeout=None) -> bool:
+        self.ring.wait_ready(self.region, self.what, _seconds(timeout))
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.ring.ready(self.region)
+
+
+def shm_all_gather(ring, region, packed: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = True):
+    """``packed`` is the ring's ``(world, span)`` buffer of ``region``: publish this rank's row."""
+    row = packed[ring.rank]
+    if shard.data_ptr() != row.data_ptr():
+        row.copy_(shard)
+    ring.publish(region)
+    return _ShmWork(ring, region, "a shared-memory all-gather")
+
+
+def _sum_rows(ring, blocks: torch.Tensor, out: torch.Tensor, lo: int, hi: int) -> None:
+    """``out`` = sum over ranks j, in rank order, of ``blocks[j, rank, lo:hi]``."""
+    r = ring.rank
+    out.copy_(blocks[0, r, lo:hi])
+    for j in range(1, ring.world):
+        out.add_(blocks[j, r, lo:hi])
+
+
+class _BounceWork:
+    """Runs a bounced collective at ``wait()`` (see the module docstring); nothing moves before."""
+
+    def __init__(self, run) -> None:
+        self.run, self.done = run, False
+
+    def wait(self, timeout=None) -> bool:
+        if not self.done:
+            self.done = True
+            self.run(_seconds(timeout))
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def _chunk_cols(ring, blocks: int, itemsize: int) -> int:
+    return max(1, ring.size // (_BOUNCE_FRACTION * blocks * itemsize))
+
+
+def bounce_all_gather(ring, what, packed: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = True):
+    what = what or "an all-gather"
+    w, span = packed.shape
+    step = _chunk_cols(ring, w, packed.element_size())
+
+    def run(timeout_s: float) -> None:
+        for lo in range(0, span, step):
+            hi = min(span, lo + step)
+            buf = ring.take_gather((w, hi - lo), packed.dtype, what, timeout_s)
+            if buf is None:  # turned down on every rank alike: the rest through gloo
+                _gloo_rows_gather(packed[:, lo:], shard[lo:], group, ring.rank)
+                return
+            region = ring.region_of(buf)
+            buf[ring.rank].copy_(shard[lo:hi])
+            ring.publish(region)
+            ring.wait_ready(region, what, timeout_s)
+            packed[:, lo:hi].copy_(buf)
+            ring.give(buf)
+
+    return _BounceWork(run)
+
+
+def bounce_reduce_scatter(ring, what, out: torch.Tensor, packed: torch.Tensor, group=None, async_op: bool = True):
+    what = what or "a reduce-scatter"
+    w, span = packed.shape
+    step = _chunk_cols(ring, w * w, packed.element_size())
+
+    def run(timeout_s: float) -> None:
+        for lo in range(0, span, step):
+            hi = min(span, lo + step)
+            buf = ring.take_reduce((w, hi - lo), packed.dtype, what, timeout_s)
+            if buf is None:
+                _gloo_rows_reduce(out[lo:], packed[:, lo:], group, ring.rank)
+                return
+            region = ring.region_of(buf)
+            buf.copy_(packed[:, lo:hi])
+            ring.publish(region)
+            ring.wait_ready(region, what, timeout_s)
+            _sum_rows(ring, region.view, out[lo:hi], 0, hi - lo)
+            ring.give(buf)
+
+    return _BounceWork(run)
+
+
+def _gloo_rows_gather(packed: torch.Tensor, shard: torch.Tensor, group, rank: int) -> None:
+    packed[rank].copy_(shard)
+    for r in range(packed.shape[0]):
+        row = packed[r].contiguous()
+        dist.broadcast(row, src=_global(group, r), group=group)
+        packed[r].copy_(row)
+
+
+def _gloo_rows_reduce(out: torch.Tensor, packed: torch.Tensor, group, rank: int) -> None:
+    for r in range(packed.shape[0]):
+        row = packed[r].contiguous()
+        dist.reduce(row, dst=_global(group, r), op=dist.ReduceOp.SUM, group=group)
+        if r == rank:
+            out.copy_(row)
+
+
+def _global(group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)
