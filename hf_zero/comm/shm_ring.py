@@ -29,7 +29,8 @@ diagnoses either (comm/faults.py).
 Enabled for a process group whose backend is gloo, world size above one, every rank on one host (each rank opens
 the file by name; a rank on another host cannot), on x86-64 (whose stores are seen by other cores in program
 order: the payload before its flag). ``HF_ZERO_SHM_COMM=0`` turns it off (the collectives are then gloo's);
-``HF_ZERO_SHM_COMM_MIB`` sizes the ring (default :data:`DEFAULT_RING_BYTES`).
+``HF_ZERO_SHM_COMM_MIB`` sizes the ring (default :data:`DEFAULT_RING_BYTES` at ZeRO-3, :data:`BOUNCE_RING_BYTES` at
+stages 1-2).
 """
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ShmRing", "ring_for", "existing", "give", "is_ring_memory", "enabled",
-           "DEFAULT_RING_BYTES"]
+           "DEFAULT_RING_BYTES", "BOUNCE_RING_BYTES"]
 
+# ZeRO-3 gathers in place: its ring holds the largest module gathered at once (the 32M Llama's 16 MiB embedding) with
+# room for the next; stages 0-2 only bounce (shm_collectives.py), 1 MiB chunks through a small ring. Every page of a
+# ring ends up touched, so its size counts in each rank's resident set.
 DEFAULT_RING_BYTES = 32 << 20
+BOUNCE_RING_BYTES = 8 << 20
 _SLOTS = 64            # buffers in flight that the flags tell apart; more are refused (a fallback), never mixed up
 _ALIGN = 4096
 _HEADER_WORDS = 2      # magic, nonce
@@ -60,13 +65,13 @@ def enabled() -> bool:
     return os.environ.get("HF_ZERO_SHM_COMM", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def _ring_bytes() -> int:
+def _ring_bytes(default: int) -> int:
     value = os.environ.get("HF_ZERO_SHM_COMM_MIB", "").strip()
     if value:
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"HF_ZERO_SHM_COMM_MIB={value!r}: the shared ring's size in MiB, a positive integer")
         return int(value) << 20
-    return DEFAULT_RING_BYTES
+    return default
 
 
 class _Region:
@@ -245,9 +250,10 @@ def _key(group) -> tuple:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def ring_for(group=None) -> ShmRing | None:
+def ring_for(group=None, nbytes: int = DEFAULT_RING_BYTES) -> ShmRing | None:
     """The ring of ``group``, built on first use -- a collective: every rank of the group must make that first call
-    at the same point (ZeRO-3 makes it where it partitions the first parameter). None where it does not apply."""
+    at the same point (ZeRO-3 makes it where it partitions the first parameter). None where it does not apply.
+    ``nbytes``: the ring's size if this call builds it (HF_ZERO_SHM_COMM_MIB overrides it)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     key = _key(group)
@@ -257,7 +263,7 @@ def ring_for(group=None) -> ShmRing | None:
     world = dist.get_world_size(group)
     if world > 1 and dist.get_backend(group) == "gloo":
         # every rank of the group takes part in the vote below, whatever it concludes locally
-        ring = _open(group, dist.get_rank(group), world, usable=enabled() and _platform_ok())
+        ring = _open(group, dist.get_rank(group), world, _ring_bytes(nbytes), usable=enabled() and _platform_ok())
     _RINGS[key] = ring
     return ring
 
@@ -266,8 +272,7 @@ def _platform_ok() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm") and os.path.isdir("/proc")
 
 
-def _open(group, rank: int, world: int, usable: bool) -> ShmRing | None:
-    size = _ring_bytes()
+def _open(group, rank: int, world: int, size: int, usable: bool) -> ShmRing | None:
     src = _global(group, 0)
     info = [None]
     path = None

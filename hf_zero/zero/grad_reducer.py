@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hf_zero.comm import all_reduce_, buffer_pool, faults, reduce_scatter_packed
+from hf_zero.comm import all_reduce_, buffer_pool, faults, reduce_scatter_packed, shm_ring
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import capped_bucket_numel
 from hf_zero.zero.local import local_grad, local_tensor
@@ -78,6 +78,10 @@ class GroupGradReducer:
         # stage 0 averages over the real world, though its layout is a world of one
         self.data_parallel_size = (torch.distributed.get_world_size(process_group)
                                    if torch.distributed.is_initialized() else 1)
+        if self.world_size > 1 and groups[0].grad.device.type == "cpu":
+            # ranks of one host: the reduce-scatters and the publishing all-gathers go through shared memory
+            # (comm/shm_ring.py); built here, where every rank comes (a collective)
+            shm_ring.ring_for(process_group, shm_ring.BOUNCE_RING_BYTES)
         self.buckets: list[_Bucket] = []
         self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         # buckets run in reverse parameter order: the order backward produces gradients in most models
