@@ -241,13 +241,15 @@ def _global(group, r: int) -> int:
 
 # ---- one ring per process group ---------------------------------------------------------------------------------------
 _RINGS: dict = {}
+_PINNED: dict = {}
 _MAGIC = 0x6866_7A65_726F_5348  # "hfzeroSH"
 
 
 def _key(group) -> tuple:
-    if group is None or group is dist.group.WORLD:
-        return ("world",)
-    return tuple(dist.get_process_group_ranks(group))
+    # the group object itself too: a process group destroyed and created again in the same processes (tests, a
+    # second initialize) gets a fresh ring, not one whose buffers an aborted collective may have left half used
+    pg = dist.group.WORLD if group is None else group
+    return (id(pg), tuple(dist.get_process_group_ranks(pg)))
 
 
 def ring_for(group=None, nbytes: int = DEFAULT_RING_BYTES) -> ShmRing | None:
@@ -265,6 +267,7 @@ def ring_for(group=None, nbytes: int = DEFAULT_RING_BYTES) -> ShmRing | None:
         # every rank of the group takes part in the vote below, whatever it concludes locally
         ring = _open(group, dist.get_rank(group), world, _ring_bytes(nbytes), usable=enabled() and _platform_ok())
     _RINGS[key] = ring
+    _PINNED[key] = group if group is not None else dist.group.WORLD  # keeps id() unique while the key is used
     return ring
 
 
