@@ -9,6 +9,8 @@ into a private buffer) are bounced through it in chunks, up to 2 MiB of them.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -80,6 +82,8 @@ def test_ring_gathers_and_reduce_scatters_exact_values_wrapping_a_small_ring(wor
         # and bounced; every bounce takes at least one chunk
         assert res["refused"] >= 2 and res["taken"] >= 60, res
     assert len({(results[r]["taken"], results[r]["refused"]) for r in members}) == 1  # the same answers everywhere
+    # the ring's file was unlinked as soon as every rank had mapped it (another job's ring lives a few ms at most)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("hf_zero_comm_")]
 
 
 def test_switched_off_the_same_collectives_go_through_gloo():

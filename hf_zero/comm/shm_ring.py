@@ -282,16 +282,22 @@ def _open(group, rank: int, world: int, size: int, usable: bool) -> ShmRing | No
     if rank == 0 and usable:
         try:
             fd, path = tempfile.mkstemp(prefix="hf_zero_comm_", dir="/dev/shm")
-            os.ftruncate(fd, size)
-            os.close(fd)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
             info = [(path, secrets.randbits(62), size)]
         except OSError:
+            if path is not None:
+                os.unlink(path)
             path, info = None, [None]
     dist.broadcast_object_list(info, src=src, group=group)
     mem = None
     if info[0] is not None and usable:
         path_, nonce, size_ = info[0]
         try:
+            # open it first without creating it: torch.from_file would create a file of zeros on another host
+            os.close(os.open(path_, os.O_RDWR))
             mem = torch.from_file(path_, shared=True, size=size_, dtype=torch.uint8)
             if rank == 0:
                 words = _HEADER_WORDS + 2 * world * _SLOTS
