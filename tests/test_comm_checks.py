@@ -14,16 +14,22 @@ import torch
 from hf_zero.testing import run_distributed
 
 
-def _runs_and_deferred():
+def _runs_and_deferred(ring: bool):
     import torch.distributed as dist
 
-    from hf_zero.comm import all_gather_packed, all_reduce_, faults
+    from hf_zero.comm import all_gather_packed, all_reduce_, faults, shm_ring
     from hf_zero.comm.faults import DivergenceError
 
     faults.configure(timeout_s=2.0)  # short grace periods: the divergence below is reported in about a second
     rank = dist.get_rank()
     ch = faults.channel_for(None)
     out = {}
+    if ring:  # the headers then go through the ring's header slots (shm_ring.exchange_header), not gloo
+        assert shm_ring.ring_for(None) is not None
+        for i in range(150):  # more than the ring's 64 slots; each deferred, verified at the next one
+            faults.check_deferred("all_gather", 10 + i, torch.float32, f"collective {i}", lambda: None) or \
+                faults.check_collective("all_gather", 10 + i, torch.float32, f"collective {i}")
+        faults.settle(None)
     # a run of three all-gathers: one header (sent at once, or deferred to the run's first collective)
     for defer in (False, True):
         seq = ch.seq
@@ -54,8 +60,10 @@ def _runs_and_deferred():
     return out
 
 
-def test_one_header_per_run_deferred_headers_and_divergent_runs_fail_on_every_rank():
-    for rank, out in enumerate(run_distributed(_runs_and_deferred, 2, timeout_s=120)):
+@pytest.mark.parametrize("ring", [False, True])
+def test_one_header_per_run_deferred_headers_and_divergent_runs_fail_on_every_rank(ring):
+    """``ring``: the ranks share a ring (comm/shm_ring.py), whose header slots carry the checks."""
+    for rank, out in enumerate(run_distributed(_runs_and_deferred, 2, args=(ring,), timeout_s=120)):
         for defer in (False, True):
             headers, got = out[f"run{defer}"]
             assert headers == 1

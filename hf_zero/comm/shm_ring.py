@@ -88,12 +88,18 @@ class ShmRing:
     def __init__(self, mem: torch.Tensor, group, rank: int, world: int, pids: list[int]) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.mem = mem  # uint8, the whole mapping
-        words = _HEADER_WORDS + 2 * world * _SLOTS
-        header_bytes = -(-words * 8 // _ALIGN) * _ALIGN
-        # the flags through ctypes: a read or write is ~0.1 us, a torch indexing op ~10 us (thousands per step)
-        flags = (ctypes.c_int64 * (2 * world * _SLOTS)).from_address(mem.data_ptr() + 8 * _HEADER_WORDS)
-        self._flags = flags  # published[r][slot] at r * _SLOTS + slot; freed[r][slot] after all published
+        header_bytes = -(-_header_words(world) * 8 // _ALIGN) * _ALIGN
+        # the flags through ctypes: a read or write is ~0.1 us, a torch indexing op ~10 us (thousands per step).
+        # published[r][slot] at r * _SLOTS + slot, then freed[r][slot], then the divergence headers' flags
+        # (hdr[r][slot]), each rank's latest header, and the headers' values (5 words per rank and slot)
+        flags = (ctypes.c_int64 * (_header_words(world) - _HEADER_WORDS)).from_address(
+            mem.data_ptr() + 8 * _HEADER_WORDS)
+        self._flags = flags
         self._freed0 = world * _SLOTS
+        self._hdr0 = 2 * world * _SLOTS
+        self._latest0 = 3 * world * _SLOTS
+        self._vals0 = 3 * world * _SLOTS + world
+        self._hdr_first: int | None = None  # the first header sequence number exchanged here
         self.data = mem[header_bytes:]
         self.size = self.data.numel()
         self.pids = pids
@@ -190,18 +196,41 @@ class ShmRing:
         return not self._laggards(0, region)
 
     def wait_ready(self, region: _Region, what: str, timeout_s: float) -> None:
-        self._spin(0, region, what, timeout_s, "has not written its part")
+        self._spin(lambda: self._laggards(0, region), what, timeout_s, "has not written its part")
 
     def _wait_freed(self, region: _Region, what: str, timeout_s: float) -> None:
-        self._spin(self._freed0, region, f"reusing shared memory for {what}", timeout_s,
+        self._spin(lambda: self._laggards(self._freed0, region), f"reusing shared memory for {what}", timeout_s,
                    "has not finished reading an earlier buffer")
 
-    def _spin(self, base: int, region: _Region, what: str, timeout_s: float, why: str) -> None:
-        if not self._laggards(base, region):
+    # ---- the divergence check's header (comm/faults.py), exchanged here instead of by a gloo all-gather -------------
+    def exchange_header(self, seq: int, mine: list[int], rows: torch.Tensor, what: str,
+                        timeout_s: float) -> "HeaderWork":
+        """Publish this rank's 5-integer header of collective ``seq`` of the fault channel; the returned work's
+        ``wait()`` fills ``rows`` (world * 5) with every rank's. A rank publishes header ``seq`` only after it has
+        read every header up to ``seq - 2`` (the channel defers at most one check), so slot ``seq % _SLOTS`` is free
+        once every rank has published ``seq - _SLOTS + 2``."""
+        if self._hdr_first is None:
+            self._hdr_first = seq
+        slot = seq % _SLOTS
+        flags = self._flags
+        if seq - _SLOTS >= self._hdr_first:
+            need = seq - _SLOTS + 2
+            self._spin(lambda: [r for r in range(self.world) if flags[self._latest0 + r] < need],
+                       f"reusing shared memory for the check before {what}", timeout_s,
+                       "has not read an earlier check")
+        base = self._vals0 + (self.rank * _SLOTS + slot) * 5
+        for i, v in enumerate(mine):
+            flags[base + i] = int(v)
+        flags[self._hdr0 + self.rank * _SLOTS + slot] = seq
+        flags[self._latest0 + self.rank] = seq
+        return HeaderWork(self, seq, slot, rows)
+
+    def _spin(self, laggards, what: str, timeout_s: float, why: str) -> None:
+        if not laggards():
             return
 
         def done() -> bool:
-            return not self._laggards(base, region)
+            return not laggards()
 
         start = time.monotonic()
         next_liveness = start + _LIVENESS_PERIOD_S
@@ -216,7 +245,7 @@ class ShmRing:
                 next_liveness = now + _LIVENESS_PERIOD_S
                 self._check_peers_alive(what)
                 if now - start > timeout_s:
-                    ranks = [_global(self.group, r) for r in self._laggards(base, region)]
+                    ranks = [_global(self.group, r) for r in laggards()]
                     raise TimeoutError(f"hf_zero shared-memory collective timed out after {timeout_s:g}s in {what}: "
                                        f"rank(s) {ranks} {why}")
 
@@ -225,6 +254,40 @@ class ShmRing:
             if r != self.rank and _dead(pid):
                 raise ConnectionResetError(f"connection closed: rank {_global(self.group, r)} (pid {pid}) died "
                                            f"while this rank was in {what}")
+
+
+class HeaderWork:
+    """A header exchange in the ring (:meth:`ShmRing.exchange_header`), waited like a gloo work."""
+
+    def __init__(self, ring: ShmRing, seq: int, slot: int, rows: torch.Tensor) -> None:
+        self.ring, self.seq, self.slot, self.rows = ring, seq, slot, rows
+        self._done = False
+
+    def _laggards(self) -> list[int]:
+        ring, flags = self.ring, self.ring._flags
+        return [r for r in range(ring.world) if flags[ring._hdr0 + r * _SLOTS + self.slot] != self.seq]
+
+    def is_completed(self) -> bool:
+        return self._done or not self._laggards()
+
+    def wait(self, timeout=None) -> bool:
+        if self._done:
+            return True
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        ring, flags = self.ring, self.ring._flags
+        ring._spin(self._laggards, f"the divergence check of collective #{self.seq}",
+                   300.0 if seconds is None else float(seconds), "has not reached this collective")
+        values = []
+        for r in range(ring.world):
+            base = ring._vals0 + (r * _SLOTS + self.slot) * 5
+            values.extend(flags[base:base + 5])
+        self.rows.copy_(torch.tensor(values, dtype=torch.int64))
+        self._done = True
+        return True
+
+
+def _header_words(world: int) -> int:
+    return _HEADER_WORDS + 3 * world * _SLOTS + world + 5 * world * _SLOTS
 
 
 def _dead(pid: int) -> bool:
@@ -300,8 +363,8 @@ def _open(group, rank: int, world: int, size: int, usable: bool) -> ShmRing | No
             os.close(os.open(path_, os.O_RDWR))
             mem = torch.from_file(path_, shared=True, size=size_, dtype=torch.uint8)
             if rank == 0:
-                words = _HEADER_WORDS + 2 * world * _SLOTS
-                mem[:words * 8].view(torch.int64).fill_(-1)  # no buffer published or given back yet
+                words = _header_words(world)
+                mem[:words * 8].view(torch.int64).fill_(-1)  # no buffer published or given back, no header yet
                 mem[:16].view(torch.int64).copy_(torch.tensor([_MAGIC, nonce]))
         except (OSError, RuntimeError):
             mem = None
