@@ -126,3 +126,41 @@ def test_a_peer_that_never_writes_its_part_ends_the_wait_naming_it():
     assert "timed out after 0.6s in the test's gather: rank(s) [1] has not written its part" in res["error"], res
     assert 0.6 <= res["seconds"] < 0.6 + 0.5 + 1.0, res  # the liveness period is 0.25 s; slack for a loaded machine
     assert res["then"] < 5.0
+
+
+def _full_ring_falls_back_to_gloo():
+    import torch.distributed as dist
+
+    from hf_zero.comm import all_gather_packed, give_packed, reduce_scatter_packed, shm_ring, take_gather_buffer
+
+    rank = dist.get_rank()
+    ring = shm_ring.ring_for(None)
+    cols = ring.size // 8  # fp32 (2, cols): half the ring each
+    held = []
+    for k, frac in enumerate((0.5, 0.45)):  # two gathers in flight fill 95% of the ring
+        packed = take_gather_buffer((2, int(cols * frac)), torch.float32, "cpu")
+        held.append((all_gather_packed(packed, torch.full((packed.shape[1],), 10.0 * k + rank), async_op=True), packed))
+    refused = ring.refused
+    span = 50_000
+    gathered = torch.empty(2, span)  # private: bounced, but no chunk fits beside what this rank holds
+    all_gather_packed(gathered, torch.arange(span, dtype=torch.float32) + 1000 * rank)
+    bucket = torch.stack([torch.arange(span, dtype=torch.float32) + 100 * row + rank for row in range(2)])
+    out = torch.empty(span)
+    reduce_scatter_packed(out, bucket)
+    turned_down = ring.refused - refused
+    ok_in_flight = []
+    for k, (work, packed) in enumerate(held):
+        work.wait()
+        ok_in_flight.append(bool((packed[:, :3] == torch.tensor([[10.0 * k], [10.0 * k + 1]])).all()))
+        give_packed(packed)
+    gather_ok = torch.equal(gathered, torch.stack([torch.arange(span, dtype=torch.float32) + 1000 * j
+                                                   for j in range(2)]))
+    reduce_ok = torch.equal(out, 2 * torch.arange(span, dtype=torch.float32) + 200 * rank + 1)
+    return turned_down, gather_ok, reduce_ok, ok_in_flight
+
+
+def test_collectives_the_ring_turns_down_go_through_gloo_with_the_same_values():
+    for turned_down, gather_ok, reduce_ok, ok_in_flight in run_distributed(_full_ring_falls_back_to_gloo, 2,
+                                                                           env={"HF_ZERO_SHM_COMM_MIB": "1"}):
+        assert turned_down == 2, turned_down  # the first chunk of each bounce: the rest goes through gloo rows
+        assert gather_ok and reduce_ok and ok_in_flight == [True, True]
