@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from . import faults, shm_ring
-from .process_group import global_rank
 from .shm_collectives import bounce_all_gather, bounce_reduce_scatter, shm_all_gather
 
 __all__ = ["reduce_scatter_packed", "all_gather_packed", "all_reduce_", "Work", "DoneWork", "BoundedWork"]
@@ -161,18 +160,21 @@ def _row_broadcasts(packed: torch.Tensor, shard: torch.Tensor, group=None, async
     rank = dist.get_rank(group)
     if shard.data_ptr() != packed[rank].data_ptr():
         packed[rank].copy_(shard)
-    works = [dist.broadcast(packed[r], src=global_rank(group, r), group=group, async_op=True)
+    works = [dist.broadcast(packed[r], src=_global(group, r), group=group, async_op=True)
              for r in range(packed.shape[0])]
     return _RowWorks(works)
 
 
 def _row_reduces(out: torch.Tensor, packed: torch.Tensor, group=None, async_op: bool = True) -> _RowWorks:
     rank = dist.get_rank(group)
-    works = [dist.reduce(packed[r], dst=global_rank(group, r), op=dist.ReduceOp.SUM, group=group, async_op=True)
+    works = [dist.reduce(packed[r], dst=_global(group, r), op=dist.ReduceOp.SUM, group=group, async_op=True)
              for r in range(packed.shape[0])]
     row = packed[rank]
     return _RowWorks(works, None if out.data_ptr() == row.data_ptr() else (lambda: out.copy_(row)))
 
+
+def _global(group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)
 
 
 def all_reduce_(tensor: torch.Tensor, group=None, async_op: bool = False, op=dist.ReduceOp.SUM,

@@ -111,11 +111,6 @@ def get_world_size(group=None) -> int:
     return dist.get_world_size(group) if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-def global_rank(group, rank: int) -> int:
-    """The global rank of ``group``'s rank ``rank`` (None: the default group, where they are the same)."""
-    return rank if group is None else dist.get_global_rank(group, rank)
-
-
 def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 

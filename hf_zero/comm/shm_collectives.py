@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from . import buffer_pool, faults, shm_ring
-from .process_group import global_rank
 
 __all__ = ["take_gather_buffer", "give_packed", "shm_all_gather", "bounce_all_gather", "bounce_reduce_scatter"]
 
@@ -156,14 +155,20 @@ def bounce_reduce_scatter(ring, what, out: torch.Tensor, packed: torch.Tensor, g
 
 
 def _gloo_rows_gather(packed: torch.Tensor, shard: torch.Tensor, group, rank: int) -> None:
-    """What the ring turned down, the way collectives.py's gloo path does it: one broadcast per row, in place (a
-    row of a column slice is contiguous)."""
     packed[rank].copy_(shard)
     for r in range(packed.shape[0]):
-        dist.broadcast(packed[r], src=global_rank(group, r), group=group)
+        row = packed[r].contiguous()
+        dist.broadcast(row, src=_global(group, r), group=group)
+        packed[r].copy_(row)
 
 
 def _gloo_rows_reduce(out: torch.Tensor, packed: torch.Tensor, group, rank: int) -> None:
     for r in range(packed.shape[0]):
-        dist.reduce(packed[r], dst=global_rank(group, r), op=dist.ReduceOp.SUM, group=group)
-    out.copy_(packed[rank])
+        row = packed[r].contiguous()
+        dist.reduce(row, dst=_global(group, r), op=dist.ReduceOp.SUM, group=group)
+        if r == rank:
+            out.copy_(row)
+
+
+def _global(group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)

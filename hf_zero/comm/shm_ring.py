@@ -45,8 +45,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from .process_group import global_rank
-
 __all__ = ["ShmRing", "ring_for", "existing", "give", "is_ring_memory", "enabled",
            "DEFAULT_RING_BYTES", "BOUNCE_RING_BYTES"]
 
@@ -247,14 +245,14 @@ class ShmRing:
                 next_liveness = now + _LIVENESS_PERIOD_S
                 self._check_peers_alive(what)
                 if now - start > timeout_s:
-                    ranks = [global_rank(self.group, r) for r in laggards()]
+                    ranks = [_global(self.group, r) for r in laggards()]
                     raise TimeoutError(f"hf_zero shared-memory collective timed out after {timeout_s:g}s in {what}: "
                                        f"rank(s) {ranks} {why}")
 
     def _check_peers_alive(self, what: str) -> None:
         for r, pid in enumerate(self.pids):
             if r != self.rank and _dead(pid):
-                raise ConnectionResetError(f"connection closed: rank {global_rank(self.group, r)} (pid {pid}) died "
+                raise ConnectionResetError(f"connection closed: rank {_global(self.group, r)} (pid {pid}) died "
                                            f"while this rank was in {what}")
 
 
@@ -300,6 +298,9 @@ def _dead(pid: int) -> bool:
         return True
 
 
+def _global(group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)
+
 
 # ---- one ring per process group ---------------------------------------------------------------------------------------
 _RINGS: dict = {}
@@ -338,7 +339,7 @@ def _platform_ok() -> bool:
 
 
 def _open(group, rank: int, world: int, size: int, usable: bool) -> ShmRing | None:
-    src = global_rank(group, 0)
+    src = _global(group, 0)
     info = [None]
     path = None
     if rank == 0 and usable:
