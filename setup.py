@@ -5,10 +5,18 @@ At install time (``pip install --no-build-isolation [-e] .``) this compiles csrc
 * ``hf_zero._C``      -- CPU kernels, always (-O3, OpenMP, the C++ standard torch's headers require).
 * ``hf_zero._C_cuda`` -- CUDA kernels, only when the installed torch has CUDA and ``nvcc`` is found.
 
-``HF_ZERO_BUILD_OPS=0`` skips compilation. A failed compilation never fails the install: the error is printed and
-every op falls back to its pure-PyTorch reference at run time (``hf-zero doctor`` shows which ops are compiled).
-``MAX_JOBS`` limits parallel compile jobs (ninja), as in every torch extension build. The CPU kernels are tuned for
-the building machine (-march=native); ``HF_ZERO_PORTABLE=1`` drops that when building a wheel for other machines.
+A failed compilation fails the install, with the compiler's own error and the way out: hf_zero's ops are the
+fast path of every step (the pure-PyTorch references run 5-7x slower on a GPU), so an install that silently
+dropped them would leave a user training slowly without knowing why. ``HF_ZERO_BUILD_OPS=0`` installs without
+compiling on purpose; every op then runs its pure-PyTorch reference and the first op used warns once (``hf-zero
+doctor`` shows which ops are compiled). A torch with CUDA but no ``nvcc`` builds the CPU kernels only and says so.
+
+The C++ standard is torch's (BuildExtension adds the one its headers need: C++17 in torch 2.11, C++20 in
+2.13); csrc/ is written to compile under both. CUDA kernels are built for the GPUs this machine has when
+``TORCH_CUDA_ARCH_LIST`` is unset (torch's own default would build for every architecture it knows: minutes
+longer); with no GPU visible, torch's default list applies. ``MAX_JOBS`` limits parallel compile jobs (ninja), as
+in every torch extension build. The CPU kernels are tuned for the building machine (-march=native);
+``HF_ZERO_PORTABLE=1`` drops that when building a wheel for other machines.
 
 It also installs ``hf_zero/integrations/hf_zero_deepspeed.pth`` (the startup hook of the ``deepspeed``
 compatibility layer) into the root of site-packages, for regular and for editable (PEP 660) installs.
@@ -67,8 +75,8 @@ def _extensions() -> list:
     native = [] if os.environ.get("HF_ZERO_PORTABLE") == "1" else ["-march=native"]
     # -ffp-contract=off: no fused multiply-add contraction, so the kernels round each operation as the unfused
     # torch reference does (CPUAdam then tracks torch.optim.AdamW to ~1 ulp); they are memory-bound anyway.
-    # No -std flag: BuildExtension adds the standard the installed torch headers need (C++20 since torch 2.10;
-    # forcing -std=c++17 breaks them).
+    # No -std flag: BuildExtension adds the standard the installed torch's headers need (C++17 or C++20 by version;
+    # forcing one breaks the other). csrc/ compiles under both (tests/test_build.py checks each).
     cxx_flags = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *native]
     include_dirs = [str(CSRC / "common")]
     extensions = [
@@ -84,6 +92,7 @@ def _extensions() -> list:
         _warn(f"torch {torch.__version__} has CUDA but no CUDA toolkit (nvcc) was found: hf_zero._C_cuda skipped, "
               "CUDA tensors will use the pure-PyTorch references. Set CUDA_HOME and reinstall to build it.")
     if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None:
+        _default_cuda_arch_list(torch)
         extensions.append(
             cpp_extension.CUDAExtension(
                 name="hf_zero._C_cuda",
@@ -93,6 +102,22 @@ def _extensions() -> list:
             )
         )
     return extensions
+
+
+def _default_cuda_arch_list(torch) -> None:
+    """TORCH_CUDA_ARCH_LIST unset: build for the architectures of the GPUs this machine has (e.g. "9.0" on an
+    H100), the machine the install is for. Without a visible GPU torch's default list applies."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return
+    try:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(count)})
+    except Exception:  # a driver problem: leave the choice to torch (it builds for every architecture)
+        return
+    if caps:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(f"{major}.{minor}" for major, minor in caps)
+        print(f"hf_zero: building CUDA kernels for this machine's GPUs: TORCH_CUDA_ARCH_LIST="
+              f"{os.environ['TORCH_CUDA_ARCH_LIST']} (set it to build for others)", file=sys.stderr, flush=True)
 
 
 def _build_ext_base():
@@ -105,25 +130,19 @@ def _build_ext_base():
 
 
 class BuildOps(_build_ext_base()):
-    """build_ext that turns a failed compilation into a warning: the ops then run their Python references."""
+    """build_ext whose failure says what to do: the compiler's error is above it, and the install stops."""
 
     def run(self) -> None:
         try:
             super().run()
         except Exception as exc:  # compiler missing, header mismatch, out of memory, ...
             _warn(
-                f"compiling the hf_zero ops failed ({type(exc).__name__}: {exc}).\n"
-                "hf_zero is installed without them and every op falls back to its pure-PyTorch reference.\n"
-                "Fix the compiler error above, then rebuild with: pip install --no-build-isolation -e .\n"
-                f"(or skip compilation on purpose with {BUILD_OPS_ENV}=0)."
+                f"compiling the hf_zero ops failed ({type(exc).__name__}: {exc}); the compiler's error is above.\n"
+                "The install stops here rather than leave hf_zero running every op through its slow pure-PyTorch\n"
+                "reference. Fix the error (a C++ compiler, nvcc matching torch's CUDA, enough memory: lower\n"
+                f"MAX_JOBS), or install without the compiled ops on purpose with {BUILD_OPS_ENV}=0."
             )
-            # Nothing was built: do not let install/editable_wheel look for the extension outputs.
-            self.extensions = []
-            self.distribution.ext_modules = []
-
-    def get_outputs(self) -> list[str]:
-        return [path for path in super().get_outputs() if os.path.exists(path)]
-
+            raise
 
 class BuildPy(build_py):
     """Puts the deepspeed-compatibility .pth at the root of the (regular) wheel, i.e. of site-packages."""

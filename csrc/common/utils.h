@@ -4,9 +4,9 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace hf_zero {
 
@@ -17,6 +17,17 @@ namespace hf_zero {
 // bf16 rounding through a branch, which keep those loops scalar: measured 5x slower on the bf16/fp16 Adam path.
 // The fp16 formulas are those of the FP16 library (Maratea Dukhan), which c10::Half also uses.
 
+// std::bit_cast is C++20, and the standard an extension compiles with is torch's choice (C++17 in torch 2.11's
+// extension builder, C++20 in 2.13's): the memcpy form is the C++17 way to reinterpret bits, and GCC, Clang and nvcc's
+// host compiler turn it into the same single move, so the loops still vectorize.
+template <typename To, typename From>
+inline To bit_cast(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast between types of different sizes");
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
 namespace detail {
 inline uint32_t select(bool cond, uint32_t a, uint32_t b) {
   const uint32_t mask = 0u - static_cast<uint32_t>(cond);
@@ -25,15 +36,15 @@ inline uint32_t select(bool cond, uint32_t a, uint32_t b) {
 }  // namespace detail
 
 inline float to_float(float v) { return v; }
-inline float to_float(at::BFloat16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.x) << 16); }
+inline float to_float(at::BFloat16 v) { return bit_cast<float>(static_cast<uint32_t>(v.x) << 16); }
 inline float to_float(at::Half v) {
   const uint32_t w = static_cast<uint32_t>(v.x) << 16;
   const uint32_t sign = w & 0x80000000u;
   const uint32_t two_w = w + w;
-  const float normalized = std::bit_cast<float>((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  const float denormalized = std::bit_cast<float>((two_w >> 17) | (126u << 23)) - 0.5f;
-  return std::bit_cast<float>(sign | detail::select(two_w < (1u << 27), std::bit_cast<uint32_t>(denormalized),
-                                                    std::bit_cast<uint32_t>(normalized)));
+  const float normalized = bit_cast<float>((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = bit_cast<float>((two_w >> 17) | (126u << 23)) - 0.5f;
+  return bit_cast<float>(sign | detail::select(two_w < (1u << 27), bit_cast<uint32_t>(denormalized),
+                                                    bit_cast<uint32_t>(normalized)));
 }
 template <typename U>
 inline float to_float(U v) {  // integers, doubles
@@ -50,19 +61,19 @@ inline float from_float<float>(float f) {
 }
 template <>
 inline at::BFloat16 from_float<at::BFloat16>(float f) {
-  const uint32_t u = std::bit_cast<uint32_t>(f);
+  const uint32_t u = bit_cast<uint32_t>(f);
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return at::BFloat16(static_cast<uint16_t>(detail::select(f != f, 0x7FC0u, rounded)), at::BFloat16::from_bits());
 }
 template <>
 inline at::Half from_float<at::Half>(float f) {
   float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  const uint32_t w = std::bit_cast<uint32_t>(f);
+  const uint32_t w = bit_cast<uint32_t>(f);
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
   const uint32_t bias = std::max(shl1_w & 0xFF000000u, 0x71000000u);
-  base = std::bit_cast<float>((bias >> 1) + 0x07800000u) + base;
-  const uint32_t bits = std::bit_cast<uint32_t>(base);
+  base = bit_cast<float>((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = bit_cast<uint32_t>(base);
   const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
   return at::Half(static_cast<uint16_t>((sign >> 16) | detail::select(shl1_w > 0xFF000000u, 0x7E00u, nonsign)),
                   at::Half::from_bits());
