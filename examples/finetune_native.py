@@ -41,6 +41,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=30)
+    # the `deepspeed` launcher passes --local_rank to every script (as DeepSpeed's does); the engine reads
+    # LOCAL_RANK from the environment itself
+    parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="fp32 is the fast choice on CPUs without native bf16 (AVX512-BF16/AMX)")
     parser.add_argument("--output", default="out/finetune_native")
@@ -69,7 +72,7 @@ def main() -> None:
     history = []
     start = time.perf_counter()
     while engine.global_steps < args.steps:
-        ids = next(stream)
+        ids = next(stream).to(engine.device)  # the engine trains on its device (cuda:LOCAL_RANK or the CPU)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():

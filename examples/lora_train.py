@@ -133,7 +133,7 @@ def merge_and_check(trainer, metrics: dict):
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     model = trainer.model.eval()
-    probe = probe_input_ids()
+    probe = probe_input_ids().to(trainer.args.device)  # where the Trainer put the model (a GPU, or the CPU)
     with torch.no_grad():
         peft_logits = model(input_ids=probe).logits  # every rank: a ZeRO-3 forward is collective
     metrics["peft_logits"] = peft_logits.tolist()
@@ -155,7 +155,7 @@ def merge_and_check(trainer, metrics: dict):
     missing, unexpected = plain.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary_emb" in k for k in missing), (missing, unexpected)
     with torch.no_grad():
-        return plain.eval()(input_ids=probe).logits
+        return plain.eval()(input_ids=probe.cpu()).logits
 
 if __name__ == "__main__":
     main()

@@ -243,4 +243,6 @@ class Accelerator:
 @functools.cache
 def get_accelerator() -> Accelerator:
     """The process's accelerator (decided once, like DeepSpeed's)."""
-    return Accelerator("cuda" if torch.cuda.is_available() else "cpu")
+    from .device import accelerator_type
+
+    return Accelerator(accelerator_type())

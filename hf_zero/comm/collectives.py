@@ -33,8 +33,9 @@ class DoneWork:
 class BoundedWork:
     """A collective in flight; ``wait()`` ends in at most the configured timeout (or the diagnosed CommFault)."""
 
-    def __init__(self, work, what: str, group) -> None:
+    def __init__(self, work, what: str, group, stream_ordered: bool = False) -> None:
         self.work, self.what, self.group = work, what, group  # work: None until a deferred check lets it leave
+        self.stream_ordered = stream_ordered  # CUDA tensors: NCCL's wait orders streams, the host does not block
         self._done = False
 
     def wait(self, timeout=None) -> bool:
@@ -42,7 +43,7 @@ class BoundedWork:
             faults.settle(self.group)
         if not self._done:
             seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-            faults.bounded_wait(self.work, self.what, self.group, seconds)
+            faults.bounded_wait(self.work, self.what, self.group, seconds, stream_ordered=self.stream_ordered)
             self._done = True
         return True
 
@@ -57,8 +58,9 @@ def _issue(kind: str, fn, tensor: torch.Tensor, what: str | None, group, async_o
            force_check: bool = False, defer_check: bool = False, **kwargs):
     what = what or f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} of {tensor.numel()} elements"
     faults.settle(group)  # a deferred payload asked for before this one leaves first
+    on_gpu = tensor.device.type == "cuda"
     if async_op and defer_check:
-        bounded = BoundedWork(None, what, group)
+        bounded = BoundedWork(None, what, group, on_gpu)
 
         def issue() -> None:
             with faults.bounded(f"issuing {what}", group):
@@ -69,7 +71,7 @@ def _issue(kind: str, fn, tensor: torch.Tensor, what: str | None, group, async_o
     faults.check_collective(kind, tensor.numel(), tensor.dtype, what, group, force=force_check)
     with faults.bounded(f"issuing {what}", group):
         work = fn(*args, group=group, async_op=True, **kwargs)
-    bounded = BoundedWork(work, what, group)
+    bounded = BoundedWork(work, what, group, on_gpu)
     if not async_op:
         bounded.wait()
         return DoneWork()

@@ -142,14 +142,15 @@ def channel_for(group=None) -> "FaultChannel | None":
     return ch
 
 
-def bounded_wait(work, what: str, group=None, timeout: float | None = None) -> None:
+def bounded_wait(work, what: str, group=None, timeout: float | None = None, stream_ordered: bool = False) -> None:
     """Wait for ``work`` at most ``timeout`` (default: comms_timeout_s) seconds; on failure raise the diagnosed
-    :class:`CommFault` (and the process will exit non-zero)."""
+    :class:`CommFault` (and the process will exit non-zero). ``stream_ordered``: a collective on CUDA tensors (see
+    :meth:`FaultChannel.wait`)."""
     ch = channel_for(group)
     if ch is None:
         work.wait()
         return
-    ch.wait(work, what, timeout)
+    ch.wait(work, what, timeout, stream_ordered=stream_ordered)
 
 
 @contextlib.contextmanager
@@ -268,6 +269,9 @@ class FaultChannel:
         self.world = dist.get_world_size(group)
         self.global_ranks = (list(range(self.world)) if key == ("world",) else list(key))
         self.backend = dist.get_backend(group)
+        from .process_group import bookkeeping_device
+
+        self.header_device = bookkeeping_device(group)
         generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"hf_zero/faults/{generation}/{'-'.join(map(str, key))}/"
         self.seq = 0
@@ -354,12 +358,14 @@ class FaultChannel:
         self.seq += 1
         dtype_code = dtype if isinstance(dtype, int) else _crc(str(dtype))  # a run: the hash of its items
         mine = [_KINDS[kind], int(numel), dtype_code, seq, _crc(what)]
-        rows = torch.empty(self.world * 5, dtype=torch.int64)
         ring = shm_ring.existing(self.group)
         if ring is not None:  # ranks of one host: through the shared ring's header slots, no gloo round trip
+            rows = torch.empty(self.world * 5, dtype=torch.int64)
             work = ring.exchange_header(seq, mine, rows, what, timeout_s())
-        else:
-            work = _all_gather(rows, torch.tensor(mine, dtype=torch.int64), group=self.group, async_op=True)
+        else:  # gloo, also beside NCCL (process_group.NCCL_WITH_GLOO): no GPU sync per header
+            rows = torch.empty(self.world * 5, dtype=torch.int64, device=self.header_device)
+            work = _all_gather(rows, torch.tensor(mine, dtype=torch.int64, device=self.header_device),
+                               group=self.group, async_op=True)
         if issue is not None:
             self.deferred = (work, rows, seq, what, issue)
             return
@@ -390,10 +396,13 @@ class FaultChannel:
             f"{self.global_ranks[self.rank]}): {how}. " + "; ".join(parts) + ". Every rank must run the same "
             "modules, micro-batches and steps in the same order (generate(): synced_gpus=True)."))
 
-    def wait(self, work, what: str, timeout: float | None = None) -> None:
+    def wait(self, work, what: str, timeout: float | None = None, stream_ordered: bool = False) -> None:
         with self.bounded(what, timeout) as limit:
-            if self.backend == "nccl":
-                work.wait()  # stream-ordered; the group's own timeout and the watchdog bound it
+            if stream_ordered or self.backend == "nccl":
+                # NCCL: the wait makes the current stream wait for the collective's, the host does not block (a
+                # timeout argument would make it spin until the GPU is done). The group's own timeout (NCCL's
+                # watchdog) and hf_zero's watchdog bound it.
+                work.wait()
             else:
                 work.wait(timeout=datetime.timedelta(seconds=limit))
 

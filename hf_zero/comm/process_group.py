@@ -16,14 +16,23 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_node_id", "barrier",
-           "default_backend", "free_port", "created_by_hf_zero", "get_sequence_parallel_group", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
+           "default_backend", "bookkeeping_device", "free_port", "created_by_hf_zero", "get_sequence_parallel_group", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
 
 ReduceOp = dist.ReduceOp
 
 
 def default_backend() -> str:
-    """NCCL when this process has a GPU, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    """NCCL when this process trains on a GPU (see device.py), gloo otherwise."""
+    from .device import accelerator_type
+
+    return "nccl" if accelerator_type() == "cuda" and dist.is_nccl_available() else "gloo"
+
+
+# What init_distributed asks for when the backend is NCCL: NCCL for CUDA tensors and gloo beside it for CPU tensors,
+# in one process group (torch dispatches each collective by its tensors' device). hf_zero's small bookkeeping
+# collectives -- the divergence headers, barriers, flags -- stay on the CPU, where a GPU round trip would cost a
+# host synchronisation each; with plain NCCL they could not run at all.
+NCCL_WITH_GLOO = "cuda:nccl,cpu:gloo"  # the spelling accelerate uses for the same pair
 
 
 def free_port() -> int:
@@ -64,7 +73,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     backend = dist_backend or default_backend()
     if backend == "nccl":
-        torch.cuda.set_device(get_local_rank())
+        from .device import local_device
+
+        local_device()  # cuda:LOCAL_RANK made current before NCCL picks its device
+        backend = NCCL_WITH_GLOO
     from . import faults
 
     # hf_zero's bound (comms_timeout_s / DEEPSPEED_TIMEOUT, default 300 s), not torch's 30 minutes; the engine
@@ -130,8 +142,16 @@ def barrier(group=None, what: str = "a barrier") -> None:
     from .collectives import all_reduce_
 
     # an all-reduce of one element is a barrier, and goes through the same check and bound
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    all_reduce_(torch.zeros(1, device=device), group=group, what=what)
+    all_reduce_(torch.zeros(1, device=bookkeeping_device(group)), group=group, what=what)
+
+
+def bookkeeping_device(group=None) -> torch.device:
+    """Where hf_zero's small bookkeeping collectives (divergence headers, flags, barriers) put their tensors for
+    ``group``: the CPU where the group has gloo (hf_zero's own NCCL groups have it beside NCCL), else -- a plain
+    NCCL group the application created -- the current GPU, the only device NCCL takes."""
+    if "gloo" in str(dist.get_backend(group)):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def get_sequence_parallel_group():

@@ -13,6 +13,8 @@ from collections import namedtuple
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hf_zero.comm.device import accelerator_type
+
 __all__ = ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid"]
 
 
@@ -128,7 +130,7 @@ class PipelineParallelGrid:
         self.ds_model_rank = getattr(coord, "model", 0)
         self.device_mesh: DeviceMesh | None = None
         if topology.axes == ["pipe", "data", "model"] and self.model_parallel_size > 1:
-            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            device_type = accelerator_type()
             self.device_mesh = init_device_mesh(device_type, tuple(topology.dims), mesh_dim_names=("pp", "dp", "tp"))
             self.dp_group, self.dp_proc_group = self._mesh_group("data", "dp")
             self.pp_group, self.pp_proc_group = self._mesh_group("pipe", "pp")

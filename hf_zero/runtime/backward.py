@@ -37,8 +37,21 @@ class BackwardSessions:
         self._by_engine = False       # engine.backward is running: the loss is scaled already
         self._user_scaled = False     # engine.scale(loss) was called for the next direct backward
         self.scale_wrt_gas = True     # the last engine.backward's choice, kept for direct backwards (DeepSpeed's)
-        self.last_loss: float | None = None
+        self._last_loss: torch.Tensor | float | None = None
         self._started = 0.0
+
+    @property
+    def last_loss(self) -> float | None:
+        """The loss of the last backward, as a float. Kept as the detached tensor until read: on a GPU, reading it
+        at every backward would be a host synchronisation per micro-step (the step log reads it once per print)."""
+        loss = self._last_loss
+        if isinstance(loss, torch.Tensor):
+            loss = self._last_loss = float(loss.float().item())
+        return loss
+
+    @last_loss.setter
+    def last_loss(self, loss: torch.Tensor | float | None) -> None:
+        self._last_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
     # ---- engine.backward -------------------------------------------------------------------------------------------
     def run_engine_backward(self, scaled_loss: torch.Tensor, retain_graph: bool) -> None:
@@ -82,7 +95,7 @@ class BackwardSessions:
             self._user_scaled = False
             tensor = ref()
             if tensor is not None and tensor.numel() == 1:
-                self.last_loss = float(tensor.detach().float().item())
+                self.last_loss = tensor
             self._open()
             torch.autograd.Variable._execution_engine.queue_callback(self._close)
         if self.scale_wrt_gas and self._gas() > 1:

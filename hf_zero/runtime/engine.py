@@ -31,6 +31,7 @@ from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.grad_reducer import GroupGradReducer, ReduceMode
 from hf_zero.zero.loss_scaler import LossScaler
 from hf_zero.zero.optimizer import ZeroOptimizer
+from hf_zero.zero.placement import place_module
 from hf_zero.zero.local import local_tensor
 from hf_zero.zero.sharded_group import ShardedGroup
 
@@ -63,6 +64,12 @@ class HfZeroEngine(nn.Module):
         precision = precision_policy(config)
         self.stage = self.zero_policy.stage
         self.compute_dtype = precision.compute_dtype
+        # DeepSpeed's contract: the engine trains on cuda:LOCAL_RANK (or the CPU, see comm/device.py) wherever the
+        # model was built, so it moves the module there before building anything from its parameters. ZeRO-3
+        # shards stay in host memory when offload_param says so (checked against the device below).
+        self._device = comm.local_device()
+        place_module(module, self._device,
+                     shards_on_host=self.stage == 3 and self.zero_policy.offload_param is not None)
         self.timers = PhaseTimers(config.wall_clock_breakdown)
         self.global_steps = 0
         self.global_samples = 0
@@ -282,7 +289,7 @@ class HfZeroEngine(nn.Module):
         if not loss.requires_grad:
             raise RuntimeError("hf_zero: engine.backward(loss) got a loss that does not require grad; was the "
                                "forward run under torch.no_grad(), or are all parameters frozen?")
-        self._backward.last_loss = float(loss.detach().float().item())
+        self._backward.last_loss = loss
         self._backward.scale_wrt_gas = scale_wrt_gas
         scaled = loss
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -397,9 +404,8 @@ class HfZeroEngine(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        for p in self.module.parameters():
-            return p.device
-        return torch.device("cpu")
+        """The device this engine trains on (``cuda:LOCAL_RANK`` or the CPU): batches go here."""
+        return self._device
 
     # ---- moving state off the accelerator between uses (hf_zero/zero/state_offload.py) --------------------------
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hf_zero.comm.device import accelerator_type
+
 __all__ = ["TPMesh", "build_mesh"]
 
 
@@ -72,6 +74,6 @@ def build_mesh(tp_size: int, *, device_type: str | None = None, key: str = "tens
         raise ValueError(f"hf_zero: {key}={tp_size} must be >= 1 and divide the world size {world} "
                          f"(the data-parallel size is world_size / {key})")
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = accelerator_type()
     mesh = init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
     return TPMesh(mesh)

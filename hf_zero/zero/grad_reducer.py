@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import all_reduce_, buffer_pool, faults, reduce_scatter_packed, shm_ring
+from hf_zero.comm.process_group import bookkeeping_device
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import capped_bucket_numel
 from hf_zero.zero.local import local_grad, local_tensor
@@ -215,7 +216,7 @@ class GroupGradReducer:
 
     def _reduce_late_gradients(self) -> None:
         late = [(b, i) for b in self.buckets for i in range(b.start, b.stop) if b.group.params[i].grad is not None]
-        flag = torch.tensor([float(len(late))])
+        flag = torch.tensor([float(len(late))], device=bookkeeping_device(self.process_group))
         all_reduce_(flag, group=self.process_group)
         if flag.item() == 0:
             return

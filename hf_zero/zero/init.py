@@ -86,33 +86,50 @@ def _read_config(config_dict_or_path, config) -> dict:
 
 
 def partition_module(module: nn.Module, *, group=None, dtype: torch.dtype | None = None,
-                     pin_memory: bool = False, swapper=None) -> list[ShardedParam]:
+                     pin_memory: bool = False, swapper=None, device: torch.device | None = None) -> list[ShardedParam]:
     """Partition every not-yet-partitioned parameter of ``module`` (recursively). Call on every rank.
-    ``swapper`` (a :class:`~hf_zero.offload.param_swap.ParamSwapper`): write each shard to swap files."""
+    ``swapper`` (a :class:`~hf_zero.offload.param_swap.ParamSwapper`): write each shard to swap files.
+    ``device``: where the shards live (None: where each parameter is)."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     gatherer_for(group)  # its side channel is created collectively, so at the same point on every rank
     out = []
     for prefix, mod in module.named_modules():
         for name in list(mod._parameters):
-            sp = _partition_one(mod, name, prefix, rank, world, group, dtype, pin_memory, swapper)
+            sp = _partition_one(mod, name, prefix, rank, world, group, dtype, pin_memory, swapper, device)
             if sp is not None:
                 out.append(sp)
     return out
 
 
 def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int, group, dtype,
-                   pin_memory: bool, swapper=None) -> ShardedParam | None:
+                   pin_memory: bool, swapper=None, device: torch.device | None = None) -> ShardedParam | None:
     p = mod._parameters.get(name)
     if p is None or sharded_param_of(p) is not None:
         return None
     label = f"{prefix}.{name}" if prefix else f"{type(mod).__name__}.{name}"
-    sp = ShardedParam(p, label, rank=rank, world_size=world, group=group, dtype=dtype)
+    sp = ShardedParam(p, label, rank=rank, world_size=world, group=group, dtype=dtype,
+                      device=None if swapper is not None else device)
     if swapper is not None:
         sp.to_swapped(swapper)
     elif pin_memory and torch.cuda.is_available() and sp.local_shard.device.type == "cpu":
         sp.use_shard_storage(torch.empty_like(sp.local_shard).pin_memory())
     return sp
+
+
+def shard_device(raw: dict, remote_device) -> torch.device:
+    """Where zero.Init puts the shards it cuts, as DeepSpeed does: the device this process trains on (its GPU),
+    unless parameters are offloaded -- ``remote_device`` "cpu" (or, unset, ``offload_param.device`` "cpu") keeps
+    them in host memory, "nvme" sends them to swap files (read into host memory for each gather)."""
+    from hf_zero.comm.device import local_device
+
+    zero = raw.get("zero_optimization")
+    section = zero.get("offload_param") if isinstance(zero, dict) else None
+    configured = section.get("device") if isinstance(section, dict) else None
+    where = remote_device if remote_device is not None else configured
+    if where in ("cpu", "nvme"):
+        return torch.device("cpu")
+    return local_device()
 
 
 def _param_swapper(raw: dict, remote_device, rank: int):
@@ -131,8 +148,9 @@ class Init:
     Same signature as ``deepspeed.zero.Init``. Accepted for compatibility and without effect here:
     ``mem_efficient_linear`` (hf_zero's linear layers are torch's), ``param_swapper``. ``config_dict_or_path`` /
     ``config`` is read for ``zero_optimization.offload_param`` and ``aio`` only (the engine reads the rest).
-    ``remote_device`` may be None (the config's offload_param device), "none" or "cpu" (parameters stay where they
-    are built) or "nvme" (shards go to ``offload_param.nvme_path``). Shards keep the dtype the parameters were
+    ``remote_device`` may be None (the config's offload_param device), "none" (shards on the device this process
+    trains on: its GPU, as in DeepSpeed), "cpu" (shards in host memory) or "nvme" (shards go to
+    ``offload_param.nvme_path``); see :func:`shard_device`. Shards keep the dtype the parameters were
     built in unless ``dtype`` is given, so the engine can build exact fp32 master weights from them.
     ``module=``: partition an already built module immediately (no context needed).
     """
@@ -159,7 +177,8 @@ class Init:
         if module is not None and enabled:
             self._ensure_distributed()
             self.swapper = _param_swapper(self.config, remote_device, dist.get_rank())
-            partition_module(module, group=self.group, dtype=dtype, pin_memory=pin_memory, swapper=self.swapper)
+            partition_module(module, group=self.group, dtype=dtype, pin_memory=pin_memory, swapper=self.swapper,
+                             device=shard_device(self.config, remote_device))
 
     @staticmethod
     def _ensure_distributed() -> None:
@@ -175,8 +194,9 @@ class Init:
         self._rank = dist.get_rank(self.group)
         self._world = dist.get_world_size(self.group)
         self.swapper = _param_swapper(self.config, self._remote_device, dist.get_rank())
+        self._device = shard_device(self.config, self._remote_device)
         gatherer_for(self.group)
-        if not torch.cuda.is_available():  # CPU training: host memory is the training memory (comm/host_memory.py)
+        if self._device.type == "cpu":  # CPU training: host memory is the training memory (comm/host_memory.py)
             from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD_STAGE3, tune_host_malloc
 
             tune_host_malloc(MALLOC_MMAP_THRESHOLD_STAGE3, stage3_heap_top=True)
@@ -222,4 +242,4 @@ class Init:
         # Registration order, never set order: ds_ids must be assigned identically on every rank.
         for name in [n for n in mod._parameters if n in names]:
             _partition_one(mod, name, "", self._rank, self._world, self.group, self.dtype, self.pin_memory,
-                           self.swapper)
+                           self.swapper, self._device)

@@ -149,7 +149,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # AVX512-BF16 (~15x slower over an offloaded shard). inf / nan in a gradient propagate into sq.
         from hf_zero.ops.reduce import sum_of_squares
 
-        sq = torch.zeros((), dtype=torch.float32)
+        # accumulated where the gradient shards are (the GPU: one .item() below is the step's only sync for it)
+        sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].grad.device if self.groups else "cpu")
         for i, g in enumerate(self.groups):
             if not g.grad.numel() or i in self.norm_excluded_groups:
                 continue

@@ -88,4 +88,5 @@ def wait_or_diagnose(work, timeout_s: float, what: str, seq: int | None, group=N
     ``seq=None``, anything else (a gradient reduce-scatter)."""
     if getattr(work, "work", work) is None:
         faults.settle(group)  # its check was deferred (comm/faults.check_deferred): verify it, issue the payload
-    faults.bounded_wait(getattr(work, "work", work), _where(what, seq), group, min(timeout_s, faults.timeout_s()))
+    faults.bounded_wait(getattr(work, "work", work), _where(what, seq), group, min(timeout_s, faults.timeout_s()),
+                        stream_ordered=getattr(work, "stream_ordered", False))

@@ -95,7 +95,7 @@ class ShardedParam:
     _full: torch.Tensor | None   # 1D (numel,) while AVAILABLE
 
     def __init__(self, param: nn.Parameter, name: str, *, rank: int, world_size: int, group=None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
         if sharded_param_of(param) is not None:
             raise ValueError(f"parameter {name!r} is already partitioned")
         self.param = param
@@ -115,7 +115,8 @@ class ShardedParam:
         # reduced shard is copied in instead of added, so pages handed back to the kernel are not read first
         self.grad_zeroed = False
         flat = param.data.detach().reshape(-1)
-        shard = torch.empty(self.shard_numel, dtype=dtype or param.dtype, device=param.device)
+        # ``device``: where the shard lives (zero.Init: the training GPU, while the module was built on the CPU)
+        shard = torch.empty(self.shard_numel, dtype=dtype or param.dtype, device=device or param.device)
         self.layout.shard_of(flat, 0, rank, shard)
         self.storage = ResidentStorage(shard)
         self._full = None
@@ -203,6 +204,18 @@ class ShardedParam:
             return
         values, initial = self.storage.take()
         self.storage = ResidentStorage(values, initial)
+        self._publish_compat()
+
+    def to_device(self, device: torch.device) -> None:
+        """Move a resident shard (and its fp32 original) to ``device``: the engine puts shards that zero.Init cut
+        on the CPU onto the device it trains on. Only before training starts: the parameter is PARTITIONED and its
+        shard is not yet a view of the engine's flat buffers."""
+        if self.storage.swapped or self.storage.device == torch.device(device):
+            return
+        assert self.state is ParamState.PARTITIONED, f"{self.name}: to_device while {self.state.name}"
+        values, initial = self.storage.take()
+        self.storage = ResidentStorage(values.to(device), None if initial is None else initial.to(device))
+        self.param.data = self._placeholder()
         self._publish_compat()
 
     def use_grad_storage(self, view: torch.Tensor) -> None:
