@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU checks in one go, on a machine with one or more CUDA GPUs (about 8 minutes on one H100):
+#
+#     bash scripts/gpu_check.sh OUT_DIR
+#
+# 1. install hf_zero into the machine's Python against its own torch (nothing downloaded, nothing replaced; the
+#    ops compile for the visible GPU's architecture) and `hf-zero doctor`;
+# 2. the GPU tests (pytest -m gpu) and the op tests, which run their CUDA cases where a GPU is visible;
+# 3. every user path on one GPU: README's main job (Trainer + ZeRO-3), `accelerate launch` with the ZeRO-2 config,
+#    PEFT LoRA under ZeRO-3, the `deepspeed` command;
+# 4. benchmarks/bench_gpu.py (one round).
+# Each step has its own time limit and log under OUT_DIR; OUT_DIR/summary.txt has one line per step with its exit
+# status and seconds. A step that fails does not stop the others. Exit status: the number of failed steps.
+set -u
+OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+WORK=$(mktemp -d)
+failed=0
+
+# GPU_CHECK_STEPS="install gpu_tests ...": run only these steps (default: all)
+step() {  # step NAME LIMIT_S CMD...
+  local name=$1 limit=$2
+  shift 2
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then return; fi
+  local start=$(date +%s)
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local line="$name rc=$rc $(( $(date +%s) - start ))s"
+  [ $rc -eq 0 ] || failed=$((failed + 1))
+  echo "$line" | tee -a "$OUT/summary.txt"
+  [ $rc -eq 0 ] || grep -E "Error|Exception|error:|FAILED|^E " "$OUT/$name.log" | tail -n 15 | cut -c1-400 | sed "s/^/  [$name] /"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c "import torch, transformers, accelerate, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__)"
+  git log -1 --format='%H %s' 2>/dev/null; } >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+step install 400 "$PY" -m pip install --no-build-isolation --no-deps --no-index -v -e .
+step doctor 60 "$PY" -m hf_zero doctor
+step gpu_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py \
+  tests/test_build.py::test_cuda_extension_loaded_on_gpu_machine
+step trainer_zero3 240 torchrun --nproc_per_node 1 examples/train_trainer.py \
+  --deepspeed integrations/ds_config_zero3.json --output_dir "$WORK/trainer" --metrics_out "$OUT/trainer_metrics.json"
+step accelerate_zero2 180 accelerate launch --config_file integrations/accelerate_zero2.yaml --num_processes 1 \
+  examples/accelerate_train.py --output_dir "$WORK/accelerate"
+step lora_zero3 180 torchrun --nproc_per_node 1 examples/lora_train.py \
+  --deepspeed integrations/ds_config_zero3.json --output_dir "$WORK/lora"
+step deepspeed_command 180 deepspeed --num_gpus 1 examples/finetune_native.py --stage 2 --steps 20 --output "$WORK/native"
+step ops_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_adam.py tests/test_ops_norm.py \
+  tests/test_ops_basic.py tests/test_ops_reduce.py tests/test_ops_transformer.py
+step bench 300 "$PY" benchmarks/bench_gpu.py --rounds 1 --json "$OUT/bench.jsonl"
+rm -rf "$WORK"
+echo "failed steps: $failed" | tee -a "$OUT/summary.txt"
+tar -C "$OUT" -czf "$OUT/../gpu_check_logs.tgz" . 2>/dev/null || true  # one file: what comes back from a lent GPU
+exit $failed
