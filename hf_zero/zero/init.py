@@ -196,7 +196,9 @@ class Init:
         self.swapper = _param_swapper(self.config, self._remote_device, dist.get_rank())
         self._device = shard_device(self.config, self._remote_device)
         gatherer_for(self.group)
-        if self._device.type == "cpu":  # CPU training: host memory is the training memory (comm/host_memory.py)
+        from hf_zero.comm.device import accelerator_type
+
+        if accelerator_type() == "cpu":  # CPU training: host memory is the training memory (comm/host_memory.py)
             from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD_STAGE3, tune_host_malloc
 
             tune_host_malloc(MALLOC_MMAP_THRESHOLD_STAGE3, stage3_heap_top=True)
