@@ -105,8 +105,9 @@ def test_place_module_on_the_device_it_is_on_moves_nothing():
     assert after == before and m[2].weight is m[0].weight
 
 
-def test_offloaded_zero3_shards_stay_in_host_memory():
-    """offload_param: the engine leaves zero.Init's host shards where they are (shards_on_host)."""
+def test_offloaded_zero3_parameters_stay_in_host_memory():
+    """offload_param: the engine leaves zero.Init's host shards where they are, and a parameter not yet partitioned
+    on the host, so that its shards are cut there (params_on_host)."""
     from hf_zero.zero.placement import place_module
     from hf_zero.zero.stage3.param import ParamState, ShardedParam, sharded_param_of
 
@@ -115,8 +116,9 @@ def test_offloaded_zero3_shards_stay_in_host_memory():
     sp = ShardedParam(m.weight, "weight", rank=1, world_size=2)  # rank 1 of 2: elements 12..23
     assert sp.state is ParamState.PARTITIONED and m.weight.numel() == 0
     storage = sp.storage
-    assert place_module(m, torch.device("cpu"), shards_on_host=True) == 0
-    assert sharded_param_of(m.weight) is sp and sp.storage is storage
+    bias = m.bias.data_ptr()
+    assert place_module(m, torch.device("cpu"), params_on_host=True) == 0
+    assert sharded_param_of(m.weight) is sp and sp.storage is storage and m.bias.data_ptr() == bias
     assert torch.equal(sp.shard_values(), full.reshape(-1)[12:24])
 
 

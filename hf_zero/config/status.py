@@ -194,9 +194,9 @@ STATUS: dict[str, KeyStatus] = {
     "zero_optimization.offload_optimizer.ratio": HONOURED,
     "zero_optimization.offload_param.device": HONOURED,
     "zero_optimization.offload_param.nvme_path": HONOURED,
-    "zero_optimization.offload_param.pin_memory": _no_op("parameter partitions of CPU training are host memory "
-                                                         "already; offload_param with accelerator parameters is "
-                                                         "refused"),
+    # training on a GPU: the host shards' flat buffers are page-locked (zero/stage3_groups.py); CPU training has
+    # no device to transfer to, and zero.Init(pin_memory=True) pins its own partitions either way
+    "zero_optimization.offload_param.pin_memory": HONOURED,
     "zero_optimization.offload_param.buffer_count": _no_op(_OFFLOAD_POOL),
     "zero_optimization.offload_param.buffer_size": _no_op(_OFFLOAD_POOL),
     "zero_optimization.offload_param.max_in_cpu": _todo("with offload_param nvme every partition that is not "

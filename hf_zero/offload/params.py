@@ -8,8 +8,9 @@ What is supported, checked once when the engine is built (never silently ignored
   file under ``nvme_path`` and is read for its gather (ahead of time, following the recorded module order); the
   optimizer writes the updated values back. See :mod:`hf_zero.offload.param_swap`. ``zero.Init`` with the same
   config swaps shards out while the model is built, so the model is never whole in memory.
-* either device with parameters on an accelerator: refused with an error that names the key. It needs host
-  staging of the shards before each all-gather and has not run on a GPU yet (none was available).
+* either device when training on a GPU (ZeRO-Infinity's placement): the shards stay in pinned host memory or swap
+  files, each gather stages them through pinned host memory onto the GPU, the reduced gradient shards are copied
+  back to host memory, and the optimizer steps the host shards on the CPU (compiled CPU Adam).
 * stages 0-2: the section has no effect (as in DeepSpeed); a warning says so.
 """
 
@@ -36,10 +37,10 @@ def check_param_offload(zero: ZeroPolicy, *, param_device: torch.device) -> None
                        "stage is %d, so it has no effect", off.device, stage)
         return
     if param_device.type != "cpu":
-        raise ValueError(f"hf_zero: zero_optimization.offload_param.device={off.device!r} with parameters on "
-                         f"{param_device} is not supported yet (the stage-3 gather does not stage shards "
-                         "through host memory). Remove offload_param, or offload the optimizer states instead "
-                         "(offload_optimizer.device 'cpu' or 'nvme')")
+        logger.info("hf_zero: offload_param.device=%r: ZeRO-3 shards in %s, each module's parameters gathered to "
+                    "%s when it runs; the optimizer steps the host shards on the CPU", off.device,
+                    "pinned host memory" if off.device == "cpu" else "swap files under nvme_path", param_device)
+        return
     if off.device == "cpu":
         logger.info("hf_zero: offload_param.device='cpu': the ZeRO-3 shards are in CPU memory (CPU training)")
 

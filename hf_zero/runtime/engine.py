@@ -66,10 +66,10 @@ class HfZeroEngine(nn.Module):
         self.compute_dtype = precision.compute_dtype
         # DeepSpeed's contract: the engine trains on cuda:LOCAL_RANK (or the CPU, see comm/device.py) wherever the
         # model was built, so it moves the module there before building anything from its parameters. ZeRO-3
-        # shards stay in host memory when offload_param says so (checked against the device below).
+        # parameters stay in host memory (or swap files) when offload_param says so; gathers bring them over.
         self._device = comm.local_device()
         place_module(module, self._device,
-                     shards_on_host=self.stage == 3 and self.zero_policy.offload_param is not None)
+                     params_on_host=self.stage == 3 and self.zero_policy.offload_param is not None)
         self.timers = PhaseTimers(config.wall_clock_breakdown)
         self.global_steps = 0
         self.global_samples = 0

@@ -6,8 +6,10 @@ device (see hf_zero/comm/device.py for which one).
 
 * A plain parameter is moved by rebinding ``param.data``: the Parameter object stays the same, so an optimizer or
   a ``model_parameters`` list built before ``initialize`` still names the parameters the engine trains.
-* A parameter zero.Init already partitioned keeps its (empty) placeholder; its shard moves to the device unless
-  parameters are offloaded (``shards_on_host``: ``offload_param`` keeps them in host memory or swap files).
+* A parameter zero.Init already partitioned keeps its (empty) placeholder; its shard moves to the device.
+* ``params_on_host`` (ZeRO-3 with ``offload_param``): no parameter moves. Shards stay in host memory or swap files,
+  and a parameter not yet partitioned stays on the host so that its shards are cut there (the full model never
+  visits the GPU); the ZeRO-3 gathers bring each module's parameters to the device when it runs.
 * Buffers (rotary tables, masks, running statistics) move too: the forward reads them beside the weights.
 """
 
@@ -22,7 +24,7 @@ from hf_zero.zero.stage3.param import sharded_param_of
 __all__ = ["place_module"]
 
 
-def place_module(module: nn.Module, device: torch.device, *, shards_on_host: bool = False) -> int:
+def place_module(module: nn.Module, device: torch.device, *, params_on_host: bool = False) -> int:
     """Move ``module``'s parameters, ZeRO-3 shards and buffers to ``device``; returns how many tensors moved."""
     device = torch.device(device)
     moved = 0
@@ -30,12 +32,12 @@ def place_module(module: nn.Module, device: torch.device, *, shards_on_host: boo
     with torch.no_grad():
         for mod in module.modules():
             for name, p in mod._parameters.items():
-                if p is None or id(p) in seen:
+                if p is None or id(p) in seen or params_on_host:
                     continue
                 seen.add(id(p))  # tied weights: one Parameter registered on two modules moves once
                 sp = sharded_param_of(p)
                 if sp is not None:
-                    if not shards_on_host and sp.storage.device != device and not sp.swapped:
+                    if sp.storage.device != device and not sp.swapped:
                         sp.to_device(device)
                         moved += 1
                     continue

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 import torch
 
 from hf_zero import comm
+from hf_zero.comm.device import accelerator_type
 from hf_zero.comm.host_memory import zero_and_release
 from hf_zero.config.policies import NVMeOffloadPolicy, ZeroPolicy
 from hf_zero.zero.layout import ShardLayout
@@ -35,7 +36,7 @@ class Stage3Group:
     """
 
     def __init__(self, sps, *, world_size: int, rank: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 master_offloaded: bool = False, master_dtype: torch.dtype = torch.float32):
+                 master_offloaded: bool = False, master_dtype: torch.dtype = torch.float32, pin_memory: bool = False):
         self.sps = list(sps)
         self.params = [sp.param for sp in self.sps]
         self.names = [sp.name for sp in self.sps]
@@ -46,18 +47,23 @@ class Stage3Group:
         self._grad_dtype = grad_dtype
         self.layout = ShardLayout(tuple(sp.numel for sp in self.sps), world_size)
         numel = self.layout.shard_numel
+        # the shards' home: the GPU, or host memory with offload_param (then the optimizer steps there too, and
+        # with offload_param.pin_memory the flat buffers are page-locked: the gathers copy from them and the
+        # gradients to them, every step)
         device = self.sps[0].storage.device if self.sps else torch.device("cpu")
+        pin = pin_memory and device.type == "cpu" and accelerator_type() == "cuda"
         swapped = any(sp.swapped for sp in self.sps)
-        self.grad = torch.zeros(numel, dtype=grad_dtype, device=device)
+        self.grad = _zeros(numel, grad_dtype, device, pin)
         if swapped:
             self.master = torch.empty(numel, dtype=torch.float32, device="meta" if master_offloaded else device)
             self.param16 = None
             if not master_offloaded:
                 self.initial_master(0, numel, self.master)
         else:
-            self.master = torch.zeros(numel, dtype=master_dtype, device=device)
+            self.master = _zeros(numel, master_dtype, device, pin)
             self.initial_master(0, numel, self.master)
-            self.param16 = self.master if compute_dtype == master_dtype else self.master.to(compute_dtype)
+            self.param16 = (self.master if compute_dtype == master_dtype else
+                            _zeros(numel, compute_dtype, device, pin).copy_(self.master))
         for i, sp in enumerate(self.sps):
             lo, hi = self.layout.offsets[i], self.layout.offsets[i + 1]
             assert hi - lo == sp.shard_numel, (sp.name, hi - lo, sp.shard_numel)
@@ -123,6 +129,10 @@ class Stage3Group:
             sp.grad_zeroed = self._grad_fresh
 
 
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin)
+
+
 def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
                         process_group=None, master_dtype: torch.dtype = torch.float32):
     """Partition ``module`` (if zero.Init did not already) and build one Stage3Group per optimizer group."""
@@ -154,5 +164,6 @@ def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dty
                 sps.append(sp)
         groups.append(Stage3Group(sps, world_size=world, rank=rank, compute_dtype=compute_dtype,
                                   grad_dtype=grad_dtype, master_offloaded=zero.offload_optimizer is not None,
-                                  master_dtype=master_dtype))
+                                  master_dtype=master_dtype,
+                                  pin_memory=zero.offload_param is not None and zero.offload_param.pin_memory))
     return runtime, groups

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.comm import all_gather_packed, buffer_pool, faults, give_packed, shm_ring, take_gather_buffer
+from hf_zero.comm.device import accelerator_type
 from hf_zero.offload.swapper import wait_all
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import ShardLayout
@@ -91,6 +92,9 @@ class Gatherer:
         # Stage3Runtime turns this off once its gather order is recorded)
         self.header_checks = True
         self.timers = NO_TIMERS  # the engine's: time blocked waiting for a gather counts as "communication"
+        # where gathered parameters are computed with: the GPU this process trains on, whatever the shards' home
+        # (offload_param keeps them in host memory or swap files); on a CPU run, the shards' own device
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if accelerator_type() == "cuda" else None)
         if self.world_size > 1:
             faults.channel_for(group)  # created now, at the first partition, where every rank comes (collective)
             shm_ring.ring_for(group)  # likewise (one host, CPU: the packed buffers in shared memory)
@@ -127,17 +131,24 @@ class Gatherer:
         force = header_check if header_check is not None else self.header_checks
         if self.world_size > 1 and (force or faults.checks_enabled()):
             self.header_check_count += 1  # all_gather_packed runs it, before the payload
-        dtype, device = sps[0].dtype, sps[0].storage.device
+        dtype = sps[0].dtype
+        device = self.device or sps[0].storage.device
         packed = take_gather_buffer((self.world_size, span + TRAILER_NUMEL), dtype, device, self.group,
                                     f"the gather of {label}", self.timeout_s)
         # in place: this rank's row of the output is what it sends (NCCL and the per-row gloo path both take it)
         send = packed[self.rank]
-        # each shard straight into the send row, from memory or (offload_param nvme) from its swap file
-        reads = [sp.storage.read_async(send[layout.offsets[i]:layout.offsets[i + 1]]) for i, sp in enumerate(sps)]
+        # Each shard straight into the send row, from memory or (offload_param nvme) from its swap file. Shards
+        # kept off the device (offload_param) are read into pinned host memory first, then copied over in one
+        # asynchronous transfer: swap-file reads need host memory, and one copy beats one per parameter.
+        staged = device.type != "cpu" and any(sp.storage.device != device for sp in sps)
+        row = torch.empty(span, dtype=dtype, pin_memory=True) if staged else send
+        reads = [sp.storage.read_async(row[layout.offsets[i]:layout.offsets[i + 1]]) for i, sp in enumerate(sps)]
         reads = [f for f in reads if not f.done() or f.exception() is not None]  # resident copies are done
         if reads:
             with self.timers.phase("offload_io"):
                 wait_all(reads)
+        if staged:
+            send[:span].copy_(row, non_blocking=True)  # the caching host allocator keeps `row` until it is done
         if self.world_size > 1:  # a world of one has no other row to compare with (and a GPU no sync to spend)
             write_trailer(send[span:], key, seq)
         # async: the header check is deferred (comm/faults.check_deferred), no rank waits for the others here

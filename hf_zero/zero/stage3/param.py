@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from hf_zero.comm import buffer_pool
+from hf_zero.comm.device import accelerator_type
 from hf_zero.zero.layout import ShardLayout, param_shard_numel
 
 from .storage import ResidentStorage, ShardStorage, ShardStore
@@ -344,7 +345,12 @@ class ShardedParam:
         self.param.data = full_flat.view(self.shape)
 
     def _placeholder(self) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype, device=self.storage.device)
+        # on the device the parameter is computed on -- the GPU also when offload_param keeps the shard in host
+        # memory -- so that `model.device` (which transformers moves inputs to) names the GPU
+        device = self.storage.device
+        if device.type == "cpu" and accelerator_type() == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        return torch.empty(0, dtype=self.dtype, device=device)
 
     def _publish_compat(self) -> None:
         p = self.param

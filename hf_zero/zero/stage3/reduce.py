@@ -98,13 +98,18 @@ class Stage3GradReducer:
             with self.timers.phase("communication"):
                 wait_or_diagnose(work, self._timeout_s(), getattr(work, "what", "a gradient reduce-scatter"), None,
                                  self.group)
+            host = None  # offload_param: the shards' gradients live in host memory; one copy of the bucket there
             for sp, off in entries:
                 if sp.grad_storage is None:
                     sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=out.device)
+                src = out
+                if sp.grad_storage.device != out.device:
+                    host = out.to(sp.grad_storage.device) if host is None else host
+                    src = host
                 if sp.grad_zeroed:  # known zeros (pages possibly handed back): write, don't read them first
-                    sp.grad_storage.copy_(out[off:off + sp.shard_numel])
+                    sp.grad_storage.copy_(src[off:off + sp.shard_numel])
                     sp.grad_zeroed = False
                 else:
-                    sp.grad_storage.add_(out[off:off + sp.shard_numel])
+                    sp.grad_storage.add_(src[off:off + sp.shard_numel])
             buffer_pool.give(out)
             buffer_pool.give(_packed)
