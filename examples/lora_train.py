@@ -68,7 +68,8 @@ def main(argv=None) -> None:
         output_dir=args.output_dir, deepspeed=args.deepspeed, use_cpu=args.use_cpu, max_steps=args.max_steps,
         per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=args.learning_rate,
         warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=1, save_steps=args.save_steps,
-        seed=0, data_seed=0, report_to=[], disable_tqdm=True, dataloader_num_workers=0)
+        seed=0, data_seed=0, report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available())  # page-locked batches only where a GPU copies them
     base_path = args.model_name_or_path
     if base_path is None:
         base_path = ensure_base_model("out/lora_base")

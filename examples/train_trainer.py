@@ -41,8 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output_dir", default="out/trainer")
     p.add_argument("--max_steps", type=int, default=30)
     p.add_argument("--save_steps", type=int, default=10)
-    p.add_argument("--per_device_train_batch_size", type=int, default=2)
-    p.add_argument("--gradient_accumulation_steps", type=int, default=2)
+    p.add_argument("--per_device_train_batch_size", type=int, default=4)
+    # 1 by default: with more, accelerate logs "Gradient accumulation steps mismatch: GradientAccumulationPlugin has
+    # 1, DeepSpeed config has N" at start-up -- the Trainer hands accelerate num_steps=1 by design and the DeepSpeed
+    # config (its "auto") the real value, which is then used. Harmless, and the same with DeepSpeed itself.
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--learning_rate", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--use_cpu", action="store_true", help="TrainingArguments(use_cpu=True); hf_zero does not need "
@@ -53,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--greater_is_better", action="store_true", help="with --load_best_model_at_end: keep the "
                    "checkpoint with the *highest* eval loss (the tests use it to make the best one an early one)")
     p.add_argument("--metrics_out", default=None, help="write losses / eval loss / probe logits here (JSON + .pt)")
+    p.add_argument("--zero_log_detail", action="store_true", help="HfZeroCallback's full detail in the logs (time "
+                   "shares, per-rank memory spread, MFU, loss scale) instead of tokens/s and peak memory")
     return p.parse_args(argv)
 
 
@@ -87,6 +92,7 @@ def main(argv=None) -> None:
         data_seed=args.seed,
         report_to=[],
         dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),  # page-locked batches only where a GPU copies them
         disable_tqdm=True,
     )
     torch.manual_seed(args.seed)
@@ -104,7 +110,7 @@ def main(argv=None) -> None:
     # shares in the logs, and a model card describing the ZeRO run next to every saved checkpoint.
     from hf_zero.integrations import HfZeroCallback, write_model_card
 
-    HfZeroCallback.attach(trainer)
+    HfZeroCallback.attach(trainer, detail=args.zero_log_detail or None)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     eval_loss = trainer.evaluate()["eval_loss"]
     final_dir = os.path.join(args.output_dir, "final")

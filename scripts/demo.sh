@@ -8,4 +8,6 @@ bash scripts/setup.sh
 python3 -m hf_zero doctor || true
 # one process per GPU where there are GPUs (NCCL takes one GPU per rank), else 2 CPU processes (gloo)
 NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count() or 2)")}
+# the machine's cores split between the processes (torchrun would set 1 and say so)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
 torchrun --nproc_per_node "$NPROC" examples/train_trainer.py --deepspeed integrations/ds_config_zero3.json "$@"

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_zero.util.hf_compat import enable_activation_checkpointing
+
 sys.path.insert(0, os.path.dirname(__file__))
 import _gpu_llama as gl  # noqa: E402
 
@@ -195,7 +197,7 @@ def test_zero3_activation_checkpointing_matches_without():
         with hf_zero.zero.Init(config_dict_or_path=cfg):
             model = gl._build(2)
         if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model, use_reentrant=False)
         engine, *_ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         engine.train()
         runs.append(_steps(engine, 4))

@@ -45,6 +45,7 @@ def _train(work: dict, name: str, *args: str) -> dict:
         metrics = work["root"] / f"{name}.json"
         torchrun(work["python"], SCRIPT, ["--model_name_or_path", str(work["base"]), "--output_dir", str(out),
                                           "--max_steps", "8", "--save_steps", "4", "--metrics_out", str(metrics),
+                                          "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
                                           *args], cwd=work["root"])
         result = json.loads(metrics.read_text())
         result["losses"] = {int(k): v for k, v in result["losses"].items()}
@@ -55,7 +56,7 @@ def _train(work: dict, name: str, *args: str) -> dict:
 
 
 def _ddp(work):
-    return _train(work, "ddp", "--use_cpu")
+    return _train(work, "ddp", "--use_cpu", "--zero_log_detail")
 
 
 def _reload_logits(model_dir: Path) -> torch.Tensor:
@@ -97,23 +98,24 @@ def test_ddp_reference_learns(work):
 def test_zero2_without_use_cpu_matches_ddp_and_keeps_best_model(work):
     ddp = _ddp(work)
     z2 = _train(work, "zero2", "--deepspeed", str(INTEGRATIONS / "ds_config_zero2.json"),
-                "--load_best_model_at_end", "--greater_is_better")
+                "--load_best_model_at_end", "--greater_is_better", "--zero_log_detail")
     assert z2["world_size"] == 2  # accelerate saw both ranks although use_cpu=False on a CPU-only machine
     _assert_losses_match(z2, ddp)
     for step, norm in ddp["grad_norms"].items():  # the global norm, before clipping
         assert rel_close(z2["grad_norms"][step], norm, RTOL), step
 
-    # HfZeroCallback's additions to the logs, at every logging step
+    # HfZeroCallback's additions to the logs in detail (--zero_log_detail), at every logging step
     for step in range(1, 9):
         logs = z2["zero_logs"][str(step)]
-        assert 50 < logs["zero/peak_mem_mb/rank0"] < 100_000 and 50 < logs["zero/peak_mem_mb/rank1"] < 100_000
+        assert 50 < logs["zero/peak_mem_mb/min"] <= logs["zero/peak_mem_mb/max"] < 100_000
         assert logs["zero/grad_norm"] == z2["grad_norms"][str(step)]
         assert logs["zero/loss_scale"] == 1.0 and logs["zero/skipped_steps"] == 0
         shares = [logs[f"zero/time_share/{phase}"] for phase in ("forward", "backward", "step")]
-        assert all(0 < share < 1 for share in shares) and sum(shares) <= 1.0001
-        # time blocked in gradient reductions, part of backward's share
-        assert 0 < logs["zero/time_share/communication"] <= logs["zero/time_share/backward"]
-    assert "zero/grad_norm" not in ddp["zero_logs"]["1"] and "zero/peak_mem_mb/rank1" in ddp["zero_logs"]["1"]
+        assert all(0 < share < 1 for share in shares)
+        assert abs(sum(shares) + logs["zero/time_share/other"] - 1.0) <= 2e-4  # the shares add up
+        # time blocked in gradient reductions: inside backward's share, not part of the sum
+        assert 0 < logs["zero/time_within/communication"] <= logs["zero/time_share/backward"]
+    assert "zero/grad_norm" not in ddp["zero_logs"]["1"] and "zero/peak_mem_mb/max" in ddp["zero_logs"]["1"]
     # ... and its model card next to every saved model
     for directory in (z2["dir"] / "checkpoint-4", z2["dir"] / "final"):
         card = (directory / "README.md").read_text()
@@ -145,7 +147,7 @@ def test_zero2_without_use_cpu_matches_ddp_and_keeps_best_model(work):
 
 def test_zero2_resume_from_step_4_continues_the_same_curve(work):
     z2 = _train(work, "zero2", "--deepspeed", str(INTEGRATIONS / "ds_config_zero2.json"),
-                "--load_best_model_at_end", "--greater_is_better")
+                "--load_best_model_at_end", "--greater_is_better", "--zero_log_detail")
     resumed = _train(work, "zero2_resumed", "--deepspeed", str(INTEGRATIONS / "ds_config_zero2.json"),
                      "--resume_from_checkpoint", str(z2["dir"] / "checkpoint-4"))
     assert resumed["global_step"] == 8

@@ -25,7 +25,7 @@ class _Data(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": mask, "labels": self.ids[i]}
 
 
-def _trainer_run(stage: int, out: str, peak):
+def _trainer_run(stage: int, out: str, peak, detail: bool = True):
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     from hf_zero.integrations.trainer_callback import HfZeroCallback
@@ -43,7 +43,7 @@ def _trainer_run(stage: int, out: str, peak):
                              logging_steps=1, save_strategy="no", report_to=[], deepspeed=ds, learning_rate=1e-3,
                              dataloader_num_workers=0, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=_Data(64))
-    HfZeroCallback.attach(trainer, write_cards=False, peak_tflops=peak)
+    HfZeroCallback.attach(trainer, write_cards=False, peak_tflops=peak, detail=detail)
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     return dict(logs=logs, total_flos=trainer.state.total_flos, non_embedding=non_embedding, analytic=analytic_flops(cfg, B, S).training,
@@ -75,3 +75,30 @@ def test_callback_logs_throughput_and_mfu_and_total_flos_is_equal_across_stages(
         assert log["zero/peak_tflops"] == 100.0
         assert math.isclose(log["zero/mfu"], log["zero/model_tflops_per_rank"] / 100.0, rel_tol=1e-3)
         assert log["zero/hfu"] >= log["zero/mfu"]
+
+
+def _default_line(out: str):
+    return _trainer_run(2, out, None, detail=False)
+
+
+def test_default_log_line_is_six_figures(tmp_path):
+    """What a user reads at every logging step: the Trainer's four figures and two of hf_zero's -- tokens/s over
+    all ranks and the largest rank's peak memory -- and nothing per rank."""
+    run = run_distributed(_default_line, 2, args=(str(tmp_path),), timeout_s=300)[0]
+    for log in run["logs"]:
+        printed = {k for k in log if k != "step"}  # the Trainer prints the entry without its step
+        assert printed == {"loss", "grad_norm", "learning_rate", "epoch", "zero/tokens_per_s", "zero/peak_mem_gb"}
+        assert log["zero/tokens_per_s"] > 0 and 0.01 < log["zero/peak_mem_gb"] < 100
+
+
+def test_time_shares_sum_to_one_and_nested_phases_are_apart():
+    from hf_zero.integrations.trainer_callback import time_shares
+
+    out = time_shares({"forward": 0.2, "backward": 0.5, "step": 0.1, "communication": 0.3, "offload_io": 0.05}, 1.0)
+    assert out == {"zero/time_share/forward": 0.2, "zero/time_share/backward": 0.5, "zero/time_share/step": 0.1,
+                   "zero/time_share/other": 0.2, "zero/time_within/communication": 0.3,
+                   "zero/time_within/offload_io": 0.05}
+    # timer jitter past the window: the top-level shares are scaled into it, "other" is 0, the sum still 1
+    over = time_shares({"forward": 0.6, "backward": 0.6}, 1.0)
+    assert over["zero/time_share/other"] == 0.0
+    assert abs(sum(v for k, v in over.items() if k.startswith("zero/time_share/")) - 1.0) < 1e-3

@@ -10,6 +10,7 @@ from hf_zero.profiling.analytic import analytic_flops
 from hf_zero.profiling.flops import FlopCounter, count_flops
 from hf_zero.profiling.params import count_params
 from hf_zero.testing import run_distributed
+from hf_zero.util.hf_compat import enable_activation_checkpointing
 
 B, S = 2, 16
 
@@ -83,7 +84,7 @@ def test_activation_checkpoint_recompute_is_hardware_flops_only():
     cfg, plain = llama("eager")
     baseline = count_flops(plain, input_ids=ids, labels=ids)
     _, model = llama("eager")
-    model.gradient_checkpointing_enable()
+    enable_activation_checkpointing(model)
     model.train()
     report = count_flops(model, input_ids=ids, labels=ids)
     expected = analytic_flops(cfg, B, S)

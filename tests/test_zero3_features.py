@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hf_zero.testing import run_distributed
+from hf_zero.util.hf_compat import enable_activation_checkpointing
 
 from _zero3_util import (STEPS, assert_close, batches, enable_transformers_zero3, global_loss, init_model_parity,
                          local_rows, make_runtime, reference_model, reference_train, sgd_step_on_shards,
@@ -95,8 +96,8 @@ def _check_prefetch_reuse_and_limits(cfg, rank, world):
 def _check_checkpointing(cfg, rank, world, use_reentrant):
     ref = reference_model(cfg)
     model = _build_partitioned(cfg, ref)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    enable_activation_checkpointing(model, use_reentrant=use_reentrant)
+    enable_activation_checkpointing(ref, use_reentrant=use_reentrant)
     model.train()
     ref.train()
     rt = make_runtime(model)
@@ -126,7 +127,7 @@ def _check_lora_frozen_base(cfg, rank, world, use_reentrant):
             if "lora_" in name:
                 p.copy_(ref_params[name])  # plain parameters: built after zero.Init, identical on every rank
     for m in (model, ref):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        enable_activation_checkpointing(m, use_reentrant=use_reentrant)
         m.enable_input_require_grads()
         m.train()
     rt = make_runtime(model, param_persistence_threshold=0)

@@ -4,20 +4,29 @@
     HfZeroCallback.attach(trainer)          # or Trainer(..., callbacks=[HfZeroCallback()])
     trainer.train()
 
-At every logging step it adds to the Trainer's logs (``trainer.state.log_history`` and every callback after it;
-with :meth:`attach` it runs before them, so ``report_to`` integrations see the values too):
+At every logging step it adds two figures to the Trainer's logs (``trainer.state.log_history`` and every callback
+after it; with :meth:`attach` it runs before them, so ``report_to`` integrations see them too), so the line a user
+reads stays at six figures beside the Trainer's loss, grad_norm, learning_rate and epoch:
 
-- ``zero/peak_mem_mb/rank<r>``: each rank's peak memory so far (CUDA: ``max_memory_allocated``; CPU: peak RSS);
-- ``zero/grad_norm``: the engine's global gradient norm (all shards, before clipping);
-- ``zero/loss_scale`` and ``zero/skipped_steps``: the fp16 loss scale and the steps it skipped (1.0 and 0 otherwise);
-- ``zero/time_share/<phase>``: the share of wall-clock time since the previous log that the engine spent in each
-  phase it times (forward, backward, step, and communication / offload phases where the engine times them);
-- ``zero/tokens_per_s`` and ``zero/tokens_per_s_per_rank``: tokens (from the attention mask) trained per second
-  since the previous log, all ranks / per rank;
-- ``zero/model_tflops_per_rank``, and where the device's dense peak is known (``zero/peak_tflops``, overridable with
-  ``HfZeroCallback(peak_tflops=...)`` or ``HF_ZERO_PEAK_TFLOPS``) ``zero/mfu`` and ``zero/hfu``: model FLOPs per
-  second per rank (analytic, checked against a dispatcher count; see hf_zero/integrations/throughput.py) and their
-  share of the peak, without and with recompute. On a device with no known peak there is no MFU rather than a guess.
+- ``zero/tokens_per_s``: tokens (from the attention mask) trained per second since the previous log, all ranks;
+- ``zero/peak_mem_gb``: the largest peak memory of any rank so far, GiB (CUDA: ``max_memory_allocated``; CPU:
+  peak RSS).
+
+``HfZeroCallback(detail=True)`` (or ``HF_ZERO_LOG_DETAIL=1``) adds the full detail, for diagnosing a run:
+
+- ``zero/peak_mem_mb/max`` and ``zero/peak_mem_mb/min``: the largest and smallest rank's peak, MiB;
+- ``zero/tokens_per_s_per_rank``; ``zero/model_tflops_per_rank``, and where the device's dense peak is known
+  (``zero/peak_tflops``, overridable with ``HfZeroCallback(peak_tflops=...)`` or ``HF_ZERO_PEAK_TFLOPS``)
+  ``zero/mfu`` and ``zero/hfu``: model FLOPs per second per rank (analytic, checked against a dispatcher count; see
+  hf_zero/integrations/throughput.py) and their share of that peak, without and with recompute. On a device with no
+  known peak there is no MFU rather than a guess;
+- ``zero/grad_norm`` (the engine's global norm before clipping, the Trainer's ``grad_norm``), ``zero/loss_scale``
+  and ``zero/skipped_steps`` (fp16's scale and the steps it skipped; 1.0 and 0 otherwise);
+- ``zero/time_share/<phase>`` for forward, backward, step and other (data loading, the Trainer's own work): shares
+  of the wall-clock time since the previous log, which sum to 1;
+- ``zero/time_within/<phase>``: time blocked in communication (gradient reductions, ZeRO-3 gathers) or offload
+  I/O, as a share of the same window. It is spent *inside* forward, backward or step, so it overlaps those shares
+  and is not part of their sum.
 
 With :meth:`attach`, the Trainer's ``total_flos`` counts the model's true parameters (transformers counts the local
 ZeRO-3 shard), so it is the same at every stage.
@@ -48,7 +57,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-__all__ = ["HfZeroCallback", "write_model_card", "peak_memory_mb", "CARD_BEGIN", "CARD_END"]
+__all__ = ["HfZeroCallback", "write_model_card", "peak_memory_mb", "time_shares", "CARD_BEGIN", "CARD_END",
+           "DETAIL_ENV"]
 
 CARD_TEMPLATE = Path(__file__).resolve().parent / "templates" / "model_card.md"
 CARD_BEGIN = "<!-- hf_zero:training -->"
@@ -65,6 +75,26 @@ def peak_memory_mb(device: torch.device | None = None) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
+DETAIL_ENV = "HF_ZERO_LOG_DETAIL"
+# The engine's top-level phases: consecutive, never nested in one another. Every other timed phase (communication,
+# offload_io) is time blocked inside one of them.
+TOP_PHASES = ("forward", "backward", "step")
+
+
+def time_shares(seconds: dict[str, float], wall: float) -> dict[str, float]:
+    """Shares of ``wall`` seconds: the top-level phases plus ``other`` (summing to 1), and the nested phases as
+    ``zero/time_within/<phase>`` (overlapping the top-level ones; see the module docstring)."""
+    wall = max(wall, 1e-9)
+    shares = {p: min(max(seconds.get(p, 0.0) / wall, 0.0), 1.0) for p in TOP_PHASES}
+    scale = min(1.0, 1.0 / sum(shares.values())) if sum(shares.values()) > 0 else 1.0  # timer jitter past 100%
+    out = {f"zero/time_share/{p}": round(v * scale, 4) for p, v in shares.items()}
+    out["zero/time_share/other"] = round(max(0.0, 1.0 - sum(out.values())), 4)
+    for phase, s in seconds.items():
+        if phase not in TOP_PHASES:
+            out[f"zero/time_within/{phase}"] = round(min(max(s / wall, 0.0), 1.0), 4)
+    return out
+
+
 def _engine_of(obj: Any):
     """The hf_zero engine behind a Trainer (``model_wrapped``) or the engine itself; None for non-ZeRO runs."""
     from hf_zero.runtime.engine import HfZeroEngine
@@ -78,9 +108,10 @@ def _engine_of(obj: Any):
 class HfZeroCallback(TrainerCallback):
     """Adds ZeRO engine statistics to the Trainer's logs and writes a model card next to saved models."""
 
-    def __init__(self, write_cards: bool = True, peak_tflops: float | None = None):
+    def __init__(self, write_cards: bool = True, peak_tflops: float | None = None, detail: bool | None = None):
         self.write_cards = write_cards
         self.peak_tflops = peak_tflops
+        self.detail = (os.environ.get(DETAIL_ENV, "0").strip() not in ("", "0")) if detail is None else bool(detail)
         self._meter = None                # ThroughputMeter, from on_train_begin
         self._throughput_mark = 0.0
         self._trainer = None
@@ -123,7 +154,7 @@ class HfZeroCallback(TrainerCallback):
         from hf_zero.integrations.throughput import ThroughputMeter
 
         engine = self._engine(kwargs)
-        if engine is not None:
+        if engine is not None and self.detail:  # (phase timing costs a clock read per phase: detail only)
             self._phase_mark = (time.perf_counter(), engine.phase_seconds_total())
         model = kwargs.get("model")
         called = engine if engine is not None else getattr(self._trainer, "model_wrapped", None) or model
@@ -169,10 +200,17 @@ class HfZeroCallback(TrainerCallback):
             dist.all_gather_object(gathered, mine)
         else:
             gathered = [mine]
-        for rank, figures in enumerate(gathered):
-            stats[f"zero/peak_mem_mb/rank{rank}"] = round(float(figures[0]), 1)
-        if self._meter is not None:
-            stats.update(self._throughput(args, self._engine(kwargs), gathered))
+        peaks = [float(figures[0]) for figures in gathered]
+        throughput = self._throughput(args, self._engine(kwargs), gathered) if self._meter is not None else {}
+        if not self.detail:  # the two figures of the default line (module docstring)
+            if "zero/tokens_per_s" in throughput:
+                stats["zero/tokens_per_s"] = throughput["zero/tokens_per_s"]
+            stats["zero/peak_mem_gb"] = round(max(peaks) / 1024, 3)
+            self._pending = stats
+            return
+        stats["zero/peak_mem_mb/max"] = round(max(peaks), 1)
+        stats["zero/peak_mem_mb/min"] = round(min(peaks), 1)
+        stats.update(throughput)
 
         optimizer = self._optimizer(kwargs)
         if optimizer is not None:
@@ -187,9 +225,7 @@ class HfZeroCallback(TrainerCallback):
         if engine is not None and self._phase_mark is not None:
             now, totals = time.perf_counter(), engine.phase_seconds_total()
             then, before = self._phase_mark
-            wall = max(now - then, 1e-9)
-            for phase, seconds in totals.items():
-                stats[f"zero/time_share/{phase}"] = round((seconds - before.get(phase, 0.0)) / wall, 4)
+            stats.update(time_shares({k: v - before.get(k, 0.0) for k, v in totals.items()}, now - then))
             self._phase_mark = (now, totals)
         self._pending = stats
 

@@ -86,7 +86,9 @@ def _traced(config, batch, seq, dtype, gradient_checkpointing, trainable, lora) 
 
             model = with_lora(model, lora)
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            from hf_zero.util.hf_compat import enable_activation_checkpointing
+
+            enable_activation_checkpointing(model)
         model.train()
         if trainable is not None:
             for name, p in model.named_parameters():

@@ -106,6 +106,10 @@ class StepTimeCalibrator:
         fitted = StepTimeModel(Hardware(peak_tflops=peak)).calibrate(self._measured, **workload)
         self.result = CalibratedStepTime(fitted, workload, tuple(self._measured))
         self.enabled = False
-        logger.info("hf_zero: step-time roofline calibrated on %d measured steps: compute efficiency %.3g of %g "
-                    "TFLOP/s, predicted %.3f s per step", len(self._measured), fitted.efficiency, peak,
-                    self.result.predicted_step_s)
+        # debug, not info: a diagnostic of engine.step_time_model (hf-zero estimate's step-time predictions), not
+        # something a training run's user has to read or act on
+        share = (f" ({100 * fitted.efficiency:.1f}% of the device's {peak:g} TFLOP/s peak)"
+                 if peak_tflops(self.device, self.compute_dtype) else "")
+        logger.debug("hf_zero: step-time model fitted on the first %d steps: this run computes at %.3g TFLOP/s per "
+                     "process%s; a step is predicted to take %.3f s (engine.step_time_model, used by hf-zero "
+                     "estimate)", len(self._measured), fitted.efficiency * peak, share, self.result.predicted_step_s)
