@@ -180,6 +180,16 @@ def test_warmup_formulas_at_chosen_steps():
     assert sched.get_last_lr() == [0.5]
     sched.step()
     assert sched.get_last_lr() == [0.75]
+    # warmup_num_steps=0 (accelerate's DeepSpeed tests pass it): DeepSpeed's max(2, n) -- the same lrs as 2
+    for cls, extra in ((L.WarmupLR, {}), (L.WarmupDecayLR, {"total_num_steps": 6})):
+        zero = cls(_optimizer(), warmup_min_lr=0.1, warmup_max_lr=1.0, warmup_num_steps=0, **extra)
+        two = cls(_optimizer(), warmup_min_lr=0.1, warmup_max_lr=1.0, warmup_num_steps=2, **extra)
+        lrs = []
+        for _ in range(5):
+            zero.step()
+            two.step()
+            lrs.append((zero.get_last_lr(), two.get_last_lr()))
+        assert all(a == b for a, b in lrs) and lrs[1][0] == [1.0], lrs
     # warmup_max_lr=None takes each group's own lr
     opt = _optimizer(lr=0.3)
     sched = L.WarmupLR(opt, warmup_num_steps=10, warmup_type="linear")
@@ -307,10 +317,10 @@ def test_build_lr_scheduler_builds_each_type():
     ("OneCycle", {"cycle_min_lr": 0.1}, "scheduler.params.cycle_max_lr", "required by OneCycle"),
     ("WarmupLR", {"warmup_max_lr": "auto"}, "scheduler.params.warmup_max_lr",
      "expected a number, got 'auto' \\(str\\).*set a number here"),
-    ("WarmupLR", {"warmup_num_steps": 0}, "scheduler.params.warmup_num_steps",
-     "expected an integer >= 1, got 0"),
+    ("WarmupLR", {"warmup_num_steps": -1}, "scheduler.params.warmup_num_steps",
+     "expected an integer >= 0, got -1"),
     ("WarmupLR", {"warmup_num_steps": 10.5}, "scheduler.params.warmup_num_steps",
-     "expected an integer >= 1, got 10.5"),
+     "expected an integer >= 0, got 10.5"),
     ("WarmupLR", {"warmup_type": "cosine"}, "scheduler.params.warmup_type",
      "expected 'log' or 'linear', got 'cosine'"),
     ("LRRangeTest", {"lr_range_test_staircase": "yes"}, "scheduler.params.lr_range_test_staircase",

@@ -87,9 +87,39 @@ def _train_modes(stage: int, root: str):
     return out, resumed
 
 
+def _torch_adam_modes(root: str):
+    """optimizer.params.torch_adam with offload_optimizer cpu (accelerate's DeepSpeed test fixtures use it): torch's
+    AdamW arithmetic on the offloaded states, as DeepSpeed runs torch.optim.AdamW there."""
+    from hf_zero.ops.adam import adam_step_reference
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in (2, 3):
+        cfg = _config(stage, "cpu", f"{root}/torch_adam{stage}")
+        cfg["optimizer"]["params"]["torch_adam"] = True
+        engine, *_ = hf_zero.initialize(model=make_model(), config=cfg)
+        assert engine.optimizer.offload is not None and engine.optimizer.offload._update is adam_step_reference
+        out[stage] = (engine_run(engine, world, rank), clone_state(engine))
+        engine.destroy()
+    return out
+
+
 def _train_all(root: str):
     """Everything in one launch (spawning ranks costs more than the training)."""
-    return {"stages": {stage: _train_modes(stage, root) for stage in (1, 2, 3)}, "bf16": _bf16_modes(root)}
+    return {"stages": {stage: _train_modes(stage, root) for stage in (1, 2, 3)}, "bf16": _bf16_modes(root),
+            "torch_adam": _torch_adam_modes(root)}
+
+
+def test_torch_adam_with_cpu_offload_matches_torch(launched):
+    """Refused before (7 of accelerate's DeepSpeed tests use it); DeepSpeed accepts it."""
+    _, launch = launched
+    ref_losses, ref_params = reference_run(2)
+    for stage, (losses, params) in launch[0]["torch_adam"].items():
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"stage {stage} torch_adam offload losses: {m}")
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stage {stage} torch_adam offload {name}: {m}")
 
 
 @pytest.fixture(scope="module")

@@ -140,3 +140,46 @@ def test_pipeline_module_four_ranks_matches_one_process():
     results = run_distributed(_train, world_size=4, args=(CASES_4,), timeout_s=500)
     for case in CASES_4:
         _check(results, case)
+
+
+class _CachedWeight(torch.nn.Module):
+    """A layer whose constructor caches its weight at class level (as layers that load or share weights do)."""
+
+    cache: dict = {}
+
+    def __init__(self):
+        super().__init__()
+        if "w" not in _CachedWeight.cache:
+            _CachedWeight.cache["w"] = torch.full((4, 4), 0.5)
+        self.weight = torch.nn.Parameter(_CachedWeight.cache["w"].clone())
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def _parameter_counting():
+    import torch.distributed as dist
+    from torch import nn
+
+    from hf_zero.pipe import LayerSpec, PipelineModule
+
+    world = dist.get_world_size()
+    _CachedWeight.cache.clear()
+    net = PipelineModule([LayerSpec(_CachedWeight), LayerSpec(nn.Linear, 4, 4)] * world, num_stages=world,
+                         partition_method="parameters")
+    cached = net.forward_funcs[2 * dist.get_rank()]
+    weights = {}
+    for method in ("parameters", "uniform"):  # counting builds each spec once: the draws of the real build stay
+        torch.manual_seed(7)
+        built = PipelineModule([LayerSpec(nn.Linear, 4, 4)] * (2 * world), num_stages=world, partition_method=method)
+        weights[method] = [p.detach().clone() for p in built.parameters()]
+    return dict(device=str(cached.weight.device), value=cached.weight.detach().tolist(), parts=net.parts,
+                same=all(torch.equal(a, b) for a, b in zip(weights["parameters"], weights["uniform"])))
+
+
+def test_parameter_counting_builds_specs_on_the_cpu_without_moving_the_rng():
+    """partition_method="parameters" counts by building each LayerSpec on the CPU (DeepSpeed's way): a constructor
+    that caches a weight keeps a real tensor for the real build (on the meta device it kept a meta one)."""
+    for out in run_distributed(_parameter_counting, 2, timeout_s=120):
+        assert out["device"] == "cpu" and out["value"] == [[0.5] * 4] * 4
+        assert out["parts"] == [0, 2, 4] and out["same"]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,8 @@ def cli(files):
     procs = {
         "json": _cli("--model-config", str(files / "config.json"), "--ds-config", str(files / "ds.json"),
                      "--world-size", "2", "--seq-len", "32", "--accelerator", "cpu", "--json"),
-        "table": _cli("--model-config", str(files), "--ds-config", str(files / "ds.json"), "--seq-len", "32",
+        # the model positionally, as `accelerate estimate-memory MODEL` takes it
+        "table": _cli(str(files), "--ds-config", str(files / "ds.json"), "--seq-len", "32",
                       "--accelerator", "cpu", "--device-memory-gib", "0.001"),
         "sweep": _cli("--model-config", str(files / "config.json"), "--ds-config", str(files / "ds.json"),
                       "--world-size", "2", "--seq-len", "64", "--micro-batch", "4", "--accelerator", "cpu", "--sweep",
@@ -158,3 +160,13 @@ def test_deepspeed_estimators_print_hf_zero_numbers(capsys):
     estimate_zero2_model_states_mem_needs_all_cold(layout.total, num_gpus_per_node=2)
     out = capsys.readouterr().out
     assert out.count("per CPU  |  per GPU") == 3 and out.count("hf-zero estimate") == 3
+
+
+@pytest.mark.parametrize("args,message", [
+    ((), "which model\\? Give its config.json"),
+    (("a", "--model-config", "b"), "got the model twice \\('a' and --model-config 'b'\\)"),
+])
+def test_estimate_without_a_model_or_with_two_says_so(args, message):
+    run = _cli(*args)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 2 and re.search(message, err), err

@@ -36,7 +36,7 @@ import torch
 from hf_zero.config.policies import AioParams, NVMeOffloadPolicy, ZeroPolicy
 from hf_zero.offload.params import check_optimizer_offload
 from hf_zero.offload.swapper import SwapDir, wait_all
-from hf_zero.ops.adam import AdamHyper, adam_step_
+from hf_zero.ops.adam import AdamHyper, adam_step_, adam_step_reference
 from hf_zero.profiling.timers import NO_TIMERS
 
 __all__ = ["OptimizerOffload", "STATE_NAMES", "build_optimizer_offload"]
@@ -92,11 +92,14 @@ class OptimizerOffload:
     offloaded = True
 
     def __init__(self, groups: Sequence, *, device: str, nvme_path: str | None, pin_memory: bool, ratio: float,
-                 sub_group_size: int, aio: AioParams, rank: int):
+                 sub_group_size: int, aio: AioParams, rank: int, torch_adam: bool = False):
         if device not in ("cpu", "nvme"):
             raise ValueError(f"offload_optimizer.device={device!r}: expected 'cpu' or 'nvme'")
         self.groups = list(groups)
         self.device = device
+        # the update: the compiled CPU Adam, or with optimizer.params.torch_adam torch's own AdamW arithmetic (torch
+        # ops, adam_step_reference) on the same offloaded tiles -- DeepSpeed runs torch.optim.Adam(W) there
+        self._update = adam_step_reference if torch_adam else adam_step_
         self.timers = NO_TIMERS  # the engine's: time blocked on NVMe reads/writes counts as "offload_io"
         self.ratio = float(ratio)
         self.tile_numel = max(1, int(sub_group_size))
@@ -204,8 +207,7 @@ class OptimizerOffload:
         off, numel = t.lo - self.keep[t.group], t.hi - t.lo
         return [self.swap.write_async(f"group{t.group}.{s}", bufs[s][:numel], off) for s in STATE_NAMES]
 
-    @staticmethod
-    def _adam(g, h: AdamHyper, divisor: float, lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor,
+    def _adam(self, g, h: AdamHyper, divisor: float, lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor) -> list[Future]:
         """Adam on elements [lo, hi) of group g, whose states are ``master``/``exp_avg``/``exp_avg_sq`` (hi-lo,).
         Returns the writes of the 16-bit weights still in flight (swapped ZeRO-3 shards); ``master`` must not
@@ -215,8 +217,8 @@ class OptimizerOffload:
             grad = grad.to(master.device)
         param16 = g.param16[lo:hi] if g.param16 is not None else None
         direct16 = param16 is not None and param16.dtype != torch.float32 and param16.device == master.device
-        adam_step_(master, grad, exp_avg, exp_avg_sq, **h.kwargs(), grad_scale=divisor,
-                   out16=param16 if direct16 else None)
+        self._update(master, grad, exp_avg, exp_avg_sq, **h.kwargs(), grad_scale=divisor,
+                     out16=param16 if direct16 else None)
         if direct16:
             return []
         return g.write_param16(lo, hi, master)  # a no-op when the fp32 master is the weights' own memory
@@ -265,14 +267,15 @@ class OptimizerOffload:
             self.swap.close()
 
 
-def build_optimizer_offload(groups: Sequence, zero: ZeroPolicy, *, rank: int,
-                            fused_adam: bool) -> OptimizerOffload | None:
+def build_optimizer_offload(groups: Sequence, zero: ZeroPolicy, *, rank: int, fused_adam: bool,
+                            torch_adam: bool = False) -> OptimizerOffload | None:
     """The offload object for ``zero_optimization.offload_optimizer``, or None when it is off."""
     off = zero.offload_optimizer
     if off is None:
         return None
-    check_optimizer_offload(zero, fused_adam=fused_adam)
+    check_optimizer_offload(zero, fused_adam=fused_adam, torch_adam=torch_adam)
     nvme = off if isinstance(off, NVMeOffloadPolicy) else None
     return OptimizerOffload(groups, device=off.device, nvme_path=nvme.nvme_path if nvme else None,
                             pin_memory=off.pin_memory, ratio=zero.offload_ratio, sub_group_size=zero.sub_group_size,
-                            aio=nvme.aio if nvme else AioParams(), rank=rank)
+                            aio=nvme.aio if nvme else AioParams(), rank=rank,
+                            torch_adam=torch_adam and not fused_adam)

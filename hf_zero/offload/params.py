@@ -45,21 +45,23 @@ def check_param_offload(zero: ZeroPolicy, *, param_device: torch.device) -> None
         logger.info("hf_zero: offload_param.device='cpu': the ZeRO-3 shards are in CPU memory (CPU training)")
 
 
-def check_offload_config(zero: ZeroPolicy, *, param_device: torch.device, fused_adam: bool) -> None:
+def check_offload_config(zero: ZeroPolicy, *, param_device: torch.device, fused_adam: bool,
+                         torch_adam: bool = False) -> None:
     """Refuse, before the model is partitioned or cast, offload sections the engine cannot honour."""
     check_param_offload(zero, param_device=param_device)
-    check_optimizer_offload(zero, fused_adam=fused_adam)
+    check_optimizer_offload(zero, fused_adam=fused_adam, torch_adam=torch_adam)
 
 
-def check_optimizer_offload(zero: ZeroPolicy, *, fused_adam: bool) -> None:
-    """``offload_optimizer`` needs a partitioned optimizer (stage >= 1) and hf_zero's fused Adam."""
+def check_optimizer_offload(zero: ZeroPolicy, *, fused_adam: bool, torch_adam: bool = False) -> None:
+    """``offload_optimizer`` needs a partitioned optimizer (stage >= 1) and an Adam/AdamW without amsgrad: hf_zero's
+    fused Adam, or (``torch_adam: true``) torch's AdamW arithmetic on the offloaded fp32 states, as DeepSpeed runs."""
     off = zero.offload_optimizer
     if off is None:
         return
     if zero.stage == 0:
         raise ValueError("hf_zero: zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 "
                          "(stage is 0); set zero_optimization.stage")
-    if not fused_adam:
-        raise ValueError(f"hf_zero: zero_optimization.offload_optimizer.device={off.device!r} runs hf_zero's CPU "
-                         "Adam and needs an Adam/AdamW optimizer without amsgrad/torch_adam; remove the offload "
+    if not (fused_adam or torch_adam):
+        raise ValueError(f"hf_zero: zero_optimization.offload_optimizer.device={off.device!r} runs Adam on the "
+                         "offloaded states and needs an Adam/AdamW optimizer without amsgrad; remove the offload "
                          "section or use Adam/AdamW")

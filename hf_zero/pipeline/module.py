@@ -6,7 +6,8 @@
 
 Each rank builds only the layers of its own stage(s) (``LayerSpec`` is a deferred constructor; modules and plain
 callables given directly are used as they are). The layer boundaries are computed the same on every rank, from
-the layers' classes and parameter counts (counted on the meta device, nothing allocated). Between layers one value
+the layers' classes and, for ``partition_method="parameters"``, their parameter counts (each LayerSpec built once
+on the CPU and dropped, as in DeepSpeed). Between layers one value
 flows: a tensor or a tuple of tensors.
 
 Tied layers (``TiedLayerSpec`` with the same ``key``) share one module per stage; the copies on different stages
@@ -86,8 +87,12 @@ class TiedGroup:
 
 
 def _count_trainable(layer: Any) -> int:
+    """Trainable parameters of one layer, for ``partition_method="parameters"``. A LayerSpec is built on the CPU and
+    dropped, as DeepSpeed does: building on the meta device would be cheaper, but a constructor that loads or caches
+    weights (a class-level cache, a file read) would keep meta tensors for the real build. The random-number state
+    is restored afterwards, so counting does not change the weights the real build draws."""
     if isinstance(layer, LayerSpec):
-        with torch.device("meta"):
+        with torch.random.fork_rng(devices=[]):
             layer = layer.build()
     if isinstance(layer, nn.Module):
         return sum(p.numel() for p in layer.parameters() if p.requires_grad)
@@ -158,7 +163,9 @@ class PipelineModule(nn.Module):
         num_parts = self.num_stages * self.virtual_stages
         self.parts = partition_by_method(
             partition_method, num_parts, num_layers=len(self._layer_specs),
-            param_counts=[_count_trainable(layer) for layer in self._layer_specs],
+            # counted only where the method uses them (each LayerSpec is built once for it)
+            param_counts=([_count_trainable(layer) for layer in self._layer_specs]
+                          if str(partition_method).lower() == "parameters" else []),
             class_names=[_class_name(layer) for layer in self._layer_specs])
         # chunk c of the whole pipeline runs on rank c % num_stages ("loop" placement, torch's interleaved order)
         self.local_chunks = [self.stage_id + k * self.num_stages for k in range(self.virtual_stages)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 
 import torch
 
@@ -23,7 +24,9 @@ _GIB = 2**30
 def add_parser(commands) -> None:
     p = commands.add_parser("estimate", help="predict memory per rank and step time from a model config and a "
                                              "DeepSpeed config (no weights, no downloads)")
-    p.add_argument("--model-config", required=True, help="a transformers config.json (or a directory holding one)")
+    p.add_argument("model", nargs="?", default=None, help="the model: a transformers config.json or a directory "
+                   "holding one, given positionally as to `accelerate estimate-memory` (or with --model-config)")
+    p.add_argument("--model-config", default=None, help="the same, as a flag")
     p.add_argument("--ds-config", help="the DeepSpeed / hf_zero JSON config you will run (default: stage 0, fp32)")
     p.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default: nproc x nnodes)")
     p.add_argument("--nproc-per-node", type=int, default=1)
@@ -115,9 +118,18 @@ def run(args: argparse.Namespace) -> int:
     from hf_zero.profiling.activations import activation_profile
     from hf_zero.profiling.memory import _compute_dtype, _ds, _load_config, build_meta_model
 
+    if args.model is not None and args.model_config is not None and args.model != args.model_config:
+        print(f"hf-zero estimate: got the model twice ({args.model!r} and --model-config {args.model_config!r}); "
+              "give it once", file=sys.stderr)
+        return 2
+    source = args.model_config if args.model_config is not None else args.model
+    if source is None:
+        print("hf-zero estimate: which model? Give its config.json or a directory holding one: "
+              "`hf-zero estimate path/to/model --ds-config ds.json` (or --model-config)", file=sys.stderr)
+        return 2
     if args.accelerator is None:
         args.accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-    config = _load_config(args.model_config)
+    config = _load_config(source)
     lora = ({"r": args.lora_r, "target_modules": [t.strip() for t in args.lora_targets.split(",") if t.strip()]}
             if args.lora_targets else None)
     model = build_meta_model(config, lora)

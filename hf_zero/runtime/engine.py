@@ -96,7 +96,8 @@ class HfZeroEngine(nn.Module):
         from hf_zero.offload import check_offload_config
 
         fused_adam = plan.fused_adam if plan is not None else False
-        check_offload_config(self.zero_policy, param_device=self.device, fused_adam=fused_adam)
+        check_offload_config(self.zero_policy, param_device=self.device, fused_adam=fused_adam,
+                             torch_adam=plan is not None and plan.torch_adam)
         from hf_zero.runtime.preflight import check_nvme_paths
 
         check_nvme_paths(config, module, stage=self.stage, world_size=self.world_size, rank=self.global_rank,
@@ -134,7 +135,7 @@ class HfZeroEngine(nn.Module):
         from hf_zero.offload import build_optimizer_offload
 
         offload = build_optimizer_offload(self.groups, zero, rank=self.global_rank,
-                                          fused_adam=plan.fused_adam)
+                                          fused_adam=plan.fused_adam, torch_adam=plan.torch_adam)
         self.optimizer = ZeroOptimizer(
             self.groups, [h for _, h in plan.groups], inner_cls=plan.inner_cls, inner_defaults=plan.defaults,
             fused_adam=plan.fused_adam, loss_scaler=self.loss_scaler, clip_norm=float(config.gradient_clipping),

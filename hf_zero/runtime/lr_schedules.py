@@ -5,7 +5,8 @@ at every step under hf_zero as under DeepSpeed, and a checkpoint's ``lr_schedule
 (``{"last_batch_iteration": n}``) must load in either. So each class here keeps DeepSpeed's constructor
 (parameter names, order, defaults) and its arithmetic, including the quirks users' tuned configs depend on:
 
-- ``warmup_num_steps`` is raised to at least 2 (the log warmup divides by ``log(warmup_num_steps)``);
+- ``warmup_num_steps`` is raised to at least 2 (the log warmup divides by ``log(warmup_num_steps)``); 0 is accepted
+  and means 2, as in DeepSpeed;
 - log warmup: ``gamma = log(step + 1) / log(warmup_num_steps)``; linear warmup: ``gamma = step / warmup_num_steps``;
 - ``OneCycle`` cycles ``betas[0]`` (never SGD's ``momentum``) and pins ``betas[1]`` to 0.99;
 - a schedule built with ``last_batch_iteration == -1`` writes its first learning rate into the optimizer at
@@ -342,7 +343,8 @@ class WarmupLR(_Schedule):
     def __init__(self, optimizer: Any, warmup_min_lr: float | Sequence[float] = 0.0,
                  warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
                  warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1):
-        warmup_num_steps = _check_int("warmup_num_steps", warmup_num_steps, minimum=1)
+        # 0 ("no warmup", what accelerate's DeepSpeed tests pass) is accepted as DeepSpeed does: raised to 2 below
+        warmup_num_steps = _check_int("warmup_num_steps", warmup_num_steps, minimum=0)
         self.optimizer = _param_groups_owner(optimizer)
         groups = self.optimizer.param_groups
         if warmup_max_lr is None:
@@ -402,7 +404,8 @@ class WarmupCosineLR(_Schedule):
     def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = WARMUP_LOG_RATE,
                  last_batch_iteration: int = -1):
-        warmup_num_steps = _check_int("warmup_num_steps", warmup_num_steps, minimum=1)
+        # 0 ("no warmup", what accelerate's DeepSpeed tests pass) is accepted as DeepSpeed does: raised to 2 below
+        warmup_num_steps = _check_int("warmup_num_steps", warmup_num_steps, minimum=0)
         self.optimizer = _param_groups_owner(optimizer)
         self.total_num_steps = _check_int("total_num_steps", total_num_steps, minimum=1)
         self.last_batch_iteration = _check_int("last_batch_iteration", last_batch_iteration, minimum=-1)

@@ -29,6 +29,8 @@ class OptimizerPlan:
     fused_adam: bool
     # per parameter group: (the model parameters in it, extra hyperparameters overriding defaults)
     groups: list[tuple[list[torch.nn.Parameter], dict[str, Any]]] = field(default_factory=list)
+    # optimizer.params.torch_adam: torch's Adam(W) arithmetic, not hf_zero's fused kernel (amsgrad excluded)
+    torch_adam: bool = False
 
 
 def _fused_adam_available() -> bool:
@@ -71,7 +73,8 @@ def plan_from_config(opt_cfg, model_parameters: Sequence) -> OptimizerPlan:
             defaults["fused"] = True
         inner = torch.optim.AdamW if adamw_mode else torch.optim.Adam
         extra = {"adamw_mode": adamw_mode, "bias_correction": bias_correction}
-        return OptimizerPlan(inner, defaults, fused, [(ps, {**extra, **h}) for ps, h in groups])
+        return OptimizerPlan(inner, defaults, fused, [(ps, {**extra, **h}) for ps, h in groups],
+                             torch_adam=torch_adam and not amsgrad)
     if name == "sgd":
         defaults = {k: params[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov") if k in params}
         defaults.setdefault("lr", 1e-3)
