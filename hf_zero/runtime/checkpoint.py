@@ -371,7 +371,8 @@ def _shard_files_read(engine, path: Path, meta: dict, manifest: dict | None) -> 
         return needed
     held = [r for r in everything if here(r)]
     why = (f"this directory holds the shards of saved rank{'s' if len(held) != 1 else ''} {held} only (saved with "
-           f"checkpoint.use_node_local_storage, each node keeps its own ranks' files)")
+           f"checkpoint.use_node_local_storage, or into per-rank directories: each directory keeps the files of the "
+           f"ranks that wrote there)")
     if same_layout:
         fix = ("load on the same nodes and ranks as the save (this rank's shards were written on another node), or "
                "copy every node's zero_rank*.safetensors of this tag into each node's directory")

@@ -11,7 +11,10 @@ creates and finalizes the domain's files (``meta.json``, ``engine_state.pt``, ``
 * no key, directory not shared: every rank that does not see rank 0's probe is named in an error that says to set
   ``checkpoint.use_node_local_storage`` -- instead of a write failing on "rank 1";
 * key set, node-local disks: one complete copy of the shared files per node, each rank's shards on its node;
-* key set on a shared file system: the nodes see each other's probes and form one domain -- one copy, as without it.
+* key set on a shared file system: the nodes see each other's probes and form one domain -- one copy, as without it;
+* ranks of one node that pass *different* directories (a script naming its run directory per rank): each rank's
+  files go where it was told, as in DeepSpeed -- each directory is a domain, finalized by its lowest rank -- and a
+  warning says so (:func:`_per_rank_directories`).
 
 Nodes are told apart by :func:`hf_zero.comm.get_node_id` (host name, plus torchrun's ``GROUP_RANK``).
 
@@ -21,6 +24,8 @@ differ are named with their tags, and nothing is loaded.
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +37,7 @@ from hf_zero.runtime.checkpoint_files import CheckpointError
 __all__ = ["Placement", "place", "agree_on_tag", "describe_ranks"]
 
 KEY = "checkpoint.use_node_local_storage"
+log = logging.getLogger("hf_zero")
 
 
 @dataclass(frozen=True)
@@ -82,10 +88,14 @@ def place(rank: int, world: int, root: Path, node_local: bool, agree: Callable[[
     """Decide every rank's directory writer for a save into ``root`` (collective; see the module docstring).
     ``what`` names the save in errors, ``label`` in the collectives (the same on every rank: no path). Raises the
     same :class:`CheckpointError` on every rank when the directories are not as the config says."""
-    gathered = agree((comm.get_node_id(), secrets.token_hex(8)), f"the node exchange of {label}")
-    nodes = tuple(n for n, _ in gathered)
+    gathered = agree((comm.get_node_id(), secrets.token_hex(8), os.path.abspath(root)),
+                     f"the node exchange of {label}")
+    nodes = tuple(n for n, _, _ in gathered)
     if world == 1:
         return Placement(rank, nodes, (0,), node_local)
+    paths = [p for _, _, p in gathered]
+    if len(set(nodes)) == 1 and len(set(paths)) > 1:
+        return _per_rank_directories(rank, nodes, paths, node_local, what)
     nonce = gathered[0][1]
     candidates = _first_rank_of_nodes(list(nodes)) if node_local else [0]
     probe = root / f".probe-{nonce}-{rank}"
@@ -132,6 +142,27 @@ def place(rank: int, world: int, root: Path, node_local: bool, agree: Callable[[
             f"hf_zero: {what} with {KEY}: the nodes' directories overlap inconsistently: {describe_ranks(odd, nodes)} "
             f"see the files of ranks {list(seen_by[odd[0]])}, rank {writers[odd[0]]} sees those of "
             f"{list(seen_by[writers[odd[0]]])}. Nothing was written.")
+    return Placement(rank, nodes, writers, node_local)
+
+
+def _per_rank_directories(rank: int, nodes: tuple[str, ...], paths: list[str], node_local: bool,
+                          what: str) -> Placement:
+    """Ranks of one node passed different directories (a script that names its run directory per rank): as in
+    DeepSpeed, each rank's files go where that rank was told. Each directory is finalized by its lowest rank and holds
+    the model and engine files plus the shards of the ranks that named it, like a node's copy under
+    use_node_local_storage: it loads back with the same per-rank directories; elsewhere a load names what is
+    missing. Said once, by rank 0, since a shared directory is the usual intent."""
+    writers = tuple(paths.index(p) for p in paths)
+    if rank == 0:
+        by_path: dict[str, list[int]] = {}
+        for r, p in enumerate(paths):
+            by_path.setdefault(p, []).append(r)
+        listing = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p!r}"
+                            for p, rs in by_path.items())
+        log.warning("hf_zero: %s: the ranks passed different directories (%s). Each directory gets the files of "
+                    "the ranks that named it, as in DeepSpeed: a complete checkpoint needs all of them (load with "
+                    "the same per-rank directories, or copy every zero_rank*.safetensors into one). Pass the same "
+                    "directory on every rank for one complete checkpoint.", what, listing)
     return Placement(rank, nodes, writers, node_local)
 
 
