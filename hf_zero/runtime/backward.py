@@ -11,17 +11,25 @@ gradients alone while it runs.
 
 fp16 loss scaling cannot be moved onto the outputs exactly (the output gradient is already rounded to fp16 there),
 so with fp16 a direct ``loss.backward()`` must be ``engine.scale(loss).backward()``; anything else is refused on
-the first backward, before any gradient exists (DeepSpeed raises the same). A parameter gradient produced outside
-any session (a loss computed from ``engine.module(...)`` directly) is refused by :meth:`guard` when it arrives.
+the first backward, before any gradient exists (DeepSpeed raises the same).
+
+A parameter gradient produced outside any session -- another engine's loss back-propagated through this model (a
+GAN: the generator's loss flows through the discriminator), or a loss computed from ``engine.module(...)`` -- is
+handled as DeepSpeed does at stages 0-2: left in ``param.grad``, neither reduced nor stepped by this engine, with one
+warning per engine naming the parameter (:meth:`tolerate`; a GAN script clears it with ``netD.zero_grad()``). At
+ZeRO-3 it is refused (:meth:`guard`): a partitioned parameter has no place to keep a full gradient.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from typing import Any, Callable
 
 import torch
+
+logger = logging.getLogger("hf_zero")
 
 __all__ = ["BackwardSessions"]
 
@@ -38,6 +46,7 @@ class BackwardSessions:
         self._user_scaled = False     # engine.scale(loss) was called for the next direct backward
         self.scale_wrt_gas = True     # the last engine.backward's choice, kept for direct backwards (DeepSpeed's)
         self._last_loss: torch.Tensor | float | None = None
+        self._outside_warned = False
         self._started = 0.0
 
     @property
@@ -103,6 +112,19 @@ class BackwardSessions:
         return grad
 
     # ---- both --------------------------------------------------------------------------------------------------------
+    def tolerate(self, name: str) -> None:
+        """Stages 0-2: a gradient outside every session stays in ``param.grad`` (the reducer is not reducing then);
+        said once (see the module docstring)."""
+        if self.active or self._outside_warned:
+            return
+        self._outside_warned = True
+        logger.warning(
+            "hf_zero: the gradient of %r comes from a backward pass this engine did not run (another engine's loss "
+            "back-propagated through this model, as a GAN's generator loss does through its discriminator, or a loss "
+            "computed from engine.module(...)). As in DeepSpeed it is left in .grad, not reduced or stepped by this "
+            "engine: clear it (model.zero_grad()) before this engine's next backward, or compute this engine's loss "
+            "from engine(...)'s output. Said once per engine.", name)
+
     def guard(self, name: str) -> None:
         """Called as each parameter gradient arrives: a gradient outside every session was not seen by the engine."""
         if not self.active:

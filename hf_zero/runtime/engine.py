@@ -146,7 +146,7 @@ class HfZeroEngine(nn.Module):
             self.reducer = GroupGradReducer(
                 self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,
                 bucket_numel=zero.reduce_bucket_numel, overlap=zero.overlap_comm,
-                process_group=process_group, guard=self._backward.guard if self._guards_backward else None)
+                process_group=process_group, guard=self._backward.tolerate if self._guards_backward else None)
         else:
             self.reducer = None
         if tp is not None and tp.mesh.get_local_rank() != 0:
