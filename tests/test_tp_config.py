@@ -77,6 +77,24 @@ def _refusals():
             "tensor_parallel": {"autotp_size": 2, "dtype": "bf16"}})
     except ConfigError as e:
         out["dtype"] = str(e)
+    # DeepSpeed's idiom (#26 item 4): model_parameters=model.parameters(), a generator read after AutoTP replaced the
+    # parameters -- accepted; a list taken before the sharding names replaced parameters -- refused, saying so
+    from torch.distributed.tensor import DTensor
+
+    tp_cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "tensor_parallel": {"autotp_size": 2}}
+    model = make_model("llama")
+    engine, *_ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=tp_cfg)
+    stepped = [p for g in engine.groups for p in g.params]
+    out["generator"] = (len(stepped), len([p for p in model.parameters() if p.requires_grad]),
+                        any(isinstance(p, DTensor) for p in stepped))
+    engine.destroy()
+    model = make_model("llama")
+    stale = list(model.parameters())
+    try:
+        hf_zero.initialize(model=model, model_parameters=stale, config=tp_cfg)
+    except ValueError as e:
+        out["stale_list"] = str(e)
     return out
 
 
@@ -89,3 +107,6 @@ def test_refusals_name_the_cause():
     assert "'model.layers.0.self_attn.q_proj'" in out["lora_after"] and "get_peft_model" in out["lora_after"]
     assert "tp_model_init(tp_size)=3" in out["size"] and "world size 2" in out["size"]
     assert out["dtype"].startswith("tensor_parallel.dtype") and "fp32" in out["dtype"]
+    trained, in_model, sharded = out["generator"]
+    assert trained == in_model and sharded, out["generator"]
+    assert "before tensor parallelism replaced them" in out["stale_list"], out["stale_list"]

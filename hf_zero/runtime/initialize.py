@@ -63,13 +63,16 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     world_size = comm.get_world_size(process_group)
     _default_logging(comm.get_rank())
     pipeline_grid = getattr(model, "grid", None) if hasattr(model, "chunk_modules") else None
-    if model_parameters is not None:
-        model_parameters = list(model_parameters)  # read twice below (an iterator would be spent by the first)
     raw = read_config(_config_source(args, config, config_params))
     # tensor parallelism first: it replaces the model's parameters, and the batch arithmetic counts data-parallel
     # replicas (a TP group of ranks is one replica)
     tp = setup_tensor_parallel(model, parse_tp_config(raw.get("tensor_parallel")), world_size=world_size,
                                pipeline_grid=pipeline_grid)
+    if model_parameters is not None:
+        # Read once, here (it is used twice below): after tensor parallelism, so that `model.parameters()` -- a
+        # generator, DeepSpeed's idiom -- yields the sharded parameters that replaced the model's, as DeepSpeed
+        # reads it after AutoTP. A list built before the sharding still names the replaced ones (refused below).
+        model_parameters = list(model_parameters)
     data_rank = comm.get_rank(process_group)
     if pipeline_grid is not None:  # batch sizes count data-parallel replicas, not every rank
         world_size, data_rank = pipeline_grid.data_parallel_size, pipeline_grid.data_parallel_id
