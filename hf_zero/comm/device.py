@@ -21,7 +21,7 @@ import os
 
 import torch
 
-__all__ = ["local_device", "accelerator_type", "ACCELERATOR_ENV"]
+__all__ = ["local_device", "accelerator_type", "accelerator_device", "ACCELERATOR_ENV"]
 
 ACCELERATOR_ENV = "DS_ACCELERATOR"  # DeepSpeed's variable: "cpu" trains on the CPU even where a GPU is visible
 
@@ -35,6 +35,12 @@ def accelerator_type() -> str:
         raise ValueError(f"hf_zero: {ACCELERATOR_ENV}={os.environ[ACCELERATOR_ENV]!r} is not supported; hf_zero "
                          "trains on 'cuda' or 'cpu' (unset it to pick the GPU when one is visible)")
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def accelerator_device() -> torch.device | None:
+    """The GPU this process computes on (the current CUDA device, chosen by :func:`local_device`) when it trains on
+    one; None on a CPU run. Where ZeRO-3 puts gathered parameters, whatever device their shards live on."""
+    return torch.device("cuda", torch.cuda.current_device()) if accelerator_type() == "cuda" else None
 
 
 def local_device() -> torch.device:

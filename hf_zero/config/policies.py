@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["AioParams", "OffloadPolicy", "CPUOffloadPolicy", "NVMeOffloadPolicy", "Stage3Policy", "ZeroPolicy",
            "LossScalePolicy", "PrecisionPolicy", "zero_policy", "precision_policy", "loss_scale_policy",
-           "param_offload_policy"]
+           "param_offload_policy", "param_offload_device"]
 
 
 @dataclass(frozen=True)
@@ -170,16 +170,31 @@ def loss_scale_policy(fp16: "FP16Config") -> LossScalePolicy:
         consecutive_hysteresis=bool(fp16.consecutive_hysteresis), min_scale=float(fp16.min_loss_scale))
 
 
-def param_offload_policy(raw: Mapping[str, Any], remote_device: str | None = None) -> OffloadPolicy | None:
-    """``zero.Init``'s parameter placement from a raw DeepSpeed dict: ``remote_device`` when given, else
-    ``zero_optimization.offload_param.device`` (DeepSpeed's rule). Only ``offload_param`` and ``aio`` are read."""
+def _param_offload(raw: Mapping[str, Any], remote_device: str | None):
+    """(the parsed ``offload_param`` section, the device zero.Init places parameters on): ``remote_device`` when
+    given, else ``zero_optimization.offload_param.device`` (DeepSpeed's rule)."""
     from .schema import parse
-    from .sections import AioConfig, ParamOffloadConfig
+    from .sections import ParamOffloadConfig
 
     zero = raw.get("zero_optimization")
     section = zero.get("offload_param") if isinstance(zero, Mapping) else None
     off = parse(ParamOffloadConfig, section, "zero_optimization.offload_param")
-    device = remote_device if remote_device is not None else off.device
+    return off, (remote_device if remote_device is not None else off.device)
+
+
+def param_offload_device(raw: Mapping[str, Any], remote_device: str | None = None) -> str:
+    """``zero.Init``'s parameter placement from a raw DeepSpeed dict: "none" (the training device), "cpu" or
+    "nvme" -- ``remote_device`` when given, else ``zero_optimization.offload_param.device``."""
+    return _param_offload(raw, remote_device)[1]
+
+
+def param_offload_policy(raw: Mapping[str, Any], remote_device: str | None = None) -> OffloadPolicy | None:
+    """``zero.Init``'s swap-file policy from a raw DeepSpeed dict, when its placement (:func:`param_offload_device`)
+    is "nvme"; else None. Only ``offload_param`` and ``aio`` are read."""
+    from .schema import parse
+    from .sections import AioConfig
+
+    off, device = _param_offload(raw, remote_device)
     if device != "nvme":
         return None
     if not isinstance(off.nvme_path, str):

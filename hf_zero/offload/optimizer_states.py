@@ -277,5 +277,4 @@ def build_optimizer_offload(groups: Sequence, zero: ZeroPolicy, *, rank: int, fu
     nvme = off if isinstance(off, NVMeOffloadPolicy) else None
     return OptimizerOffload(groups, device=off.device, nvme_path=nvme.nvme_path if nvme else None,
                             pin_memory=off.pin_memory, ratio=zero.offload_ratio, sub_group_size=zero.sub_group_size,
-                            aio=nvme.aio if nvme else AioParams(), rank=rank,
-                            torch_adam=torch_adam and not fused_adam)
+                            aio=nvme.aio if nvme else AioParams(), rank=rank, torch_adam=torch_adam)

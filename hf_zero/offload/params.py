@@ -39,10 +39,14 @@ def check_param_offload(zero: ZeroPolicy, *, param_device: torch.device) -> None
     if param_device.type != "cpu":
         logger.info("hf_zero: offload_param.device=%r: ZeRO-3 shards in %s, each module's parameters gathered to "
                     "%s when it runs; the optimizer steps the host shards on the CPU", off.device,
-                    "pinned host memory" if off.device == "cpu" else "swap files under nvme_path", param_device)
+                    ("pinned " if off.pin_memory else "") + "host memory" if off.device == "cpu" else
+                    "swap files under nvme_path", param_device)
         return
     if off.device == "cpu":
         logger.info("hf_zero: offload_param.device='cpu': the ZeRO-3 shards are in CPU memory (CPU training)")
+    if off.pin_memory:  # honoured on a GPU (page-locked host shards, zero/stage3_groups.py); said where it cannot be
+        logger.warning("hf_zero: zero_optimization.offload_param.pin_memory=true has no effect when training on the "
+                       "CPU: there is no accelerator to copy the partitions to, so host memory stays pageable")
 
 
 def check_offload_config(zero: ZeroPolicy, *, param_device: torch.device, fused_adam: bool,

@@ -34,7 +34,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
 from hf_zero.config.loader import read_config
-from hf_zero.config.policies import param_offload_policy
+from hf_zero.config.policies import param_offload_device, param_offload_policy
 
 from .stage3.gather import gatherer_for
 from .stage3.param import ShardedParam, sharded_param_of
@@ -123,11 +123,7 @@ def shard_device(raw: dict, remote_device) -> torch.device:
     them in host memory, "nvme" sends them to swap files (read into host memory for each gather)."""
     from hf_zero.comm.device import local_device
 
-    zero = raw.get("zero_optimization")
-    section = zero.get("offload_param") if isinstance(zero, dict) else None
-    configured = section.get("device") if isinstance(section, dict) else None
-    where = remote_device if remote_device is not None else configured
-    if where in ("cpu", "nvme"):
+    if param_offload_device(raw, remote_device) in ("cpu", "nvme"):
         return torch.device("cpu")
     return local_device()
 

@@ -31,15 +31,13 @@ def place_module(module: nn.Module, device: torch.device, *, params_on_host: boo
     seen: set[int] = set()
     with torch.no_grad():
         for mod in module.modules():
-            for name, p in mod._parameters.items():
-                if p is None or id(p) in seen or params_on_host:
+            for p in () if params_on_host else mod._parameters.values():
+                if p is None or id(p) in seen:
                     continue
                 seen.add(id(p))  # tied weights: one Parameter registered on two modules moves once
                 sp = sharded_param_of(p)
                 if sp is not None:
-                    if sp.storage.device != device and not sp.swapped:
-                        sp.to_device(device)
-                        moved += 1
+                    moved += sp.to_device(device)
                     continue
                 local = local_tensor(p)  # a tensor-parallel DTensor moves its own shard
                 if local.device != device:
@@ -50,4 +48,3 @@ def place_module(module: nn.Module, device: torch.device, *, params_on_host: boo
                     mod._buffers[name] = b.to(device)
                     moved += 1
     return moved
-

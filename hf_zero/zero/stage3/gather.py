@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.comm import all_gather_packed, buffer_pool, faults, give_packed, shm_ring, take_gather_buffer
-from hf_zero.comm.device import accelerator_type
+from hf_zero.comm.device import accelerator_device
 from hf_zero.offload.swapper import wait_all
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import ShardLayout
@@ -94,7 +94,7 @@ class Gatherer:
         self.timers = NO_TIMERS  # the engine's: time blocked waiting for a gather counts as "communication"
         # where gathered parameters are computed with: the GPU this process trains on, whatever the shards' home
         # (offload_param keeps them in host memory or swap files); on a CPU run, the shards' own device
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if accelerator_type() == "cuda" else None)
+        self.device = accelerator_device()
         if self.world_size > 1:
             faults.channel_for(group)  # created now, at the first partition, where every rank comes (collective)
             shm_ring.ring_for(group)  # likewise (one host, CPU: the packed buffers in shared memory)

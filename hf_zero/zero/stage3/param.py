@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from hf_zero.comm import buffer_pool
-from hf_zero.comm.device import accelerator_type
+from hf_zero.comm.device import accelerator_device
 from hf_zero.zero.layout import ShardLayout, param_shard_numel
 
 from .storage import ResidentStorage, ShardStorage, ShardStore
@@ -207,17 +207,19 @@ class ShardedParam:
         self.storage = ResidentStorage(values, initial)
         self._publish_compat()
 
-    def to_device(self, device: torch.device) -> None:
+    def to_device(self, device: torch.device) -> bool:
         """Move a resident shard (and its fp32 original) to ``device``: the engine puts shards that zero.Init cut
         on the CPU onto the device it trains on. Only before training starts: the parameter is PARTITIONED and its
-        shard is not yet a view of the engine's flat buffers."""
+        shard is not yet a view of the engine's flat buffers. Returns whether it moved (a swapped shard or one on
+        ``device`` already stays)."""
         if self.storage.swapped or self.storage.device == torch.device(device):
-            return
+            return False
         assert self.state is ParamState.PARTITIONED, f"{self.name}: to_device while {self.state.name}"
         values, initial = self.storage.take()
         self.storage = ResidentStorage(values.to(device), None if initial is None else initial.to(device))
         self.param.data = self._placeholder()
         self._publish_compat()
+        return True
 
     def use_grad_storage(self, view: torch.Tensor) -> None:
         """Reduced gradient shards are added into ``view`` (shard_numel,) from now on."""
@@ -348,8 +350,8 @@ class ShardedParam:
         # on the device the parameter is computed on -- the GPU also when offload_param keeps the shard in host
         # memory -- so that `model.device` (which transformers moves inputs to) names the GPU
         device = self.storage.device
-        if device.type == "cpu" and accelerator_type() == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cpu":
+            device = accelerator_device() or device
         return torch.empty(0, dtype=self.dtype, device=device)
 
     def _publish_compat(self) -> None:
