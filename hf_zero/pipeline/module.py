@@ -250,6 +250,7 @@ class PipelineModule(nn.Module):
         return self.run_chunk(self.local_chunks[0], inputs)
 
     def run_chunk(self, chunk: int, inputs: tuple) -> Any:
+        inputs = tuple(_unleafed(t) for t in inputs)
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)
         lo, hi = self.parts[chunk], self.parts[chunk + 1]
         k = self.activation_checkpoint_interval
@@ -381,6 +382,16 @@ def _cat(values: list) -> Any:
     if isinstance(values[0], (tuple, list)):
         return [torch.cat([v[i] for v in values]) for i in range(len(values[0]))]
     return torch.cat(values)
+
+
+def _unleafed(t: Any) -> Any:
+    """A received activation is the autograd leaf whose ``.grad`` goes back to the previous stage, so a first layer
+    that works in place (``nn.ReLU(inplace=True)`` after the stage boundary) would be refused by autograd on it.
+    The layers run on a clone instead, DeepSpeed's ``_exec_forward_pass`` (``pipe_buffers['inputs'][id].clone()``);
+    the gradient reaches the leaf through the clone. Data on the first stage needs no grad and is passed as is."""
+    if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad:
+        return t.clone()
+    return t
 
 
 class _TiedUse(nn.Module):
