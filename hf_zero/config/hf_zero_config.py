@@ -137,9 +137,6 @@ class HfZeroConfig:
              "arithmetic) or 'default' (a batch key nothing determined).")
 
     def __post_init__(self) -> None:
-        if self.torch_autocast.enabled and (self.fp16.enabled is True or self.bf16.enabled is True):
-            raise ConfigError("torch_autocast.enabled", "true together with fp16/bf16 enabled: torch_autocast keeps "
-                                                        "fp32 parameters, bf16/fp16 cast the model; enable one")
         if self.sequence_parallel_size != 1:
             raise ConfigError("sequence_parallel_size", f"{self.sequence_parallel_size}: hf_zero shards over data "
                                                         "parallelism only; for model parallelism see "

@@ -75,8 +75,11 @@ AUTOCAST_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16":
 
 @dataclass(frozen=True, kw_only=True)
 class TorchAutocastConfig:
-    """``torch_autocast``: the forward runs under ``torch.autocast``; parameters and master weights stay fp32
-    (DeepSpeed's alternative to the ``bf16`` / ``fp16`` sections, which cast the model)."""
+    """``torch_autocast``: the forward runs under ``torch.autocast``. Alone, parameters and master weights stay fp32
+    (DeepSpeed's alternative to the ``bf16`` / ``fp16`` sections, which cast the model). Together with ``bf16`` or
+    ``fp16`` enabled, both apply, as in DeepSpeed 0.19: the section casts the parameters (fp32 masters, or bf16 ones
+    with ``bf16_master_weights_and_grads``) and the forward still runs under autocast, which also takes fp32 inputs
+    and runs autocast's fp32 ops (losses, norms, softmax) in fp32."""
 
     enabled: bool = spec(False, help="Run the forward under torch.autocast.")
     dtype: str | None = spec(None, help="bfloat16 or float16; default: the device's autocast dtype (CPU: "

@@ -146,7 +146,9 @@ STATUS: dict[str, KeyStatus] = {
     "torch_autocast.dtype": HONOURED,
     "torch_autocast.lower_precision_safe_modules": _todo(
         "gradients of every parameter are reduced in fp32 (the parameters' dtype), as without the list",
-        active=lambda cfg: cfg.torch_autocast.enabled),
+        # with bf16 / fp16 enabled the parameters, and so their gradients, are 16-bit already
+        active=lambda cfg: cfg.torch_autocast.enabled and cfg.fp16.enabled is not True
+        and cfg.bf16.enabled is not True),
     "fp16.enabled": HONOURED,
     "fp16.auto_cast": _todo("the model's inputs are passed as given; cast floating-point inputs to float16 yourself"),
     "fp16.loss_scale": HONOURED,
