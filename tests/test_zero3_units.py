@@ -260,3 +260,49 @@ def test_training_states_of_a_checkpointed_forward_and_backward(use_reentrant):
     rt.remove()
     source = (Path(hf_zero.__file__).parent / "zero").rglob("*.py")
     assert not [p.name for p in source if "_current_graph_task_id" in p.read_text()]
+
+
+def test_world_1_gathers_are_views_of_the_shards():
+    """A world of one: a gathered parameter *is* its shard (no buffer, no copy), a release frees nothing, and the
+    gradient goes straight into the grad storage; GatheredParameters without a modifier rank still works on a copy
+    whose edits are discarded, and with one the edits land in the shard."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    rt = Stage3Runtime(model, compute_dtype=torch.float32, max_reuse_distance=0, param_persistence_threshold=0)
+    sps = rt.sharded_params()
+    grads = [torch.zeros(sp.shard_numel) for sp in sps]
+    for sp, g in zip(sps, grads):
+        sp.use_grad_storage(g)
+    seen = {}
+
+    def record(module, args):
+        for name, p in module.named_parameters(recurse=False):
+            seen[name + str(id(module))] = p.data_ptr() == sharded_param_of(p).local_shard.data_ptr()
+
+    handles = [m.register_forward_pre_hook(record) for m in (model[0], model[2])]
+    x = torch.randn(3, 8)
+    model(x).square().mean().backward()
+    rt.finish_backward()
+    for h in handles:
+        h.remove()
+    assert seen and all(seen.values())  # every parameter computed with was its shard's own memory
+    assert all(sp.state is ParamState.PARTITIONED for sp in sps)
+    assert all(sp.local_shard.numel() == sp.numel for sp in sps)  # nothing freed
+    assert rt.reducer.reduced_numel == sum(sp.numel for sp in sps)
+    ref(x).square().mean().backward()
+    for sp, g in zip(sps, grads):
+        torch.testing.assert_close(g, dict(ref.named_parameters())[sp.name].grad.reshape(-1))
+    w = model[0].weight
+    before = sharded_param_of(w).local_shard.clone()
+    with hf_zero.zero.GatheredParameters([w]):
+        assert w.data_ptr() != sharded_param_of(w).local_shard.data_ptr()  # a copy
+        with torch.no_grad():
+            w.fill_(7.0)
+    assert torch.equal(sharded_param_of(w).local_shard, before)  # discarded
+    with hf_zero.zero.GatheredParameters([w], modifier_rank=0):
+        with torch.no_grad():
+            w.fill_(3.0)
+    assert torch.equal(sharded_param_of(w).local_shard, torch.full((128,), 3.0))  # kept
+    rt.remove()

@@ -64,7 +64,10 @@ class GatheredParameters:
         need = [sp for sp in self._sps if sp.state is ParamState.PARTITIONED]
         if need:
             names = ", ".join(sp.name for sp in need[:4]) + (" ..." if len(need) > 4 else "")
-            gatherer.gather(need, f"GatheredParameters([{names}])", header_check=True)
+            # with a modifier rank the edits are meant for the shards: in a world of one they may land there
+            # directly; without one they are discarded on exit, so the block works on a copy
+            gatherer.gather(need, f"GatheredParameters([{names}])", header_check=True,
+                            alias=self.modifier_rank is not None)
         self._gathered = need
         for sp in self._sps:
             sp.acquire(HoldReason.BLOCK)

@@ -118,12 +118,24 @@ class Gatherer:
 
     # ------------------------------------------------------------------ collectives
     def gather(self, sps: list[ShardedParam], label: str, *, async_op: bool = False,
-               header_check: bool | None = None) -> PendingGather:
-        """Start (and unless ``async_op``, finish) one packed all-gather of the PARTITIONED ``sps``."""
+               header_check: bool | None = None, alias: bool = True) -> PendingGather | None:
+        """Start (and unless ``async_op``, finish) one packed all-gather of the PARTITIONED ``sps``.
+
+        ``alias``: in a world of one, a parameter whose shard is in memory on the compute device becomes a view
+        of that shard -- no buffer, no copy, nothing to free -- so ZeRO-3 on one GPU costs what stage 0 does
+        (returns None: nothing is in flight). False where the caller's edits must not reach the shard
+        (GatheredParameters without a modifier rank discards them)."""
         assert sps and all(sp.state is ParamState.PARTITIONED for sp in sps), [repr(sp) for sp in sps]
         key = self.register_label(sps, label)
         self.gather_count += 1
         self.gathered_numel += sum(sp.numel for sp in sps)
+        if alias and self.world_size == 1:
+            device = self.device or sps[0].storage.device
+            if all(sp.can_alias_shard(device) for sp in sps):
+                for sp in sps:
+                    sp.to_available(None)
+                    self.count_live(sp, +1)
+                return None
         seq = self.seq
         self.seq += 1
         layout = ShardLayout(tuple(sp.numel for sp in sps), self.world_size)

@@ -121,6 +121,9 @@ class ShardedParam:
         self.layout.shard_of(flat, 0, rank, shard)
         self.storage = ResidentStorage(shard)
         self._full = None
+        # the full view is the resident shard itself (a world of one, see Gatherer.gather): nothing was copied,
+        # so a release frees nothing and a re-bound shard takes the view with it
+        self._aliased = False
         self._parked: torch.Tensor | None = None  # the last full buffer, storage freed; see to_partitioned(park)
         setattr(param, _SP_ATTR, self)
         self.to_partitioned()
@@ -168,7 +171,7 @@ class ShardedParam:
             return
         self.storage.cast(dtype)
         if self.state is ParamState.AVAILABLE:
-            self._set_full(self._full.to(dtype))
+            self._set_full(self.storage.local[:self.numel] if self._aliased else self._full.to(dtype))
         else:
             self.param.data = self._placeholder()
         self._publish_compat()
@@ -186,6 +189,8 @@ class ShardedParam:
             self.storage.rebind(view, copy=copy)
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
+        if self._aliased:  # the full view follows the shard into its new storage
+            self._set_full(self.storage.local[:self.numel])
         self._publish_compat()
 
     # ------------------------------------------------------------------ placement transitions
@@ -263,12 +268,20 @@ class ShardedParam:
         self.state = ParamState.GATHERING
         self._publish_compat()
 
-    def to_available(self, full_flat: torch.Tensor) -> None:
-        """``full_flat`` (numel,) holds the whole parameter; the Parameter becomes a view of it."""
+    def can_alias_shard(self, device: torch.device) -> bool:
+        """Whether the shard alone is the whole parameter, in memory on ``device``: a world of one, not swapped."""
+        return (self.world_size == 1 and not self.storage.swapped and self.storage.device == device
+                and self.shard_numel == self.numel)
+
+    def to_available(self, full_flat: torch.Tensor | None) -> None:
+        """``full_flat`` (numel,) holds the whole parameter; the Parameter becomes a view of it. None: the shard
+        is the whole parameter (:meth:`can_alias_shard`) and the Parameter becomes a view of the shard itself --
+        edits then reach the shard directly."""
         assert self.state in (ParamState.PARTITIONED, ParamState.GATHERING), \
             f"{self.name}: to_available from {self.state.name}"
         self.pending = None
-        self._set_full(full_flat)
+        self._aliased = full_flat is None
+        self._set_full(self.storage.local[:self.numel] if full_flat is None else full_flat)
         self.state = ParamState.AVAILABLE
         self._publish_compat()
 
@@ -286,7 +299,8 @@ class ShardedParam:
         assert self.state is ParamState.AVAILABLE, f"{self.name}: to_partitioned from {self.state.name}"
         assert not self.persistent, f"{self.name} is persistent and never partitioned"
         assert self.holders == 0, f"{self.name}: partitioned while users still need it ({self.describe_holds()})"
-        full = self._full
+        full = None if self._aliased else self._full  # an aliased shard is not ours to free
+        self._aliased = False
         if park and full is not None and full.storage_offset() == 0:
             buffer_pool.release_storage(full)  # the bytes go to the pool: the next gather's buffer, no fresh mmap
             self._parked = full

@@ -50,6 +50,9 @@ class Stage3GradReducer:
         self.timers = NO_TIMERS  # the engine's: time blocked in reduce-scatters counts as "communication"
 
     def add(self, sp: ShardedParam, grad: torch.Tensor) -> None:
+        if self.world_size == 1 and (sp.grad_storage is None or sp.grad_storage.device == grad.device):
+            self._accumulate_alone(sp, grad)
+            return
         width = sp.shard_numel
         if self._bucket is not None and (self._used + width > self._bucket.shape[1] or
                                          self._bucket.dtype != grad.dtype):
@@ -65,6 +68,22 @@ class Stage3GradReducer:
         sp.layout.pack([grad.detach().reshape(-1)], 0, block, scale=self.grad_scale)
         self._entries.append((sp, self._used))
         self._used += width
+
+    def _accumulate_alone(self, sp: ShardedParam, grad: torch.Tensor) -> None:
+        """A world of one: the gradient is its own reduced shard. One kernel adds (or, into known zeros, copies) it
+        into the grad storage, scaled and cast on the way, instead of packing a bucket and reduce-scattering it
+        with nobody."""
+        flat = grad.detach().reshape(-1)
+        if sp.grad_storage is None:
+            sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=flat.device)
+        if sp.grad_zeroed:
+            sp.grad_storage.copy_(flat)
+            if self.grad_scale != 1.0:
+                sp.grad_storage.mul_(self.grad_scale)
+            sp.grad_zeroed = False
+        else:
+            sp.grad_storage.add_(flat, alpha=self.grad_scale)
+        self.reduced_numel += sp.shard_numel
 
     def flush(self) -> None:
         """Reduce-scatter the current bucket (asynchronously with overlap_comm)."""
