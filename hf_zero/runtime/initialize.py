@@ -16,6 +16,7 @@ from hf_zero.config.errors import ConfigError
 from hf_zero.runtime.arguments import align_local_rank, config_from_args
 from hf_zero.config.status import ConfigKeyIgnored
 from hf_zero.runtime.engine import HfZeroEngine
+from hf_zero.runtime.mpu import mpu_tensor_mesh, read_mpu
 from hf_zero.runtime.optimizers import plan_from_client, plan_from_config
 from hf_zero.runtime.tp_setup import setup_tensor_parallel
 from hf_zero.tensor_parallel import tp_info
@@ -59,15 +60,23 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                          "supported; hf_zero shards over the data-parallel world only, so leave mesh_param unset")
     comm.init_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
     align_local_rank(args)
-    process_group = _data_parallel_group(mpu) if mpu is not None else None
+    mpu_groups = read_mpu(mpu) if mpu is not None else None
+    process_group = mpu_groups.dp_group if mpu_groups is not None else None
     world_size = comm.get_world_size(process_group)
     _default_logging(comm.get_rank())
     pipeline_grid = getattr(model, "grid", None) if hasattr(model, "chunk_modules") else None
     raw = read_config(_config_source(args, config, config_params))
     # tensor parallelism first: it replaces the model's parameters, and the batch arithmetic counts data-parallel
     # replicas (a TP group of ranks is one replica)
-    tp = setup_tensor_parallel(model, parse_tp_config(raw.get("tensor_parallel")), world_size=world_size,
-                               pipeline_grid=pipeline_grid)
+    tp_cfg = parse_tp_config(raw.get("tensor_parallel"))
+    tp_mesh = None
+    if mpu_groups is not None and pipeline_grid is not None and mpu_groups.tp_size > 1:
+        raise ValueError(f"hf_zero.initialize(mpu=...): the mpu has a tensor-parallel size of {mpu_groups.tp_size} "
+                         "and the model is a pipeline; a pipeline takes its groups from its topology "
+                         "(hf_zero.pipeline.wrap(model, num_stages, tp_size=N)), not from an mpu")
+    if mpu_groups is not None and pipeline_grid is None:  # the mpu's TP/DP groups, sizes checked against the config
+        tp_mesh = mpu_tensor_mesh(mpu_groups, tp_cfg, model)
+    tp = setup_tensor_parallel(model, tp_cfg, world_size=world_size, pipeline_grid=pipeline_grid, mesh=tp_mesh)
     if model_parameters is not None:
         # Read once, here (it is used twice below): after tensor parallelism, so that `model.parameters()` -- a
         # generator, DeepSpeed's idiom -- yields the sharded parameters that replaced the model's, as DeepSpeed
@@ -124,34 +133,6 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
 
             engine.set_dataiterator(RepeatingLoader(dataloader))
     return engine, engine.optimizer, dataloader, engine.lr_scheduler
-
-
-def _data_parallel_group(mpu):
-    """DeepSpeed's ``mpu`` (Megatron's parallel-state interface) where it means plain data parallelism: every
-    model-parallel size is 1, and ZeRO shards over ``mpu.get_data_parallel_group()``. A model split over ranks by
-    the caller is refused: hf_zero's engine cannot know which of its parameters are split or duplicated."""
-    def size(*getters: str) -> int:
-        for name in getters:
-            fn = getattr(mpu, name, None)
-            if callable(fn):
-                return int(fn())
-        return 1
-
-    sizes = {"tensor": size("get_tensor_model_parallel_world_size", "get_model_parallel_world_size"),
-             "pipeline": size("get_pipeline_model_parallel_world_size"),
-             "sequence": size("get_sequence_parallel_world_size")}
-    split = {k: v for k, v in sizes.items() if v > 1}
-    if split:
-        raise ValueError(
-            f"hf_zero.initialize(mpu=...): the mpu splits the model ({', '.join(f'{k} parallel size {v}' for k, v in split.items())}); "
-            "hf_zero takes only data parallelism from an mpu. For tensor parallelism use hf_zero.tensor_parallel."
-            "apply_tp (docs: tensor parallelism, issue 18), for pipeline parallelism hf_zero.pipe.PipelineModule; "
-            "or pass an mpu whose model-parallel sizes are 1")
-    get_group = getattr(mpu, "get_data_parallel_group", None)
-    if not callable(get_group):
-        raise TypeError(f"hf_zero.initialize(mpu=...): {type(mpu).__name__} has no get_data_parallel_group(); "
-                        "DeepSpeed's mpu interface needs it")
-    return get_group()
 
 
 def _default_logging(rank: int) -> None:

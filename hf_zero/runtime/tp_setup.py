@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch import nn
 
 from hf_zero.config.errors import ConfigError
@@ -39,10 +40,12 @@ class TPLayout:
 
 
 def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int,
-                          pipeline_grid=None) -> TPLayout | None:
+                          pipeline_grid=None, mesh: TPMesh | None = None) -> TPLayout | None:
     """Shard ``model`` if the config asks and it is not yet; the layout, or None without tensor parallelism.
 
     ``pipeline_grid``: the model is a pipeline stage (3D); its (pp, dp, tp) device mesh decides the groups.
+    ``mesh``: the (dp, tp) mesh over the groups of the caller's ``mpu`` (runtime/mpu.py), its sizes checked
+    against the config already; without it the groups are built here, tensor parallel ranks consecutive.
     """
     if pipeline_grid is not None:
         return _setup_pipeline_stage(model, tp_cfg, pipeline_grid)
@@ -50,7 +53,7 @@ def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int
     if info is None and not tp_cfg.enabled:
         return None
     if info is None:
-        mesh = build_mesh(tp_cfg.size)
+        mesh = mesh if mesh is not None else build_mesh(tp_cfg.size)
         apply_tp(model, mesh, vocab_parallel_head=tp_cfg.vocab_parallel_lm_head,
                  sequence_parallel=tp_cfg.sequence_parallel)
         info = tp_info(model)
@@ -64,6 +67,15 @@ def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int
                                                                "make them agree")
     check_adapters_sharded(model)
     layout = info.layout
+    if mesh is not None and layout is not mesh:  # sharded before initialize(): its groups must be the mpu's
+        have = dist.get_process_group_ranks(info.mesh.get_group())
+        want = dist.get_process_group_ranks(mesh.tp_group)
+        if have != want:
+            raise ValueError(f"hf_zero.initialize(mpu=...): the model was sharded (tp_model_init / apply_tp) over "
+                             f"the tensor-parallel ranks {have}, the mpu's group of this rank is {want}; shard it "
+                             "over the mpu's groups (apply_tp(model, mesh_from_groups(dp_group, tp_group))) or "
+                             "leave it to tensor_parallel.autotp_size")
+        layout = mesh
     if layout is None:
         if info.size != world_size:
             raise ValueError("hf_zero: the model was sharded with apply_tp over a 1-D mesh smaller than the world; "

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hf_zero.comm.device import accelerator_type
 
-__all__ = ["TPMesh", "build_mesh"]
+__all__ = ["TPMesh", "build_mesh", "mesh_from_groups"]
 
 
 @dataclass(frozen=True)
@@ -76,4 +77,31 @@ def build_mesh(tp_size: int, *, device_type: str | None = None, key: str = "tens
     if device_type is None:
         device_type = accelerator_type()
     mesh = init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    return TPMesh(mesh)
+
+
+def mesh_from_groups(dp_group, tp_group, *, device_type: str | None = None, source: str = "mpu") -> TPMesh:
+    """The ``(dp, tp)`` mesh over process groups the caller built (DeepSpeed's ``mpu``), reusing those groups.
+
+    Collective: every rank contributes its two groups' ranks. The TP groups become the mesh's rows; each rank's
+    data-parallel group must then be its column, in order (rank i of the dp group holds the i-th row), or the
+    groups do not form a grid and are refused, naming a rank whose groups disagree (``source`` says whose).
+    """
+    if device_type is None:
+        device_type = accelerator_type()
+    mine = (dist.get_process_group_ranks(tp_group), dist.get_process_group_ranks(dp_group))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    rows = sorted({tuple(tp) for tp, _ in every})
+    if len({len(r) for r in rows}) != 1 or sorted(r for row in rows for r in row) != list(range(len(every))):
+        raise ValueError(f"hf_zero: the {source}'s tensor-parallel groups {[list(r) for r in rows]} do not split the "
+                         f"{len(every)} ranks into groups of one size")
+    for rank, (tp, dp) in enumerate(every):
+        column = [row[tp.index(rank)] for row in rows]
+        if list(dp) != column:
+            raise ValueError(f"hf_zero: the {source}'s groups do not form a (data, tensor) grid: rank {rank} has "
+                             f"tensor-parallel group {list(tp)} and data-parallel group {list(dp)}, where the grid "
+                             f"of its tensor-parallel groups {[list(r) for r in rows]} gives {column}")
+    mesh = DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=torch.tensor(rows),
+                                 mesh_dim_names=("dp", "tp"))
     return TPMesh(mesh)
