@@ -205,13 +205,13 @@ def _same_tag_crash(save_dir):
 
 def test_crash_between_same_tag_renames_leaves_a_loadable_latest_and_stale_tmp_is_cleaned(tmp_path):
     [(listing, path, client, first, loaded, after)] = run_distributed(_same_tag_crash, 1, args=(str(tmp_path),))
-    assert listing == [".old-global_step2", ".tmp-global_step2", "latest"]
+    assert listing == [".old-global_step2", ".tmp-global_step2", "latest", "zero_to_fp32.py"]
     assert path.endswith(".old-global_step2") and client == {"epoch": 1}
     _assert_same((None, first[1], first[2]), (None, loaded[1], loaded[2]))
     for k in first[0]:
         assert torch.equal(first[0][k], loaded[0][k]), k
     # the .old- copy stays while it is the only complete global_step2; the killed save's .tmp- went
-    assert after == [".old-global_step2", "after", "latest"]
+    assert after == [".old-global_step2", "after", "latest", "zero_to_fp32.py"]
 
 
 def _cross_stage(save_dir):
@@ -273,7 +273,7 @@ def test_tag_validation_fail_refuses_warn_and_ignore_save_under_rank_0s_tag(tmp_
         assert "checkpoint.tag_validation" in error and "nothing was written" in error
         assert listing == [] and latest is None and warned == []
         error, listing, latest, warned = out["warn"]
-        assert error is None and listing == ["latest", "t0"] and latest == "t0"
+        assert error is None and listing == ["latest", "t0", "zero_to_fp32.py"] and latest == "t0"
         assert len(warned) == 1 and "saving under rank 0's tag 't0'" in warned[0], warned
         error, listing, latest, warned = out["ignore"]
-        assert error is None and listing == ["latest", "t0"] and latest == "t0" and warned == []
+        assert error is None and listing == ["latest", "t0", "zero_to_fp32.py"] and latest == "t0" and warned == []

@@ -111,7 +111,8 @@ def test_each_node_writes_its_own_complete_copy_and_resumes_exactly(runs):
     assert [r["node_id"].rsplit("#", 1)[1] for r in results] == ["0", "0", "1", "1"]
     for node, shards in ((0, ["zero_rank00000", "zero_rank00001"]), (1, ["zero_rank00002", "zero_rank00003"])):
         root = base / f"node{node}" / "ckpt"
-        assert sorted(os.listdir(root)) == ["latest", "s0", "s3"]  # no .tmp-, no probe left behind
+        # no .tmp-, no probe left behind; each node's writer put the offline converter's script beside its tags
+        assert sorted(os.listdir(root)) == ["latest", "s0", "s3", "zero_to_fp32.py"]
         assert (root / "latest").read_text() == ("s3" if node == 0 else "s0")  # node 1's was rewritten by case 4
         # stage 3: the node's writer's shared files, every rank's own shards
         assert sorted(os.listdir(root / "s3")) == ["engine_state.pt", "manifest.json", "meta.json",

@@ -3,7 +3,9 @@
 Layout of ``save_dir``::
 
     latest                          the newest complete tag (replaced atomically)
-    <tag>/meta.json                 world size, stage, per group: parameter names and numels; scalar optimizer state
+    zero_to_fp32.py                 DeepSpeed's offline converter's command line, calling hf_zero's (zero_to_fp32.py)
+    <tag>/meta.json                 world size, stage, per group: parameter names and numels; scalar optimizer state;
+                                    the module's shapes, tied names, frozen parameters, buffers (checkpoint_module.py)
     <tag>/model.safetensors         rank 0: the model's state dict (stages 0-2; whole parameters on every rank)
     <tag>/zero_rank00003.safetensors  rank 3: fp32 master shard and optimizer-state shards of every group, RNG state
     <tag>/engine_state.pt           rank 0: counters, loss scaler, LR scheduler, client_state (loaded weights_only)
@@ -34,6 +36,7 @@ from hf_zero import comm
 from hf_zero.runtime.checkpoint_commit import agree, check_tag, commit_tag
 from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
                                               read_manifest, resolve_checkpoint, torch_load, verify_files)
+from hf_zero.runtime.checkpoint_module import describe_module, persistent_buffers, write_recovery_script
 from hf_zero.runtime.checkpoint_nodes import agree_on_tag, describe_ranks, place
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.layout import ShardLayout
@@ -70,10 +73,14 @@ def _dedupe_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
 
 
 def _write_rank_files(engine, tmp: Path, exclude_frozen: bool, client_state: dict, is_writer: bool,
-                      write_model: bool = True, module_state: dict | None = None) -> dict[str, dict[str, Any]]:
-    """Write this rank's files into ``tmp``, fsynced; returns their manifest entries (size, sha256)."""
+                      write_model: bool = True, module_state: dict | None = None,
+                      recovery_script: bool = False) -> dict[str, dict[str, Any]]:
+    """Write this rank's files into ``tmp``, fsynced; returns their manifest entries (size, sha256). The writer
+    with ``recovery_script`` also replaces ``zero_to_fp32.py`` beside the tags (not in the tag: no manifest entry)."""
     names = _write_rank_files_unsynced(engine, tmp, exclude_frozen, client_state, is_writer, write_model,
                                        module_state)
+    if is_writer and recovery_script:
+        write_recovery_script(tmp.parent)
     return {name: file_entry(tmp / name) for name in names}
 
 
@@ -117,7 +124,8 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
         save_file(sd, str(tmp / "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
         written.append("model.safetensors")
     meta = {"format_version": FORMAT_VERSION, "world_size": engine.world_size, "stage": engine.stage,
-            **{k: v for k, v in scalars.items() if k != "skipped_steps"}, "global_steps": engine.global_steps}
+            **{k: v for k, v in scalars.items() if k != "skipped_steps"}, "global_steps": engine.global_steps,
+            "module": describe_module(engine.module)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     torch.save({
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
@@ -132,13 +140,17 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
 
 def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_latest: bool,
                     exclude_frozen_parameters: bool, write_model: bool = True,
-                    module_state: dict | None = None) -> bool:
+                    module_state: dict | None = None, recovery_script: bool = True) -> bool:
     """Write a checkpoint on every rank (collective). Raises, leaving the previous checkpoint intact, on failure
     (:class:`~hf_zero.runtime.checkpoint_commit.SaveError` on every rank, naming the rank that failed).
 
     Each directory (the shared one, or with ``checkpoint.use_node_local_storage`` each node's own: see
     checkpoint_nodes.py) gets the files of the ranks that see it, and is finalized by its writer rank; ``latest``
-    moves only after every directory holds its complete, renamed tag (checkpoint_commit.py)."""
+    moves only after every directory holds its complete, renamed tag (checkpoint_commit.py).
+
+    ``recovery_script``: the writer also puts ``zero_to_fp32.py`` into the directory, as part of the save (its
+    failure fails the save on every rank); false for the parts of a composite checkpoint (pipeline, tensor
+    parallel), which the offline converter does not read."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     check_tag(tag)
     check_client_state(client_state)  # refused here, not at resume time after the weights were overwritten
@@ -152,7 +164,8 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_late
                me=describe_ranks([engine.global_rank], spot.nodes),
                agree=lambda mine, w: _agree(engine, mine, w), barrier=lambda w: comm.barrier(group, what=w),
                write=lambda tmp: (_write_rank_files(engine, tmp, exclude_frozen_parameters, client_state,
-                                                    spot.is_writer, write_model, module_state), None),
+                                                    spot.is_writer, write_model, module_state,
+                                                    recovery_script=recovery_script), None),
                save_latest=save_latest, what=what, label=label)
     return True
 
@@ -322,7 +335,7 @@ def _validate(engine, root: Path, tag: str, strict: bool, read_model: bool = Tru
                         f"and dtype {sl.get_dtype()}; the saved layout needs [{saved_layout.shard_numel}] "
                         f"{' or '.join(sorted(ok))}")
     sd = None
-    buffers = [n for n, _ in _persistent_buffers(engine.module)]
+    buffers = [n for n, _ in persistent_buffers(engine.module)]
     frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
     saved_stage = int(meta.get("stage", 0))
     if engine.stage3 is None and saved_stage < 3:
@@ -385,7 +398,8 @@ def _shard_files_read(engine, path: Path, meta: dict, manifest: dict | None) -> 
                           f"{why}; {fix}. Nothing was loaded.")
 
 
-def _read_model_file(model_file: Path, engine, strict: bool) -> dict[str, torch.Tensor]:
+def read_model_file(model_file: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model.safetensors as the module's state dict: tied names point at one tensor again."""
     try:
         sd = load_file(str(model_file), device="cpu")
         with safe_open(str(model_file), "pt") as f:
@@ -394,6 +408,11 @@ def _read_model_file(model_file: Path, engine, strict: bool) -> dict[str, torch.
         raise CheckpointError(f"hf_zero: checkpoint file {str(model_file)!r} cannot be read: {exc}") from exc
     for alias, src in aliases.items():
         sd[alias] = sd[src]
+    return sd
+
+
+def _read_model_file(model_file: Path, engine, strict: bool) -> dict[str, torch.Tensor]:
+    sd = read_model_file(model_file)
     current = engine.module.state_dict()
     missing = [k for k in current if k not in sd]
     unexpected = [k for k in sd if k not in current]
@@ -407,16 +426,10 @@ def _read_model_file(model_file: Path, engine, strict: bool) -> dict[str, torch.
     return sd
 
 
-def _persistent_buffers(module):
-    non_persistent = {f"{mn}.{b}" if mn else b for mn, m in module.named_modules()
-                      for b in getattr(m, "_non_persistent_buffers_set", ())}
-    return [(n, b) for n, b in module.named_buffers() if n not in non_persistent]
-
-
 def _restore_stage3_extras(engine, reader: _Reader) -> None:
     """Buffers and frozen parameters of a ZeRO-3 checkpoint into a stage 0-2 engine (whole parameters)."""
     with torch.no_grad():
-        for name, buf in _persistent_buffers(engine.module):
+        for name, buf in persistent_buffers(engine.module):
             buf.copy_(reader.whole(f"stage3.buffer.{name}"))
         for name, p in engine.module.named_parameters():
             if not p.requires_grad:

@@ -109,7 +109,8 @@ def save_pipeline_checkpoint(engine, save_dir, *, tag=None, client_state=None, s
         # every (stage, TP rank)'s replicas write their own ordinary checkpoint, side by side; with TP the module
         # is in the per-layer files only (a gathered copy per TP rank would be the same bytes TP times)
         save_checkpoint(engine, tmp / "pipe" / stage, tag=_ZERO_TAG, client_state=client_state or {},
-                        save_latest=False, exclude_frozen_parameters=False, write_model=tp == 1)
+                        save_latest=False, exclude_frozen_parameters=False, write_model=tp == 1,
+                        recovery_script=False)
         entries = {}
         if engine.global_rank == 0:  # the stage checkpoint's writer: its manifest covers its files
             name = f"pipe/{stage}/{_ZERO_TAG}/{MANIFEST}"

@@ -75,7 +75,7 @@ def save_tp_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_la
     def write(tmp: Path) -> tuple[dict, None]:
         save_checkpoint(engine, _rank_root(tmp, tp_rank), tag=_STATE, client_state=client_state or {},
                         save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters,
-                        module_state=module_state)
+                        module_state=module_state, recovery_script=False)
         name = f"{_rank_root(Path(), tp_rank).as_posix()}/{_STATE}/{MANIFEST}"
         # each part's writer: its manifest covers the part's files
         return ({name: file_entry(tmp / name)} if engine.global_rank == 0 else {}), None
