@@ -8,7 +8,10 @@
 # 2. the GPU tests (pytest -m gpu) and the op tests, which run their CUDA cases where a GPU is visible;
 # 3. every user path on one GPU: README's main job (Trainer + ZeRO-3), `accelerate launch` with the ZeRO-2 config,
 #    PEFT LoRA under ZeRO-3, the `deepspeed` command;
-# 4. benchmarks/bench_gpu.py (one round).
+#    QLoRA (bitsandbytes 4-bit base) under ZeRO-3 when a bitsandbytes wheel is carried in .gpu/whl (the GPU image
+#    has none and no network);
+# 4. benchmarks/bench_kernels.py (CUDA kernels against torch's), benchmarks/profile_gpu_step.py (host issue time,
+#    synchronisations and top operators of one step per runner) and benchmarks/bench_gpu.py (one round).
 # Each step has its own time limit and log under OUT_DIR; OUT_DIR/summary.txt has one line per step with its exit
 # status and seconds. A step that fails does not stop the others. Exit status: the number of failed steps.
 set -u
@@ -42,7 +45,7 @@ cat "$OUT/env.txt"
 
 step install 400 "$PY" -m pip install --no-build-isolation --no-deps --no-index -v -e .
 step doctor 60 "$PY" -m hf_zero doctor
-step gpu_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py \
+step gpu_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_two_ranks.py \
   tests/test_build.py::test_cuda_extension_loaded_on_gpu_machine
 step trainer_zero3 240 torchrun --nproc_per_node 1 examples/train_trainer.py \
   --deepspeed integrations/ds_config_zero3.json --output_dir "$WORK/trainer" --metrics_out "$OUT/trainer_metrics.json"
@@ -50,9 +53,22 @@ step accelerate_zero2 180 accelerate launch --config_file integrations/accelerat
   examples/accelerate_train.py --output_dir "$WORK/accelerate"
 step lora_zero3 180 torchrun --nproc_per_node 1 examples/lora_train.py \
   --deepspeed integrations/ds_config_zero3.json --output_dir "$WORK/lora"
+qlora() {  # bitsandbytes from a carried wheel, into a directory of its own (nothing in the image changes)
+  local whl
+  whl=$(ls .gpu/whl/bitsandbytes-*.whl 2>/dev/null | head -n 1)
+  [ -n "$whl" ] || { echo "no bitsandbytes wheel in .gpu/whl"; return 1; }
+  "$PY" -m pip install -q --no-index --no-deps --target "$WORK/bnb" "$whl" || return 1
+  PYTHONPATH="$WORK/bnb${PYTHONPATH:+:$PYTHONPATH}" torchrun --nproc_per_node 1 examples/lora_train.py \
+    --deepspeed integrations/ds_config_zero3.json --load_in_4bit --output_dir "$WORK/qlora"
+}
+export PY WORK
+export -f qlora
+step qlora_zero3 180 bash -c qlora
 step deepspeed_command 180 deepspeed --num_gpus 1 examples/finetune_native.py --stage 2 --steps 20 --output "$WORK/native"
 step ops_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_adam.py tests/test_ops_norm.py \
   tests/test_ops_basic.py tests/test_ops_reduce.py tests/test_ops_transformer.py
+step kernels 180 "$PY" benchmarks/bench_kernels.py --rows 16384 --hidden 4096 --adam-mparams 160 --repeat 20
+step profile 300 "$PY" benchmarks/profile_gpu_step.py "$OUT/profile" --only torch,fsdp2,z0,z3,z2_offload
 step bench 300 "$PY" benchmarks/bench_gpu.py --rounds 1 --json "$OUT/bench.jsonl"
 rm -rf "$WORK"
 echo "failed steps: $failed" | tee -a "$OUT/summary.txt"

@@ -65,21 +65,32 @@ def _build(layers: int):
     return LlamaForCausalLM(llama_config(layers))
 
 
-def torch_run(steps: int = 12, layers: int = 8) -> Run:
-    """The reference: fp32 weights on the GPU, forward under autocast(bf16), torch's fused AdamW."""
+def torch_run(steps: int = 12, layers: int = 8, probe=None) -> Run:
+    """The reference: fp32 weights on the GPU, forward under autocast(bf16), torch's fused AdamW. ``probe(name,
+    step)``: called once, before the second-to-last step, with a function running one extra training step (the
+    profiler of benchmarks/profile_gpu_step.py)."""
     _fresh()
     model = _build(layers).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     data = batches()
     run = Run("torch", numel=sum(p.numel() for p in model.parameters()))
     for i in range(steps):
+        x = data[i % len(data)]
+        if probe is not None and i == steps - 2:
+            def step():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                opt.step()
+                opt.zero_grad()
+            probe("torch", step)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         if i == 2:  # states exist from here on: the step's growth above its start is activations (+ grads)
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        x = data[i % len(data)]
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
@@ -98,6 +109,56 @@ def torch_run(steps: int = 12, layers: int = 8) -> Run:
     return run
 
 
+def fsdp2_run(steps: int = 12, layers: int = 8, probe=None) -> Run:
+    """torch's FSDP2 on one GPU, the way torchtitan applies it: ``fully_shard`` on every decoder layer, then on the
+    root; bf16 parameters for compute, fp32 gradient reduction; fused AdamW and clipping on the sharded fp32 DTensors.
+    A world of one (FSDP2 needs a process group: NCCL with this process alone, unless one exists)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29611")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    _fresh()
+    model = _build(layers).cuda()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    data = batches()
+    run = Run("fsdp2", numel=sum(p.numel() for p in model.parameters()))
+
+    def step(x):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for i in range(steps):
+        x = data[i % len(data)]
+        if probe is not None and i == steps - 2:
+            probe("fsdp2", lambda: step(x))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step(x)
+        torch.cuda.synchronize()
+        run.step_s.append(time.perf_counter() - t0)
+        run.losses.append(loss.item())
+    run.max_alloc = torch.cuda.max_memory_allocated()
+    del model, opt
+    if created:  # the runners after this one start as they would alone (hf_zero creates its own group)
+        dist.destroy_process_group()
+    _fresh()
+    return run
+
+
 def ds_config(stage: int, offload: bool = False, **zero) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
            "gradient_clipping": CLIP, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
@@ -107,9 +168,11 @@ def ds_config(stage: int, offload: bool = False, **zero) -> dict:
     return cfg
 
 
-def hf_zero_run(stage: int, offload: bool = False, steps: int = 12, layers: int = 8, inspect=None) -> Run:
+def hf_zero_run(stage: int, offload: bool = False, steps: int = 12, layers: int = 8, inspect=None,
+                probe=None) -> Run:
     """``hf_zero.initialize`` on a model built on the CPU (ZeRO-3: under zero.Init), then the DeepSpeed loop.
-    ``inspect(engine)`` runs after the last step, before the engine is dropped (placement checks)."""
+    ``inspect(engine)`` runs after the last step, before the engine is dropped (placement checks); ``probe``: as
+    for :func:`torch_run`."""
     import hf_zero
 
     _fresh()
@@ -133,9 +196,14 @@ def hf_zero_run(stage: int, offload: bool = False, steps: int = 12, layers: int 
     run = Run(mode, numel=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()))
     run.info["grad_bytes"] = torch.finfo(engine.groups[0].grad.dtype).bits // 8
     for i in range(steps):
+        x = data[i % len(data)]
+        if probe is not None and i == steps - 2:
+            def step():
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                engine.step()
+            probe(mode, step)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        x = data[i % len(data)]
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()

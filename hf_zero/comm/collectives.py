@@ -93,6 +93,9 @@ def reduce_scatter_packed(out: torch.Tensor, packed: torch.Tensor, group=None, a
     if _by_rows(packed, group):
         return _issue("reduce_scatter", _row_reduces, packed, what, group, async_op, out, packed,
                       defer_check=defer_check)
+    if _gloo_on_gpu(packed, group):
+        return _issue("reduce_scatter", _host_reduce_scatter, packed, what, group, async_op, out, packed,
+                      defer_check=defer_check)
     return _issue("reduce_scatter", _reduce_scatter, packed, what, group, async_op, out, packed.view(-1),
                   op=dist.ReduceOp.SUM, defer_check=defer_check)
 
@@ -112,6 +115,9 @@ def all_gather_packed(packed: torch.Tensor, shard: torch.Tensor, group=None, asy
                       force_check=force_check, defer_check=defer_check)
     if _by_rows(packed, group):
         return _issue("all_gather", _row_broadcasts, packed, what, group, async_op, packed, shard,
+                      force_check=force_check, defer_check=defer_check)
+    if _gloo_on_gpu(packed, group):
+        return _issue("all_gather", _host_all_gather, packed, what, group, async_op, packed, shard,
                       force_check=force_check, defer_check=defer_check)
     return _issue("all_gather", _all_gather, packed, what, group, async_op, packed.view(-1), shard,
                   force_check=force_check, defer_check=defer_check)
@@ -173,6 +179,30 @@ def _row_reduces(out: torch.Tensor, packed: torch.Tensor, group=None, async_op: 
              for r in range(packed.shape[0])]
     row = packed[rank]
     return _RowWorks(works, None if out.data_ptr() == row.data_ptr() else (lambda: out.copy_(row)))
+
+
+# ---- gloo with CUDA tensors: through host memory -----------------------------------------------------------------
+#
+# A script may put several ranks on one GPU over gloo (NCCL refuses two ranks on one device): gloo has no reduce
+# for CUDA tensors, so both bulk collectives copy the packed buffer to the host, run the row collectives above
+# there, and copy the result back when waited on. A test and debugging set-up, not a fast path.
+
+
+def _gloo_on_gpu(packed: torch.Tensor, group) -> bool:
+    return packed.device.type == "cuda" and "gloo" in str(dist.get_backend(group))
+
+
+def _host_all_gather(packed: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = True) -> _RowWorks:
+    host = packed.cpu()
+    rank = dist.get_rank(group)
+    host[rank].copy_(shard)
+    return _RowWorks(_row_broadcasts(host, host[rank], group).works, then=lambda: packed.copy_(host))
+
+
+def _host_reduce_scatter(out: torch.Tensor, packed: torch.Tensor, group=None, async_op: bool = True) -> _RowWorks:
+    host = packed.cpu()
+    row = host[dist.get_rank(group)]
+    return _RowWorks(_row_reduces(row, host, group).works, then=lambda: out.copy_(row))
 
 
 def _global(group, r: int) -> int:

@@ -6,11 +6,14 @@
 
 At every logging step it adds two figures to the Trainer's logs (``trainer.state.log_history`` and every callback
 after it; with :meth:`attach` it runs before them, so ``report_to`` integrations see them too), so the line a user
-reads stays at six figures beside the Trainer's loss, grad_norm, learning_rate and epoch:
+reads stays at six figures beside the Trainer's loss, grad_norm, learning_rate and epoch -- three on a GPU whose
+peak is known:
 
 - ``zero/tokens_per_s``: tokens (from the attention mask) trained per second since the previous log, all ranks;
 - ``zero/peak_mem_gb``: the largest peak memory of any rank so far, GiB (CUDA: ``max_memory_allocated``; CPU:
-  peak RSS).
+  peak RSS);
+- ``zero/mfu``, only where the device's dense peak FLOP/s is known (a GPU, see below): the model FLOPs per second
+  per rank as a share of that peak, the figure a GPU user compares runs by. A CPU has no such figure.
 
 ``HfZeroCallback(detail=True)`` (or ``HF_ZERO_LOG_DETAIL=1``) adds the full detail, for diagnosing a run:
 
@@ -202,9 +205,10 @@ class HfZeroCallback(TrainerCallback):
             gathered = [mine]
         peaks = [float(figures[0]) for figures in gathered]
         throughput = self._throughput(args, self._engine(kwargs), gathered) if self._meter is not None else {}
-        if not self.detail:  # the two figures of the default line (module docstring)
-            if "zero/tokens_per_s" in throughput:
-                stats["zero/tokens_per_s"] = throughput["zero/tokens_per_s"]
+        if not self.detail:  # the figures of the default line (module docstring)
+            for key in ("zero/tokens_per_s", "zero/mfu"):
+                if key in throughput:
+                    stats[key] = throughput[key]
             stats["zero/peak_mem_gb"] = round(max(peaks) / 1024, 3)
             self._pending = stats
             return

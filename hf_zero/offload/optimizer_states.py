@@ -36,6 +36,7 @@ import torch
 from hf_zero.config.policies import AioParams, NVMeOffloadPolicy, ZeroPolicy
 from hf_zero.offload.params import check_optimizer_offload
 from hf_zero.offload.swapper import SwapDir, wait_all
+from hf_zero.offload.transfers import HostStaging
 from hf_zero.ops.adam import AdamHyper, adam_step_, adam_step_reference
 from hf_zero.profiling.timers import NO_TIMERS
 
@@ -155,6 +156,10 @@ class OptimizerOffload:
         max_tile = max((t.hi - t.lo for t in self.tiles), default=0)
         self._tile_bufs = ([{s: _host_empty(max_tile, pin_memory) for s in STATE_NAMES} for _ in range(2)]
                            if device == "nvme" else [])
+        # CPU offload of a GPU run: gradients down and 16-bit weights up on side streams, overlapping the CPU Adam
+        # (transfers.py); a CPU run's gradients are on the host already
+        self._staging = (HostStaging(self.groups, self.keep, pin_memory)
+                         if device == "cpu" and self.tiles and HostStaging.wanted(self.groups) else None)
 
     # ---- the step ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -166,6 +171,9 @@ class OptimizerOffload:
             if k:
                 r = self._resident[gi]
                 wait_all(self._adam(g, hyper[gi], divisor, 0, k, r["master"], r["exp_avg"], r["exp_avg_sq"]))
+        if self._staging is not None:
+            self._staged_step(hyper, divisor)
+            return
         if self.device == "cpu":
             writes = []  # 16-bit weights on their way to swapped ZeRO-3 shards (offload_param nvme)
             for t in self.tiles:
@@ -177,6 +185,27 @@ class OptimizerOffload:
                 wait_all(writes)
             return
         self._nvme_step(hyper, divisor)
+
+    def _staged_step(self, hyper: Sequence[AdamHyper], divisor: float) -> None:
+        """The CPU tier of a GPU run, copies overlapped with the CPU Adam (see transfers.py)."""
+        st = self._staging
+        events = st.download(self.tiles)
+        writes = []
+        for t, ready in zip(self.tiles, events):
+            g, h, base = self.groups[t.group], self._host[t.group], self.keep[t.group]
+            sl = slice(t.lo - base, t.hi - base)
+            with self.timers.phase("offload_io"):
+                ready.synchronize()
+            out16 = st.out16(t)
+            self._update(h["master"][sl], st.grad(t), h["exp_avg"][sl], h["exp_avg_sq"][sl], **hyper[t.group].kwargs(),
+                         grad_scale=divisor, out16=out16)
+            if out16 is not None:
+                st.upload(t)
+            else:  # fp32 weights (or a swapped ZeRO-3 shard): written from the master as before
+                writes += g.write_param16(t.lo, t.hi, h["master"][sl])
+        st.finish()
+        with self.timers.phase("offload_io"):
+            wait_all(writes)
 
     def _nvme_step(self, hyper: Sequence[AdamHyper], divisor: float) -> None:
         tiles = self.tiles
@@ -262,7 +291,13 @@ class OptimizerOffload:
         tensors += [t for b in self._tile_bufs for t in b.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def staging_nbytes(self) -> int:
+        """Page-locked host bytes for the GPU transfers (gradient and 16-bit weight copies); 0 on a CPU run."""
+        return self._staging.host_nbytes() if self._staging is not None else 0
+
     def close(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
         if self.swap is not None:
             self.swap.close()
 

@@ -216,9 +216,14 @@ class GroupGradReducer:
 
     def _reduce_late_gradients(self) -> None:
         late = [(b, i) for b in self.buckets for i in range(b.start, b.stop) if b.group.params[i].grad is not None]
-        flag = torch.tensor([float(len(late))], device=bookkeeping_device(self.process_group))
-        all_reduce_(flag, group=self.process_group)
-        if flag.item() == 0:
+        if self.data_parallel_size > 1:
+            # every rank must know whether any rank has one (the extra bucket pass is collective)
+            flag = torch.tensor([float(len(late))], device=bookkeeping_device(self.process_group))
+            all_reduce_(flag, group=self.process_group)
+            any_late = flag.item() != 0  # (a host sync on a plain NCCL group; the CPU beside hf_zero's own)
+        else:
+            any_late = bool(late)  # alone: no collective, and no sync with a GPU
+        if not any_late:
             return
         # every rank reduces every bucket once more; only gradients that arrived late are non-zero
         self._reducing = True
