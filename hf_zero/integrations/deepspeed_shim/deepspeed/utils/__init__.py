@@ -1,5 +1,5 @@
 """``deepspeed.utils``: logger, set_z3_leaf_modules, is_initialized, RepeatingLoader, the safe_get_*/safe_set_* accessors of
-sharded parameters and the ``groups`` module."""
+sharded parameters, the ``groups`` module and ``zero_to_fp32`` (offline consolidation of a checkpoint)."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
@@ -18,4 +18,4 @@ _forward(__name__, {
         "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
         "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
         "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state")},
-}, submodules=["groups"])
+}, submodules=["groups", "zero_to_fp32"])
