@@ -11,8 +11,8 @@ August 2026; not run here, no DeepSpeed install): it reads its own layout (``mp_
 buffer cast to float (the int64 ``num_batches_tracked`` too: hf_zero keeps it int64), tied names sharing one tensor;
 ``tag=None`` without ``latest`` is a ValueError, a missing tag directory a FileNotFoundError (the same types here);
 ``convert_zero_checkpoint_to_fp32_state_dict(dir, out, max_shard_size, safe_serialization)`` writes
-``pytorch_model.bin`` / ``model.safetensors`` shards with transformers' index file, as here. Stage 0 checkpoints have
-no fp32 optimizer files there (nothing to convert); here stage 0 converts like the others.
+``pytorch_model.bin`` / ``model.safetensors`` shards with transformers' index file, as here. A stage-0 fp32 DeepSpeed
+run writes no ZeRO optimizer files, so its converter has nothing to read; here stage 0 converts like the others.
 """
 
 from __future__ import annotations
