@@ -87,3 +87,19 @@ def test_failures_name_the_file(tmp_path):
     assert h.wait() == 0  # the failed op was consumed; the handle keeps working
     with pytest.raises(ValueError, match="queue_depth"):
         _handle(queue_depth=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU"))])
+def test_buffers_the_op_cannot_use_directly_go_through_host_memory(device, tmp_path):
+    """A GPU tensor or a non-contiguous view: staged through a contiguous host copy (DeepSpeed's bounce buffer),
+    the file holding the tensor's elements in logical order."""
+    h = _handle(block_size=512)
+    path = str(tmp_path / "staged.bin")
+    x = torch.randn(64, 33, device=device).t()  # (33, 64), not contiguous
+    assert not x.is_contiguous() and h.sync_pwrite(x, path) == 1
+    flat = torch.empty(33 * 64)
+    h.sync_pread(flat, path)
+    assert torch.equal(flat.view(33, 64), x.cpu())
+    y = torch.zeros(64, 33, device=device).t()
+    assert h.sync_pread(y, path) == 1 and torch.equal(y, x)

@@ -44,12 +44,14 @@ FROZEN = ("frozen.weight", "frozen.bias")
 
 
 class Tiny(nn.Module):
-    def __init__(self):
+    def __init__(self, batch_norm: bool = True):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.body = nn.Linear(DIM, DIM)
         self.frozen = nn.Linear(DIM, DIM).requires_grad_(False)
-        self.norm = nn.BatchNorm1d(DIM)  # buffers: running_mean/var (fp32), num_batches_tracked (int64)
+        # buffers: running_mean/var (fp32), num_batches_tracked (int64). Not under bf16: hf_zero casts parameters,
+        # not buffers, to bf16 (DeepSpeed's module.bfloat16() casts both), and CPU batch_norm refuses the mix
+        self.norm = nn.BatchNorm1d(DIM) if batch_norm else nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied: one tensor, two names
 
@@ -58,18 +60,19 @@ class Tiny(nn.Module):
         return self.head(self.norm(torch.tanh(self.body(h)) + self.frozen(h)))  # (B, VOCAB)
 
 
-def _config(stage: int) -> dict:
+def _config(stage: int, bf16: bool = False) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 50, "allgather_bucket_size": 50}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 10  # the biases stay whole, the rest is partitioned
     return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}, "zero_optimization": zero}
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}, "zero_optimization": zero,
+            "bf16": {"enabled": bf16}}
 
 
-def _train_and_save(stage: int, save_dir: str):
+def _train_and_save(stage: int, save_dir: str, bf16: bool = False):
     rank = dist.get_rank()
     torch.manual_seed(0)
-    engine, *_ = hf_zero.initialize(model=Tiny(), config=_config(stage))
+    engine, *_ = hf_zero.initialize(model=Tiny(batch_norm=not bf16), config=_config(stage, bf16))
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
         ids = torch.randint(0, VOCAB, (BATCH,), generator=g)
@@ -157,6 +160,18 @@ def test_convert_shards_with_an_index(saved, tmp_path):
     # DeepSpeed < 0.15's output_file: one file
     z2f.convert_zero_checkpoint_to_fp32_state_dict(save_dir, tmp_path / "one.bin", tag="global_step3")
     _assert_matches(torch.load(tmp_path / "one.bin", weights_only=True), full, masters)
+
+
+def test_bf16_training_gives_the_fp32_masters_not_the_bf16_weights(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    masters, full = run_distributed(_train_and_save, 2, args=(3, str(save_dir), True))[0]
+    sd = z2f.get_fp32_state_dict_from_zero_checkpoint(save_dir)
+    for name, flat in masters.items():
+        assert sd[name].dtype == torch.float32 and torch.equal(sd[name].reshape(-1), flat), name
+        assert torch.equal(sd[name].bfloat16(), full[name]), name  # the engine's bf16 weights: the masters rounded
+    assert any(not torch.equal(sd[n].reshape(-1), full[n].float().reshape(-1)) for n in masters)
+    # frozen parameters as saved (bf16), as DeepSpeed's converter returns its 16-bit frozen fragments
+    assert sd["frozen.weight"].dtype == torch.bfloat16 and torch.equal(sd["frozen.weight"], full["frozen.weight"])
 
 
 def test_errors_name_the_file_and_tag(saved, tmp_path):
