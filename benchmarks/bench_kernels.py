@@ -1,6 +1,21 @@
-"""hf_zero's compiled CPU kernels side by side with their peers, in one run (ratios, not absolute times).
+"""hf_zero's compiled kernels side by side with their peers, in one run (ratios, not absolute times).
 
-    python benchmarks/bench_kernels.py [--threads 2] [--adam-mparams 8] [--repeat 9]
+    python benchmarks/bench_kernels.py [--device cpu|cuda] [--threads 2] [--adam-mparams 8] [--repeat 9]
+
+--device defaults to cuda when a GPU and hf_zero._C_cuda are there, else cpu.
+
+On CUDA (times from CUDA events, median of --cuda-repeat calls after warm-up; before each timed call the stream
+sleeps ~0.5 ms so that the host has queued the call before the GPU reaches it: the times are the GPU's, without
+the host's launch overhead, which a training step hides behind earlier work; "synced" repeats the measurement
+with a synchronize around each call, host overhead included):
+  - fused Adam (FusedAdam: one multi-tensor launch) on --cuda-adam-mparams M fp32 params in --cuda-adam-tensors
+    tensors against torch AdamW(fused=True), and its achieved bandwidth (read p, g, m, v; write p, m, v) against a
+    device-to-device copy moving the same number of bytes (dst.copy_(src)), measured in the same run (target: 0.8x);
+  - LayerNorm, RMSNorm and the residual-add variants on --cuda-rows x --cuda-hidden in bf16 and fp32, forward and
+    forward+backward, against torch's native ops: F.layer_norm, F.rms_norm, and x + r followed by them (target:
+    hf_zero <= 1.0x torch's time, issue #24).
+
+On the CPU:
 
 Adam (fp32 master params, flat partition of N parameters):
   - hf_zero adam_step_ vs DeepSpeedCPUAdam (run in /opt/dsvenv or $HF_ZERO_DS_PYTHON through a subprocess with the
@@ -31,7 +46,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_zero.ops import adam_step_, add_layer_norm, add_rms_norm, layer_norm, native_available, rms_norm  # noqa: E402
+from hf_zero.ops import (  # noqa: E402
+    FusedAdam,
+    adam_step_,
+    add_layer_norm,
+    add_rms_norm,
+    extension_status,
+    layer_norm,
+    native_available,
+    rms_norm,
+)
 from hf_zero.ops.norm import rms_norm_reference  # noqa: E402
 
 ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True, bias_correction=True)
@@ -217,15 +241,143 @@ def bench_norms(rows: int, hidden: int, repeat: int) -> None:
                       f"  ratio {times['torch'] / times['hf_zero']:.2f}x{target}")
 
 
+def cuda_times_ms(fns: dict[str, callable], repeat: int, synced: bool = False) -> dict[str, float]:
+    """Median milliseconds per call of each fn on the current CUDA stream, the fns interleaved call by call.
+
+    Default: each timed call follows a device-side sleep (~0.5 ms at H100 clocks) with no host synchronisation, so
+    the host has enqueued the call before the GPU gets to it and the events bracket GPU work only. synced=True:
+    synchronize before each call, so the host's time to the first launch counts too."""
+    for fn in fns.values():  # warm-up: compile caches, allocator pools, occupancy queries
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    events: dict[str, list] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if synced:
+                torch.cuda.synchronize()
+            else:
+                torch.cuda._sleep(1_000_000)
+            start.record()
+            fn()
+            end.record()
+            events[name].append((start, end))
+            if synced:
+                torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return {k: statistics.median(a.elapsed_time(b) for a, b in v) for k, v in events.items()}
+
+
+def bench_adam_cuda(mparams: float, tensors: int, repeat: int, device: str = "cuda") -> None:
+    numel_each = int(mparams * 1e6 / tensors)
+    numel = numel_each * tensors
+    print(f"\n== CUDA Adam step, {numel / 1e6:.1f} M fp32 params in {tensors} tensors ==")
+
+    def make(seed):
+        torch.manual_seed(seed)
+        params = [torch.nn.Parameter(torch.randn(numel_each, device=device) * 0.02) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        return params
+
+    ours = FusedAdam(make(1), lr=1e-3, weight_decay=0.01)
+    theirs = torch.optim.AdamW(make(1), lr=1e-3, weight_decay=0.01, fused=True)
+    bytes_per_step = numel * 4 * 7  # read p, g, m, v; write p, m, v
+    # A copy moving as many bytes (half read, half written): the bandwidth the step can hope for on this GPU.
+    copy_src = torch.ones(bytes_per_step // 2 // 4, device=device)
+    copy_dst = torch.empty_like(copy_src)
+    copy_bytes = 2 * copy_src.numel() * 4
+    ms = cuda_times_ms({"hf_zero": ours.step, "torch fused": theirs.step,
+                        "copy": lambda: copy_dst.copy_(copy_src)}, repeat)
+    adam_bw = bytes_per_step / (ms["hf_zero"] * 1e-3)
+    copy_bw = copy_bytes / (ms["copy"] * 1e-3)
+    torch_bw = bytes_per_step / (ms["torch fused"] * 1e-3)
+    print(f"  hf_zero FusedAdam      {ms['hf_zero']:8.3f} ms  {adam_bw / 1e12:6.2f} TB/s")
+    print(f"  torch AdamW fused      {ms['torch fused']:8.3f} ms  {torch_bw / 1e12:6.2f} TB/s")
+    print(f"  copy_ ({copy_bytes / 1e9:.2f} GB moved)  {ms['copy']:8.3f} ms  {copy_bw / 1e12:6.2f} TB/s")
+    print(f"  hf_zero / copy bandwidth       {adam_bw / copy_bw:.2f}x  (target >= 0.8x)")
+    print(f"  torch fused time / hf_zero time {ms['torch fused'] / ms['hf_zero']:.2f}x")
+
+
+def bench_norms_cuda(rows: int, hidden: int, repeat: int, device: str = "cuda") -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        print(f"\n== CUDA norms, ({rows}, {hidden}) {str(dtype).replace('torch.', '')}: hf_zero vs torch native "
+              f"(ms; ratio = hf_zero / torch, target <= 1.0) ==")
+        torch.manual_seed(0)
+        x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
+        r = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
+        w = (torch.rand(hidden, device=device) + 0.5).to(dtype).requires_grad_()
+        b = torch.randn(hidden, device=device, dtype=dtype, requires_grad=True)
+        g = torch.randn(rows, hidden, device=device, dtype=dtype)
+        g_sum = torch.randn(rows, hidden, device=device, dtype=dtype)
+
+        def torch_add_ln():
+            s = x + r
+            return F.layer_norm(s, (hidden,), w, b, 1e-5), s
+
+        def torch_add_rms():
+            s = x + r
+            return F.rms_norm(s, (hidden,), w, 1e-6), s
+
+        # name: (hf_zero fn, torch fn, inputs); an fn returns one output or (out, x + r)
+        cases = {
+            "LayerNorm": (lambda: layer_norm(x, w, b, 1e-5), lambda: F.layer_norm(x, (hidden,), w, b, 1e-5),
+                          (x, w, b)),
+            "RMSNorm": (lambda: rms_norm(x, w, 1e-6), lambda: F.rms_norm(x, (hidden,), w, 1e-6), (x, w)),
+            "add + LayerNorm": (lambda: add_layer_norm(x, r, w, b, 1e-5), torch_add_ln, (x, r, w, b)),
+            "add + RMSNorm": (lambda: add_rms_norm(x, r, w, 1e-6), torch_add_rms, (x, r, w)),
+        }
+
+        def fwd_bwd(fn, inputs):
+            def run():
+                out = fn()
+                outs = list(out) if isinstance(out, tuple) else [out]
+                torch.autograd.grad(outs, inputs, [g, g_sum][:len(outs)])
+            return run
+
+        print(f"  {'op':<16} {'pass':<8} {'hf_zero':>8} {'torch':>8} {'ratio':>6}   {'synced: hf_zero':>15} "
+              f"{'torch':>8} {'ratio':>6}   max |diff| / max |torch|")
+        for name, (ours, theirs, inputs) in cases.items():
+            with torch.no_grad():
+                a, c = ours(), theirs()
+                a, c = (a[0], c[0]) if isinstance(a, tuple) else (a, c)
+                err = ((a.float() - c.float()).abs().max() / c.float().abs().max()).item()
+            for label, pair in (("fwd", (ours, theirs)), ("fwd+bwd", (fwd_bwd(ours, inputs), fwd_bwd(theirs, inputs)))):
+                ms = cuda_times_ms({"hf_zero": pair[0], "torch": pair[1]}, repeat)
+                synced = cuda_times_ms({"hf_zero": pair[0], "torch": pair[1]}, repeat, synced=True)
+                line = (f"  {name:<16} {label:<8} {ms['hf_zero']:8.3f} {ms['torch']:8.3f} "
+                        f"{ms['hf_zero'] / ms['torch']:6.2f}   {synced['hf_zero']:15.3f} {synced['torch']:8.3f} "
+                        f"{synced['hf_zero'] / synced['torch']:6.2f}")
+                print(line + (f"   {err:.1e}" if label == "fwd" else ""))
+        del x, r, w, b, g, g_sum
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--adam-mparams", type=float, default=8.0, help="Adam partition size in millions")
-    parser.add_argument("--rows", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=9)
+    cuda_ready = torch.cuda.is_available() and native_available("cuda")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if cuda_ready else "cpu")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads")
+    parser.add_argument("--adam-mparams", type=float, default=8.0, help="CPU Adam partition size in millions")
+    parser.add_argument("--rows", type=int, default=4096, help="CPU norm rows")
+    parser.add_argument("--hidden", type=int, default=1024, help="CPU norm hidden size")
+    parser.add_argument("--repeat", type=int, default=9, help="CPU timing repeats")
+    parser.add_argument("--cuda-adam-mparams", type=float, default=160.0, help="CUDA Adam params in millions")
+    parser.add_argument("--cuda-adam-tensors", type=int, default=120, help="CUDA Adam: how many tensors")
+    parser.add_argument("--cuda-rows", type=int, default=16384, help="CUDA norm rows")
+    parser.add_argument("--cuda-hidden", type=int, default=4096, help="CUDA norm hidden size")
+    parser.add_argument("--cuda-repeat", type=int, default=20, help="CUDA timing repeats (median)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        if not cuda_ready:
+            sys.exit("--device cuda: no CUDA GPU, or hf_zero._C_cuda is not loaded "
+                     f"({extension_status('cuda').reason}); build it first (pip install --no-build-isolation -e .)")
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+        bench_adam_cuda(args.cuda_adam_mparams, args.cuda_adam_tensors, args.cuda_repeat)
+        bench_norms_cuda(args.cuda_rows, args.cuda_hidden, args.cuda_repeat)
+        return
     if not native_available("cpu"):
         sys.exit("hf_zero._C is not loaded: build it first (pip install --no-build-isolation -e .)")
     print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs")
