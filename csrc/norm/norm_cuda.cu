@@ -35,6 +35,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cuda_utils.cuh"
@@ -521,14 +522,23 @@ std::vector<int64_t> stat_shape(const at::Tensor& x) {
   return sizes;
 }
 
+// Typed pointer of an optional operand (nullptr when undefined); inputs through const_data_ptr, which leaves a
+// copy-on-write tensor's storage shared.
 template <typename P>
 P* ptr(const at::Tensor& t) {
-  return t.defined() ? static_cast<P*>(t.data_ptr()) : nullptr;
+  if (!t.defined()) {
+    return nullptr;
+  }
+  if constexpr (std::is_const_v<P>) {
+    return static_cast<P*>(t.const_data_ptr());
+  } else {
+    return static_cast<P*>(t.mutable_data_ptr());
+  }
 }
 
 bool aligned16(std::initializer_list<const at::Tensor*> tensors) {
   for (const at::Tensor* t : tensors) {
-    if (t->defined() && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0) {
+    if (t->defined() && reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 != 0) {
       return false;
     }
   }
@@ -539,7 +549,7 @@ bool aligned16(std::initializer_list<const at::Tensor*> tensors) {
 // buffer at any element offset; copying D elements is cheaper than the fallback kernels).
 at::Tensor aligned_param(const at::Tensor& t) {
   at::Tensor c = t.contiguous();
-  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+  return reinterpret_cast<uintptr_t>(c.const_data_ptr()) % 16 == 0 ? c : c.clone();
 }
 
 int64_t ceil_div(int64_t a, int64_t b) {
