@@ -7,7 +7,8 @@ talk over gloo; gloo has no reduce for CUDA tensors, and hf_zero's bulk collecti
 stages on their own GPUs -- they need a machine with several GPUs.
 
 fp32 throughout (TF32 off), so the comparison is tight: the sum of two ranks' mean-gradients, halved, against the
-gradient of the mean of the two losses; 1e-5 relative on each loss, 1e-4 on the final parameters.
+gradient of the mean of the two losses; 1e-5 relative on each loss; the final parameters within 1e-5 except where
+Adam amplifies rounding (see the test).
 """
 
 from __future__ import annotations
@@ -107,7 +108,13 @@ def test_two_ranks_share_one_gpu(stage):
         for step in range(STEPS):
             assert out["losses"][step] == pytest.approx(ref_losses[step][rank], rel=1e-5), (rank, step)
         for name, ref in ref_params.items():
-            torch.testing.assert_close(out["params"][name], ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+            diff = (out["params"][name] - ref).abs()
+            # Adam normalises each element's step: an element whose gradient is ~0 (an embedding row seen once)
+            # moves by up to lr whatever that gradient's rounding, so summation order (one process vs two ranks)
+            # may show there (measured on the H100: 1 element of 65536, 7e-5). A partitioning bug moves whole
+            # shards. Hence: every element within lr / 2, and at most 0.1% beyond 1e-5.
+            assert diff.max() <= LR / 2, (name, diff.max().item())
+            assert (diff > 1e-5).float().mean() <= 1e-3, (name, (diff > 1e-5).sum().item())
     if stage == 3:  # partitioned in two: each rank holds half of every (unpadded) parameter
         full = {n: p.numel() for n, p in ref_params.items()}
         assert outs[0]["shard_numels"] == [-(-n // 2) for n in list(full.values())[:3]]

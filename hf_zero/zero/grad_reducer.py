@@ -94,7 +94,11 @@ class GroupGradReducer:
         for b in self.buckets:
             for i in range(b.start, b.stop):
                 self._where[b.group.params[i]] = (b, i)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
+        # Alone (a data-parallel world of one) there is nothing to overlap with backward: no per-parameter hook
+        # (each is a call into Python from autograd's thread), the gradients are taken in one batch by finish()
+        self.alone = self.data_parallel_size == 1 and self.world_size == 1
+        self._handles = ([] if self.alone else
+                         [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where])
         self._reducing = False
         self._next = 0  # index of the next bucket to launch
         self._in_flight: list[_InFlight] = []
@@ -142,6 +146,10 @@ class GroupGradReducer:
         """Called after backward: flush the buckets not yet launched, wait for all, catch late gradients."""
         if not self._reducing:
             return
+        if self.alone:
+            self._take_alone()
+            self._reducing = False
+            return
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         self._drain(0)
@@ -183,7 +191,8 @@ class GroupGradReducer:
             p = g.params[i]
             flats.append(local_grad(p).reshape(-1) if p.grad is not None else
                          torch.zeros(local_tensor(p).numel(), dtype=g.grad.dtype, device=g.grad.device))
-        g.layout.pack(flats, bucket.start, packed, scale=1.0 / self.data_parallel_size)
+        g.layout.pack(flats, bucket.start, packed,
+                      scale=1.0 / self.data_parallel_size if self.data_parallel_size > 1 else None)
         for i in range(bucket.start, bucket.stop):
             g.params[i].grad = None  # the full gradient is no longer needed: this is where stage 2 saves memory
         bucket.launched = True
@@ -213,6 +222,29 @@ class GroupGradReducer:
                 if self.mode is ReduceMode.REDUCE_SCATTER:
                     buffer_pool.give(item.out)  # (all-reduce: ``out`` is a row of ``packed``)
             buffer_pool.give(item.packed)
+
+    def _take_alone(self) -> None:
+        """A world of one: every parameter's ``.grad`` into its slot of the group's gradient shard, in one batch
+        per group (a copy into a shard nothing was reduced into yet this window, an add otherwise); ``.grad`` is
+        cleared, as the bucket path does."""
+        with torch.no_grad():
+            for g in self.groups:
+                dsts, srcs = [], []
+                for i, p in enumerate(g.params):
+                    lo, hi = g.layout.offsets[i], g.layout.offsets[i + 1]
+                    if p.grad is None:
+                        if id(g) in self._direct:  # the shard's previous values are not read: no gradient is 0
+                            g.grad[lo:hi].zero_()
+                        continue
+                    dsts.append(g.grad[lo:hi])
+                    srcs.append(local_grad(p).reshape(-1))
+                    p.grad = None
+                if not dsts:
+                    continue
+                if id(g) in self._direct:
+                    torch._foreach_copy_(dsts, srcs)
+                else:
+                    torch._foreach_add_(dsts, srcs)
 
     def _reduce_late_gradients(self) -> None:
         late = [(b, i) for b in self.buckets for i in range(b.start, b.stop) if b.group.params[i].grad is not None]

@@ -68,7 +68,8 @@ class Stage3Runtime:
                  max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
                  param_persistence_threshold: int = 100_000, overlap_comm: bool = False,
                  grad_scale: float | None = None,
-                 divergence_timeout_s: float = DEFAULT_DIVERGENCE_TIMEOUT_S, swapper=None) -> None:
+                 divergence_timeout_s: float = DEFAULT_DIVERGENCE_TIMEOUT_S, swapper=None,
+                 keep_whole_alone: bool = False) -> None:
         self.module = module
         self.group = group
         if not torch.cuda.is_available():  # CPU training: stage 3's mmap threshold (comm/host_memory.py)
@@ -93,6 +94,12 @@ class Stage3Runtime:
         # offload_param nvme (hf_zero.offload.ParamSwapper): every shard that is not persistent lives in a
         # swap file; the gathers read it from there, ahead of time when the trace says what comes next
         self.swapper = swapper
+        # ``keep_whole_alone`` (the engine's choice): in a world of one whose shards all sit in memory on the compute
+        # device, each shard *is* its whole parameter, so every parameter stays whole as a view of its shard (see
+        # Gatherer.gather): no gathers, no module hooks, gradients added in one batch at the end of backward.
+        # ZeRO-3 alone then costs what stage 0 costs, in time and memory. Set by _partition_all.
+        self.whole = False
+        self._keep_whole_alone = keep_whole_alone
         self._sps = self._partition_all()
         self.reducer = Stage3GradReducer(group=group, rank=self.rank, world_size=self.world_size,
                                    bucket_numel=reduce_bucket_size,
@@ -145,7 +152,10 @@ class Stage3Runtime:
             if sp.state is not ParamState.PARTITIONED:
                 raise RuntimeError(f"{sp.name} is {sp.state.name} when ZeRO-3 starts; leave every "
                                    f"GatheredParameters block before initializing the engine")
-        persistent = [sp for sp in sps if sp.numel <= self.persistence_threshold]
+        device = self.gatherer.device
+        self.whole = (self._keep_whole_alone and self.world_size == 1 and self.swapper is None and bool(sps)
+                      and all(sp.can_alias_shard(device or sp.storage.device) for sp in sps))
+        persistent = sps if self.whole else [sp for sp in sps if sp.numel <= self.persistence_threshold]
         for sp in persistent:
             sp.to_resident()  # zero.Init may have swapped it out; persistent parameters stay in memory
         for sp in sps:
@@ -192,6 +202,8 @@ class Stage3Runtime:
     def _install_hooks(self) -> None:
         # Registered after the root's group hooks: the iteration boundary runs before the root's own gather
         # (prepend) and after its release (append). These and the gradient hooks live as long as the runtime.
+        if self.whole:  # nothing is ever partitioned: no hook has anything to do
+            return
         self._sync_module_hooks()
         self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self._handles.append(self.module.register_forward_hook(self._root_post_forward))
@@ -254,14 +266,49 @@ class Stage3Runtime:
 
     def finish_backward(self) -> None:
         """After ``loss.backward()``: every reduced gradient is in its grad storage; nothing stays gathered."""
+        if self.whole:
+            self._accumulate_whole()
+            return
         self.states.end_backward()
         self.reducer.finish()
         self._reset_gathered()
         if self.swapper is not None:
             self.swapper.discard_read_ahead()  # the optimizer is about to write new values
 
+    def _accumulate_whole(self) -> None:
+        """Every parameter is whole (``self.whole``): the gradients autograd left in ``.grad`` go into the grad
+        storages in one batch -- a copy where the storage holds known zeros, an add otherwise -- and ``.grad`` is
+        cleared, as the per-parameter hooks do when parameters are partitioned."""
+        copies, adds = ([], []), ([], [])
+        for sp in self._sps:
+            grad = sp.param.grad
+            if grad is None:
+                continue
+            sp.param.grad = None
+            if sp.grad_storage is None:
+                sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=grad.device)
+            dst, src = copies if sp.grad_zeroed else adds
+            dst.append(sp.grad_storage)
+            src.append(grad.detach().reshape(-1))
+            sp.grad_zeroed = False
+            self.reducer.reduced_numel += sp.shard_numel
+        scale = self.reducer.grad_scale
+        with torch.no_grad():
+            if copies[0]:
+                torch._foreach_copy_(*copies)
+                if scale != 1.0:
+                    torch._foreach_mul_(copies[0], scale)
+            if adds[0]:
+                torch._foreach_add_(*adds, alpha=scale)
+
     def after_step(self) -> None:
         """After the optimizer updated the shards: gathered copies are stale; persistent params are re-gathered."""
+        if self.whole:  # the parameters are views of the shards the optimizer wrote
+            if not self._stepped:
+                self._stepped = True
+                for sp in self._sps:
+                    sp.drop_initial_fp32_shard()
+            return
         self._reset_gathered()
         persistent = [sp for sp in self._sps if sp.persistent]
         for sp in persistent:
