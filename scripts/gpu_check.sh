@@ -67,7 +67,7 @@ step qlora_zero3 180 bash -c qlora
 step deepspeed_command 180 deepspeed --num_gpus 1 examples/finetune_native.py --stage 2 --steps 20 --output "$WORK/native"
 step ops_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_adam.py tests/test_ops_norm.py \
   tests/test_ops_basic.py tests/test_ops_reduce.py tests/test_ops_transformer.py
-step kernels 180 "$PY" benchmarks/bench_kernels.py --rows 16384 --hidden 4096 --adam-mparams 160 --repeat 20
+step kernels 180 "$PY" benchmarks/bench_kernels.py --device cuda
 step profile 300 "$PY" benchmarks/profile_gpu_step.py "$OUT/profile" --only torch,fsdp2,z0,z3,z2_offload
 step bench 300 "$PY" benchmarks/bench_gpu.py --rounds 1 --json "$OUT/bench.jsonl"
 rm -rf "$WORK"
