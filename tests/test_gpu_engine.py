@@ -175,8 +175,12 @@ def test_zero3_fp16_loss_scaling_gathered_parameters_and_generate():
     losses = _steps(engine, 6)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert engine.skipped_steps >= 1 and engine.get_loss_scale() < 2.0 ** 32
+    from hf_zero.zero.stage3.param import sharded_param_of
+
     w = engine.module.model.embed_tokens.weight
-    assert w.numel() == 0  # partitioned
+    # alone on one GPU every parameter stays whole, as a view of its shard (Stage3Runtime.whole): no copy
+    assert engine.stage3.whole and w.shape == (gl.VOCAB, 1024)
+    assert w.data_ptr() == sharded_param_of(w).local_shard.data_ptr()
     with hf_zero.zero.GatheredParameters([w]):
         assert w.shape == (gl.VOCAB, 1024) and w.device.type == "cuda" and w.dtype == torch.float16
     engine.module.eval()
@@ -244,7 +248,9 @@ def _zero3_run(cfg: dict, steps: int = 4):
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     sps = [sharded_param_of(p) for p in engine.module.parameters()]
-    homes = sorted({("swapped" if sp.swapped else sp.storage.device.type) for sp in sps if not sp.persistent})
+    # where the shards live (alone on the GPU every parameter is whole and counts as persistent: all of them)
+    homes = sorted({("swapped" if sp.swapped else sp.storage.device.type) for sp in sps
+                    if engine.stage3.whole or not sp.persistent})
     pinned = all(g.param16.is_pinned() for g in engine.groups if g.param16 is not None and
                  g.param16.device.type == "cpu")
     assert engine.module.device.type == "cuda"  # what transformers moves inputs to

@@ -235,9 +235,15 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
     add = lambda name, nbytes, phase, note="": out.append(Component(name, "accelerator", int(nbytes), phase, note))  # noqa: E731
     add("activations + backward temporaries", profile.peak, "backward_start", "traced under FakeTensorMode")
     add("first parameter gradient", first_grad, "backward_start", "the last module's, before it is reduced")
-    if stage < 3:
-        # the gradient shard exists from the start of the window's first reducing backward (every micro-step at
-        # stage 2, the boundary at stages 0/1) to the step
+    if stage < 3 and world_size == 1:
+        # GroupGradReducer alone: no hooks, no buckets; after backward every param.grad goes into the shard,
+        # allocated then (activations freed by then), in one batch
+        for phase in ("gradient_reduction", "step"):
+            add("gradient shard", shard * g, phase, "allocated after backward, freed after the step")
+        add("full gradients (param.grad)", trainable * c, "gradient_reduction", "all of them, until taken")
+    elif stage < 3:
+        # the gradient shard exists from the window's first reducing bucket (early in backward: every micro-step
+        # at stage 2, the boundary at stages 0/1) to the step
         for phase in ("backward_start", "gradient_reduction", "step"):
             add("gradient shard", shard * g, phase, "allocated by the reducing backward, freed after the step")
         # one bucket while every bucket fits: the full gradients it packs are all still alive when it launches

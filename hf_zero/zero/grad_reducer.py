@@ -112,8 +112,10 @@ class GroupGradReducer:
         self._direct = set()
         if reducing:
             for g in self.groups:
-                g.ensure_grad()
-                if g.grad_fresh:  # every element of the shard is written by exactly one bucket of this pass
+                # every element of the shard is written by exactly one bucket of this pass. A shard not allocated
+                # yet is allocated by the first of them (_shard_of), not here: at the start of backward the
+                # activations are at their peak, and the shard (4 bytes per parameter in fp32) would add to it
+                if g.grad_fresh or not _allocated(g):
                     self._direct.add(id(g))
                     g.grad_fresh = False
         self._next = 0
@@ -180,6 +182,7 @@ class GroupGradReducer:
     # ---- internals --------------------------------------------------------------------------------------------
     def _launch(self, bucket: _Bucket) -> None:
         g = bucket.group
+        _shard_of(g)
         lo, hi = g.layout.span(bucket.start, bucket.stop)
         direct = id(g) in self._direct
         if direct and self.mode is ReduceMode.ALL_REDUCE:
@@ -229,6 +232,7 @@ class GroupGradReducer:
         cleared, as the bucket path does."""
         with torch.no_grad():
             for g in self.groups:
+                _shard_of(g)  # allocated now, after backward freed the activations
                 dsts, srcs = [], []
                 for i, p in enumerate(g.params):
                     lo, hi = g.layout.offsets[i], g.layout.offsets[i + 1]
@@ -266,3 +270,15 @@ class GroupGradReducer:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         self._drain(0)
+
+
+def _allocated(g: ShardedGroup) -> bool:
+    return g.grad.numel() == g.layout.shard_numel
+
+
+def _shard_of(g: ShardedGroup) -> None:
+    """The group's gradient shard, allocated on first use in a reducing pass. Whether this pass writes or adds into
+    it was decided by begin(); allocating it does not make it fresh again."""
+    if not _allocated(g):
+        g.ensure_grad()
+        g.grad_fresh = False
