@@ -3,14 +3,15 @@ AdamW, clipping 1.0), 12 steps per runner, median of steps 5-12, every runner re
 interleaved order (torch, FSDP2, z0, z1, z2, z3, z2+offload, torch, ...) so drift of the machine hits all alike.
 FSDP2 is torch's fully_shard on one GPU (tests/_gpu_llama.py: fsdp2_run), bf16 compute, fp32 reduction.
 
-    python benchmarks/bench_gpu.py [--rounds 2] [--json OUT.jsonl]
+    python benchmarks/bench_gpu.py [--rounds 2] [--json OUT.jsonl] [--deepspeed-path DIRS]
 
 Prints one table: step ms (median over rounds of each round's median), tokens/s, MFU (model FLOPs 6 * params *
 tokens + attention, against the H100 SXM's dense bf16 peak of 989 TFLOP/s), max allocated GiB beside what
 ``hf-zero estimate --accelerator cuda`` predicts for the same configuration, the ratio to the torch loop, and the
-final loss of the last round. DeepSpeed 0.19.8's figures on the same GPU (measured on
-2026-11-26, ../shared/gpu/README.md) are printed beside them for reference; they were not rerun here (DeepSpeed is
-not installed on the GPU image; see benchmarks/RESULTS.md).
+final loss of the last round. DeepSpeed's figures beside them: with ``--deepspeed-path DIRS`` (a real DeepSpeed,
+installed from carried wheels by scripts/gpu_check.sh's ds_install step) its ZeRO-0..3 and ZeRO-2 + CPU offload run
+in the same rounds, each in its own process (benchmarks/_ds_gpu_run.py); without it, DeepSpeed 0.19.8's figures
+measured earlier on the same GPU (../shared/gpu/README.md), marked *.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 
 import torch
@@ -54,25 +56,62 @@ def predicted_peak_gib(stage: int, offload: bool) -> float:
     return est.peak("accelerator") / 2**30
 
 
+_NUMEL: list[int] = []
+
+
+def gl_numel() -> int:
+    """The model's parameter count (for a runner that does not report it: DeepSpeed's process)."""
+    if not _NUMEL:
+        from transformers import LlamaForCausalLM
+
+        with torch.device("meta"):
+            _NUMEL.append(sum(p.numel() for p in LlamaForCausalLM(gl.llama_config()).parameters()))
+    return _NUMEL[0]
+
+
+def deepspeed_run(name: str, pythonpath: str, port: int) -> gl.Run:
+    """DeepSpeed's runner ``name`` (z0..z3, z2_offload) in its own process (benchmarks/_ds_gpu_run.py)."""
+    env = dict(os.environ, HF_ZERO_DISABLE_DEEPSPEED_SHIM="1", DS_BUILD_OPS="0",
+               PYTHONPATH=pythonpath + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ds_gpu_run.py")
+    out = subprocess.run([sys.executable, script, name, str(port)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"DeepSpeed {name} exited {out.returncode}: {(out.stderr or out.stdout)[-600:]}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    run = gl.Run(f"deepspeed_{name}", losses=res["losses"], step_s=res["step_s"], max_alloc=res["max_alloc"])
+    run.info["version"] = res["deepspeed"]
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default=None, help="comma-separated runner names")
+    ap.add_argument("--deepspeed-path", default=None,
+                    help="PYTHONPATH entries holding a real DeepSpeed (scripts/gpu_check.sh's ds_install step): its "
+                         "ZeRO-0..3 and ZeRO-2 + CPU offload run in the same rounds, each in its own process")
     args = ap.parse_args()
     runners = [r for r in RUNNERS if args.only is None or r[0] in args.only.split(",") or r[0] == "torch"]
+    if args.deepspeed_path:
+        runners += [(f"ds_{name}", ("ds", name), False) for name, stage, _ in runners if isinstance(stage, int)]
     results: dict[str, list] = {name: [] for name, _, _ in runners}
     for rnd in range(args.rounds):
         for name, stage, offload in runners:
             try:
-                run = (gl.torch_run() if stage is None else gl.fsdp2_run() if stage == "fsdp2" else
-                       gl.hf_zero_run(stage, offload))
+                if isinstance(stage, tuple):
+                    run = deepspeed_run(stage[1], args.deepspeed_path, 29700 + rnd * 10 + len(results[name]))
+                else:
+                    run = (gl.torch_run() if stage is None else gl.fsdp2_run() if stage == "fsdp2" else
+                           gl.hf_zero_run(stage, offload))
             except Exception as exc:  # noqa: BLE001 -- a failing runner is a row, not the end of the table
                 results[name].append({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 print(f"round {rnd} {name}: FAILED {exc!r}"[:400], flush=True)
                 continue
             row = {"round": rnd, "step_ms": 1e3 * run.median_step_s, "max_alloc_gb": run.max_alloc / 2**30,
-                   "losses": [round(x, 4) for x in run.losses], "numel": run.numel}
+                   "losses": [round(x, 4) for x in run.losses], "numel": run.numel or gl_numel()}
             results[name].append(row)
             print(f"round {rnd} {name}: {row['step_ms']:.1f} ms, {row['max_alloc_gb']:.2f} GiB, "
                   f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}", flush=True)
@@ -93,12 +132,23 @@ def main() -> None:
         ms = statistics.median(r["step_ms"] for r in rows)
         gb = max(r["max_alloc_gb"] for r in rows)
         mfu = model_flops_per_step(rows[-1]["numel"]) / (ms / 1e3) / (PEAK_TFLOPS * 1e12)
-        ds = DEEPSPEED_MS.get(name)
         stage, offload = stages[name]
         est = f"{predicted_peak_gib(stage, offload):.2f}" if isinstance(stage, int) else ""
+        # DeepSpeed's figures: measured in these rounds when --deepspeed-path was given, else ../shared/gpu/README.md's
+        # (marked *)
+        measured = ok.get(f"ds_{name}") or []
+        if measured:
+            ds = f"{statistics.median(r['step_ms'] for r in measured):.1f}"
+            ds_gb = f"{max(r['max_alloc_gb'] for r in measured):.2f}"
+        else:
+            ds = f"{DEEPSPEED_MS[name]}*" if name in DEEPSPEED_MS else ""
+            ds_gb = f"{DEEPSPEED_GB[name]}*" if name in DEEPSPEED_GB else ""
+        ratio = f"{ms / float(ds.rstrip('*')):.2f}" if ds else ""
         print(f"{name:<12} {ms:8.1f} {ms / torch_ms:8.2f} {gl.B * gl.S / (ms / 1e3):9.0f} {mfu:6.1%} {gb:8.2f} "
-              f"{est:>8} {ds if ds else '':>7} {(f'{ms / ds:.2f}' if ds else ''):>6} {DEEPSPEED_GB.get(name, ''):>7} "
-              f"{rows[-1]['losses'][-1]:9.4f}")
+              f"{est:>8} {ds:>7} {ratio:>6} {ds_gb:>7} {rows[-1]['losses'][-1]:9.4f}")
+    if not any(n.startswith("ds_") for n in ok):
+        print("* DeepSpeed 0.19.8 on the same GPU and model, measured earlier (../shared/gpu/README.md); "
+              "--deepspeed-path runs it in the same rounds")
 
 
 if __name__ == "__main__":

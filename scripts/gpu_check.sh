@@ -11,7 +11,8 @@
 #    QLoRA (bitsandbytes 4-bit base) under ZeRO-3 when a bitsandbytes wheel is carried in .gpu/whl (the GPU image
 #    has none and no network);
 # 4. benchmarks/bench_kernels.py (CUDA kernels against torch's), benchmarks/profile_gpu_step.py (host issue time,
-#    synchronisations and top operators of one step per runner) and benchmarks/bench_gpu.py (one round).
+#    synchronisations and top operators of one step per runner) and benchmarks/bench_gpu.py (one round; with
+#    DeepSpeed's runners in the same round when its wheels are carried in .gpu/whl: scripts/gpu_wheels.sh).
 # Each step has its own time limit and log under OUT_DIR; OUT_DIR/summary.txt has one line per step with its exit
 # status and seconds. A step that fails does not stop the others. Exit status: the number of failed steps.
 set -u
@@ -67,9 +68,26 @@ step qlora_zero3 180 bash -c qlora
 step deepspeed_command 180 deepspeed --num_gpus 1 examples/finetune_native.py --stage 2 --steps 20 --output "$WORK/native"
 step ops_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_adam.py tests/test_ops_norm.py \
   tests/test_ops_basic.py tests/test_ops_reduce.py tests/test_ops_transformer.py
+ds_install() {  # DeepSpeed from carried wheels (scripts/gpu_wheels.sh), into directories of its own
+  local sdist
+  sdist=$(ls .gpu/whl/deepspeed-*.tar.gz 2>/dev/null | head -n 1)
+  [ -n "$sdist" ] || { echo "no DeepSpeed sdist in .gpu/whl (scripts/gpu_wheels.sh)"; return 1; }
+  rm -rf "$DS_SITE" && mkdir -p "$DS_SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$DS_SITE/deps" \
+    $(ls .gpu/whl/*.whl | grep -v bitsandbytes) || return 1
+  DS_BUILD_OPS=0 PYTHONPATH="$DS_SITE/deps" "$PY" -m pip install -q --no-index --no-deps --no-build-isolation \
+    --target "$DS_SITE/ds" "$sdist" || return 1
+  HF_ZERO_DISABLE_DEEPSPEED_SHIM=1 PYTHONPATH="$DS_SITE/ds:$DS_SITE/deps" "$PY" -c \
+    "import deepspeed; print('deepspeed', deepspeed.__version__, deepspeed.__file__)"
+}
+export DS_SITE=${DS_SITE:-/tmp/hf_zero_gpu_ds}
+export -f ds_install
+step ds_install 240 bash -c ds_install
+DS_ARGS=()
+[ -d "$DS_SITE/ds/deepspeed" ] && DS_ARGS=(--deepspeed-path "$DS_SITE/ds:$DS_SITE/deps")
 step kernels 180 "$PY" benchmarks/bench_kernels.py --device cuda
 step profile 300 "$PY" benchmarks/profile_gpu_step.py "$OUT/profile" --only torch,fsdp2,z0,z3,z2_offload
-step bench 300 "$PY" benchmarks/bench_gpu.py --rounds 1 --json "$OUT/bench.jsonl"
+step bench 480 "$PY" benchmarks/bench_gpu.py --rounds 1 --json "$OUT/bench.jsonl" "${DS_ARGS[@]}"
 rm -rf "$WORK"
 echo "failed steps: $failed" | tee -a "$OUT/summary.txt"
 tar -C "$OUT" -czf "$OUT/../gpu_check_logs.tgz" . 2>/dev/null || true  # one file: what comes back from a lent GPU
