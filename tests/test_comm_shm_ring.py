@@ -164,3 +164,43 @@ def test_collectives_the_ring_turns_down_go_through_gloo_with_the_same_values():
                                                                            env={"HF_ZERO_SHM_COMM_MIB": "1"}):
         assert turned_down == 2, turned_down  # the first chunk of each bounce: the rest goes through gloo rows
         assert gather_ok and reduce_ok and ok_in_flight == [True, True]
+
+
+def _hf_zero_shm_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("hf_zero_comm_")}
+
+
+def _ring_set_up(kill_after_create: bool):
+    import signal
+
+    import torch.distributed as dist
+
+    from hf_zero.comm import shm_ring
+
+    if kill_after_create and dist.get_rank() == 0:
+        create = shm_ring._create
+
+        def create_then_die(kind, size):
+            out = create(kind, size)
+            os.kill(os.getpid(), signal.SIGKILL)  # between creating the memory and every rank mapping it
+            return out
+
+        shm_ring._create = create_then_die
+    ring = shm_ring.ring_for(None)
+    maps = open("/proc/self/maps").read()
+    return {"ring": ring is not None, "memfd": "memfd:hf_zero_comm" in maps, "files": sorted(_hf_zero_shm_files())}
+
+
+def test_ring_memory_has_no_name_and_a_kill_during_set_up_leaves_nothing():
+    """The ring is an anonymous memfd (issue #25: a kill between creating a named /dev/shm file and unlinking it
+    left the file behind): built normally, every rank maps memfd memory and /dev/shm never holds a ring file;
+    rank 0 SIGKILLed right after creating it: the job fails naming the dead rank, and nothing is left behind."""
+    before = _hf_zero_shm_files()
+    outs = run_distributed(_ring_set_up, 2, args=(False,))
+    assert all(o["ring"] and o["memfd"] for o in outs), outs
+    assert all(set(o["files"]) <= before for o in outs), outs  # no ring file while the ranks were up
+    from hf_zero.testing import DistributedFailure
+
+    with pytest.raises(DistributedFailure, match="rank 0 exited with code -9"):
+        run_distributed(_ring_set_up, 2, args=(True,), timeout_s=60)
+    assert _hf_zero_shm_files() <= before

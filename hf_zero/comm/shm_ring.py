@@ -5,8 +5,9 @@ on gloo's threads, which compete with the compute threads for the same cores. Ze
 step (the forward's and the backward's gathers) and its gradient once. Measured on the 2-core machine, 2 ranks,
 gathering 16 MB: 7-9 ms wall and 5 ms CPU per rank with gloo, against 1-2 ms to copy the same 16 MB in memory.
 
-How: one shared file per process group (``/dev/shm``, unlinked once every rank has mapped it) holds a ring of
-buffers. A packed buffer (zero/layout.py) is *taken* from the ring, so what a rank writes there is already where the
+How: one shared memory file per process group (an anonymous memfd the other ranks open through rank 0's
+``/proc/<pid>/fd``, so a kill during set-up leaves nothing behind; where that is refused, a ``/dev/shm`` file
+unlinked once every rank has mapped it) holds a ring of buffers. A packed buffer (zero/layout.py) is *taken* from the ring, so what a rank writes there is already where the
 other ranks read it (shm_collectives.py: ZeRO-3's gathers pack straight into it; gradient buckets are copied in at
 the reduce-scatter). A collective is then only a flag per rank:
 
@@ -339,21 +340,44 @@ def _platform_ok() -> bool:
 
 
 def _open(group, rank: int, world: int, size: int, usable: bool) -> ShmRing | None:
+    # An anonymous memory file first (memfd): it has no name anywhere, so a rank killed during set-up leaves nothing
+    # behind -- the memory goes when the last process holding it does. The other ranks open it through rank 0's
+    # /proc/<pid>/fd/<n>, which needs the same user and /proc; where that fails (every rank learns it in the vote),
+    # a named /dev/shm file, unlinked once every rank has mapped it.
+    for kind in ("memfd", "file"):
+        ring = _open_as(kind, group, rank, world, size, usable)
+        if ring is not None:
+            return ring
+    return None
+
+
+def _create(kind: str, size: int) -> tuple[int, str]:
+    """A shared memory file of ``size`` bytes: (fd, the path the other ranks open)."""
+    if kind == "memfd":
+        fd = os.memfd_create("hf_zero_comm", os.MFD_CLOEXEC)
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+    else:
+        fd, path = tempfile.mkstemp(prefix="hf_zero_comm_", dir="/dev/shm")
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        if kind == "file":
+            os.unlink(path)
+        raise
+    return fd, path
+
+
+def _open_as(kind: str, group, rank: int, world: int, size: int, usable: bool) -> ShmRing | None:
     src = _global(group, 0)
     info = [None]
-    path = None
-    if rank == 0 and usable:
+    fd, path = None, None
+    if rank == 0 and usable and (kind == "file" or hasattr(os, "memfd_create")):
         try:
-            fd, path = tempfile.mkstemp(prefix="hf_zero_comm_", dir="/dev/shm")
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
+            fd, path = _create(kind, size)
             info = [(path, secrets.randbits(62), size)]
         except OSError:
-            if path is not None:
-                os.unlink(path)
-            path, info = None, [None]
+            fd, path, info = None, None, [None]
     dist.broadcast_object_list(info, src=src, group=group)
     mem = None
     if info[0] is not None and usable:
@@ -377,11 +401,14 @@ def _open(group, rank: int, world: int, size: int, usable: bool) -> ShmRing | No
         verdicts = [None] * world
         dist.all_gather_object(verdicts, mine == [_MAGIC, info[0][1]], group=group)
         ok = all(verdicts)
-    if rank == 0 and path is not None:
-        try:
-            os.unlink(path)  # every rank that could map it has: nothing is left behind, whatever happens next
-        except OSError:
-            pass
+    if rank == 0 and fd is not None:
+        # every rank that could map it has: the mappings keep the memory, nothing is left behind whatever happens
+        os.close(fd)
+        if kind == "file":
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     if not ok:
         return None
     return ShmRing(mem, group, rank, world, [v[0] for v in votes])
