@@ -144,6 +144,7 @@ class HfZeroConfig:
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ConfigError("bf16.enabled",
                               "true together with fp16.enabled true; enable at most one of fp16 and bf16")
+        self._check_param_dtype()
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             value = getattr(self, key)
             if isinstance(value, int) and value < 1:
@@ -154,6 +155,17 @@ class HfZeroConfig:
             raise ConfigError("gradient_predivide_factor", f"must be > 0, got {self.gradient_predivide_factor}")
         if self.steps_per_print is not None and self.steps_per_print < 1:
             raise ConfigError("steps_per_print", f"must be >= 1 (or null for never), got {self.steps_per_print}")
+
+    def _check_param_dtype(self) -> None:
+        """``data_types.param_dtype`` only restates the precision mode (DeepSpeed asserts the same at initialize)."""
+        wanted = self.data_types.param_dtype
+        if wanted is None or isinstance(self.bf16.enabled, Auto) or isinstance(self.fp16.enabled, Auto):
+            return
+        mode = "bf16" if self.bf16.enabled is True else "fp16" if self.fp16.enabled is True else "fp32"
+        if wanted != mode:
+            raise ConfigError("data_types.param_dtype",
+                              f"{wanted!r} conflicts with the enabled precision mode ({mode}); set the matching "
+                              f"fp16/bf16 'enabled' flag or remove data_types.param_dtype")
 
     @property
     def compute_dtype(self) -> "torch.dtype":

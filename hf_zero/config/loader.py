@@ -60,7 +60,8 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
         raise ValueError(f"unresolved_auto must be 'error' or 'default', got {unresolved_auto!r}")
     user = read_config(config)
     resolved, filled = fill_autos(user, auto_values or {})
-    autos = [path for path in auto_paths(resolved) if path.split(".", 1)[0] not in _RAW_SECTIONS]
+    autos = [path for path in auto_paths(resolved)
+             if path.split(".", 1)[0] not in _RAW_SECTIONS and path not in _AUTO_IS_A_VALUE]
     defaulted_autos: list[str] = []
     if unresolved_auto == "default":
         defaulted_autos = [path for path in autos if not path.startswith(_KEEP_AUTO)]
@@ -113,6 +114,8 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
 
 
 _KEEP_AUTO = ("optimizer.params.", "scheduler.params.")
+# Keys where "auto" is a setting with its own meaning, not a value for the HF integration to fill in.
+_AUTO_IS_A_VALUE = frozenset({"data_types.keep_in_fp32_modules"})
 # Sections kept as given (pipeline, compression_training, ...): their "auto" values are their own business
 # (DeepSpeed's pipeline.stages defaults to "auto"), not values for load_config to fill.
 _RAW_SECTIONS = frozenset(

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["AioParams", "OffloadPolicy", "CPUOffloadPolicy", "NVMeOffloadPolicy", "Stage3Policy", "ZeroPolicy",
            "LossScalePolicy", "PrecisionPolicy", "zero_policy", "precision_policy", "loss_scale_policy",
-           "param_offload_policy", "param_offload_device"]
+           "param_offload_policy", "param_offload_device", "InitPrecision", "init_precision"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,17 @@ class LossScalePolicy:
 class PrecisionPolicy:
     compute_dtype: "torch.dtype"
     grad_dtype: "torch.dtype"            # the dtype gradients are accumulated and reduced in
+    buffer_dtype: "torch.dtype | None" = None  # floating buffers are cast to it under fp16/bf16; None: left alone
+    keep_in_fp32: "str | tuple[str, ...]" = "auto"  # buffer name patterns kept in fp32, or "auto" (the model's lists)
+
+
+@dataclass(frozen=True)
+class InitPrecision:
+    """What ``zero.Init`` builds in: ``dtype`` for parameters and floating buffers (None: as built), and the buffer
+    names kept in fp32 (``keep_in_fp32``, as in :class:`PrecisionPolicy`)."""
+
+    dtype: "torch.dtype | None"
+    keep_in_fp32: "str | tuple[str, ...]" = "auto"
 
 
 def _aio(aio: "AioConfig") -> AioParams:
@@ -158,8 +169,37 @@ def precision_policy(cfg: "HfZeroConfig") -> PrecisionPolicy:
     import torch  # lazy: importing the config must stay cheap
 
     dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-    accum = cfg.data_types.grad_accum_dtype
-    return PrecisionPolicy(compute_dtype=cfg.compute_dtype, grad_dtype=dtypes[accum] if accum else cfg.compute_dtype)
+    types = cfg.data_types
+    accum = types.grad_accum_dtype
+    return PrecisionPolicy(compute_dtype=cfg.compute_dtype, grad_dtype=dtypes[accum] if accum else cfg.compute_dtype,
+                           buffer_dtype=dtypes[types.buffer_dtype] if types.buffer_dtype else None,
+                           keep_in_fp32=_keep_setting(types.keep_in_fp32_modules))
+
+
+def _keep_setting(value) -> "str | tuple[str, ...]":
+    from .schema import Auto
+
+    return "auto" if isinstance(value, Auto) else tuple(value)
+
+
+def init_precision(raw: Mapping[str, Any]) -> InitPrecision:
+    """``zero.Init``'s dtypes from a raw DeepSpeed dict (DeepSpeed's ``Init._set_dtype``): bfloat16 when
+    ``bf16.enabled`` (or legacy ``bfloat16.enabled``) is true, float16 when ``fp16.enabled`` is, else None (the
+    dtype the model is built in). An ``enabled`` still "auto" counts as off: nothing fills it before the model is
+    built, and an fp32 build loses nothing. Only these sections and ``data_types`` are read."""
+    import torch
+
+    from .schema import parse
+    from .sections import BF16Config, DataTypesConfig, FP16Config
+
+    bf16_raw = raw.get("bf16", raw.get("bfloat16"))
+    bf16 = parse(BF16Config, bf16_raw, "bf16" if "bf16" in raw else "bfloat16")
+    fp16 = parse(FP16Config, raw.get("fp16"), "fp16")
+    if bf16.enabled is True and fp16.enabled is True:
+        raise ConfigError("bf16.enabled", "true together with fp16.enabled true; enable at most one of fp16 and bf16")
+    dtype = torch.bfloat16 if bf16.enabled is True else torch.float16 if fp16.enabled is True else None
+    types = parse(DataTypesConfig, raw.get("data_types"), "data_types")
+    return InitPrecision(dtype=dtype, keep_in_fp32=_keep_setting(types.keep_in_fp32_modules))
 
 
 def loss_scale_policy(fp16: "FP16Config") -> LossScalePolicy:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from .errors import ConfigError
-from .schema import Auto, spec
+from .schema import AUTO, Auto, spec
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -335,3 +335,12 @@ class DataTypesConfig:
 
     grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = spec(
         None, help="Dtype gradients are accumulated in; default: the training dtype.")
+    param_dtype: Literal["fp32", "fp16", "bf16"] | None = spec(
+        None, help="Dtype of the model's parameters; must match the enabled fp16/bf16 mode (DeepSpeed's check).")
+    buffer_dtype: Literal["fp32", "fp16", "bf16"] | None = spec(
+        None, help="Cast floating buffers (BatchNorm statistics, rotary frequencies) to this dtype at initialize "
+                   "under fp16/bf16; default: buffers keep the dtype they arrive in.")
+    keep_in_fp32_modules: tuple[str, ...] | Auto = spec(
+        AUTO, auto=True, help="Buffers kept in fp32 under fp16/bf16: 'auto' (the model's transformers "
+                              "_keep_in_fp32_modules_strict lists, and _keep_in_fp32_modules under fp16), name "
+                              "patterns ('*' for any characters), or [] for none.")

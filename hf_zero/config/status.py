@@ -266,6 +266,9 @@ STATUS: dict[str, KeyStatus] = {
     "checkpoint.use_node_local_storage": HONOURED,  # hf_zero/runtime/checkpoint_nodes.py
     "checkpoint.parallel_write": _no_op("every rank always writes its own files in parallel"),
     "data_types.grad_accum_dtype": HONOURED,
+    "data_types.param_dtype": HONOURED,  # checked against the precision mode (hf_zero_config.py)
+    "data_types.buffer_dtype": HONOURED,  # hf_zero/zero/buffer_dtypes.py, applied by the engine
+    "data_types.keep_in_fp32_modules": HONOURED,  # hf_zero/zero/buffer_dtypes.py (zero.Init and the engine)
     # pipeline (#17) owns this section.
     # its keys are checked by hf_zero.pipeline.config; initialize() refuses the section for a non-pipeline model
     "pipeline": HONOURED,

@@ -17,9 +17,9 @@ be built: the peak is one submodule's full parameters. The engine built with the
 This module is also ``deepspeed.runtime.zero.partition_parameters`` for transformers (through the shim): it defines
 ``zero_wrapper_for_fp_tensor_constructor``, ``_orig_torch_arange`` and ``get_accelerator``, which
 ``transformers.integrations.deepspeed.prevent_arange_dtype_change`` reads and temporarily replaces. hf_zero never
-wraps tensor constructors -- there is nothing to downcast, parameters are cast when the runtime starts -- so the
-wrapper is looked up at ``__enter__`` (to honour the contract that it is read there) but never installed, and the
-explicit dtypes of RoPE buffers stay what the model code asked for.
+wraps tensor constructors -- parameters are cast as they are partitioned and buffers as they are registered (see
+:class:`Init`) -- so the wrapper is looked up at ``__enter__`` (to honour the contract that it is read there) but
+never installed.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.modules.module import (register_module_module_registration_hook,
+from torch.nn.modules.module import (register_module_buffer_registration_hook,
+                                     register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
 from hf_zero.config.loader import read_config
-from hf_zero.config.policies import param_offload_device, param_offload_policy
+from hf_zero.config.policies import InitPrecision, init_precision, param_offload_device, param_offload_policy
 
+from .buffer_dtypes import keep_buffers_in_fp32, keep_in_fp32_pattern
 from .stage3.gather import gatherer_for
 from .stage3.param import ShardedParam, sharded_param_of
 
@@ -76,10 +78,11 @@ def _resolve_group(data_parallel_group, mpu, sequence_data_parallel_group):
     return None
 
 
-def _read_config(config_dict_or_path, config) -> dict:
+def _read_config(config_dict_or_path, config) -> dict | None:
+    """The raw config dict, or None when neither argument was given."""
     cfg = config_dict_or_path if config_dict_or_path is not None else config
     if cfg is None:
-        return {}
+        return None
     if isinstance(cfg, (str, os.PathLike, dict)):
         return read_config(cfg)
     return dict(getattr(cfg, "config", {}) or {})  # transformers' HfDeepSpeedConfig and similar wrappers
@@ -107,6 +110,8 @@ def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int
     p = mod._parameters.get(name)
     if p is None or sharded_param_of(p) is not None:
         return None
+    if not p.is_floating_point():  # a quantized (uint8/int8) weight keeps its packed dtype
+        dtype = None
     label = f"{prefix}.{name}" if prefix else f"{type(mod).__name__}.{name}"
     sp = ShardedParam(p, label, rank=rank, world_size=world, group=group, dtype=dtype,
                       device=None if swapper is not None else device)
@@ -138,17 +143,45 @@ def _param_swapper(raw: dict, remote_device, rank: int):
     return param_swapper_for(policy.nvme_path, rank=rank, aio=policy.aio)
 
 
+# floating dtypes a build in 16 bit casts (DeepSpeed's wrapped constructors cast every floating tensor)
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _init_precision(raw: dict | None, dtype: torch.dtype | None) -> InitPrecision:
+    """The dtype zero.Init builds in (see :class:`Init`): ``dtype``, else the config's precision mode, else fp32 when
+    a config was given, else None (as built)."""
+    if raw is None:
+        return InitPrecision(dtype=dtype)
+    precision = init_precision(raw)
+    return InitPrecision(dtype=dtype or precision.dtype or torch.float32, keep_in_fp32=precision.keep_in_fp32)
+
+
 class Init:
     """Context manager: modules built inside get their parameters partitioned as they are constructed.
 
     Same signature as ``deepspeed.zero.Init``. Accepted for compatibility and without effect here:
     ``mem_efficient_linear`` (hf_zero's linear layers are torch's), ``param_swapper``. ``config_dict_or_path`` /
-    ``config`` is read for ``zero_optimization.offload_param`` and ``aio`` only (the engine reads the rest).
+    ``config`` is read for ``zero_optimization.offload_param``, ``aio``, ``bf16``/``fp16`` and
+    ``data_types.keep_in_fp32_modules`` (the engine reads the rest).
     ``remote_device`` may be None (the config's offload_param device), "none" (shards on the device this process
     trains on: its GPU, as in DeepSpeed), "cpu" (shards in host memory) or "nvme" (shards go to
-    ``offload_param.nvme_path``); see :func:`shard_device`. Shards keep the dtype the parameters were
-    built in unless ``dtype`` is given, so the engine can build exact fp32 master weights from them.
+    ``offload_param.nvme_path``); see :func:`shard_device`.
     ``module=``: partition an already built module immediately (no context needed).
+
+    Dtypes, as DeepSpeed 0.19.8 (measured on 2 CPU ranks, docs/zero_memory.md): the training dtype is ``dtype``
+    when given, else bfloat16 / float16 when the config enables ``bf16`` / ``fp16``, else float32 when a config is
+    given. Floating parameters are partitioned in it -- ``param.dtype``, ``param.ds_tensor.dtype`` and the gathered
+    parameter all show it -- and floating buffers registered inside the context are cast to it as they are
+    registered (DeepSpeed's wrapped tensor constructors do the same to every floating tensor built inside), except
+    the ones ``data_types.keep_in_fp32_modules`` names (by default the model's transformers lists), which are fp32
+    again once their module is built. The fp32 values are not kept: the engine's fp32 master weights start from the
+    16-bit shards, as DeepSpeed's do (``_create_fp32_partitions`` upcasts the 16-bit partitions). Keeping them would
+    cost 4 bytes per parameter per data-parallel rank from here to the first step, on the device the shards live on
+    (its GPU) and at the point the model is largest, for a gain only in a model trained from its random
+    initialisation: a checkpoint loaded afterwards (``from_pretrained``) is copied into the 16-bit gathered
+    parameters, and those are what the shards and the masters then hold either way.
+    Without any config and ``dtype``, parameters keep the dtype they were built in (DeepSpeed picks float16 there
+    whenever the accelerator supports it; hf_zero does not guess a precision no config asked for).
     """
 
     _depth = 0  # nested Init contexts install the hooks once
@@ -161,20 +194,24 @@ class Init:
             raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected None, 'none', 'cpu' or 'nvme' "
                              f"(shards stay where they are built, or go to offload_param.nvme_path)")
         self.enabled = enabled
-        self.dtype = dtype
         self.pin_memory = pin_memory
-        self.config = _read_config(config_dict_or_path, config)
+        raw = _read_config(config_dict_or_path, config)
+        self.config = raw if raw is not None else {}
+        self._precision = _init_precision(raw, dtype)
+        self.dtype = self._precision.dtype
         self.group = _resolve_group(data_parallel_group, mpu, sequence_data_parallel_group)
         self._remote_device = remote_device
         self.swapper = None  # set when enabled, once the rank is known (see _param_swapper)
         self._pending: dict[int, tuple[nn.Module, set[str]]] = {}
         self._handles: list = []
         self._owner = False
+        self._roots: dict[int, nn.Module] = {}  # modules no parent has adopted (yet): the model's root at __exit__
         if module is not None and enabled:
             self._ensure_distributed()
             self.swapper = _param_swapper(self.config, remote_device, dist.get_rank())
-            partition_module(module, group=self.group, dtype=dtype, pin_memory=pin_memory, swapper=self.swapper,
-                             device=shard_device(self.config, remote_device))
+            partition_module(module, group=self.group, dtype=self.dtype, pin_memory=pin_memory,
+                             swapper=self.swapper, device=shard_device(self.config, remote_device))
+            self._keep_in_fp32(module)  # buffers of a module built outside are not cast; a listed one is upcast
 
     @staticmethod
     def _ensure_distributed() -> None:
@@ -203,8 +240,11 @@ class Init:
         self._fp_constructor_wrapper = globals()["zero_wrapper_for_fp_tensor_constructor"]
         if Init._depth == 0:
             self._owner = True
+            self._roots = {}
             self._handles = [register_module_parameter_registration_hook(self._on_parameter),
                              register_module_module_registration_hook(self._on_submodule)]
+            if self.dtype is not None:
+                self._handles.append(register_module_buffer_registration_hook(self._on_buffer))
         Init._depth += 1
         return self
 
@@ -219,11 +259,22 @@ class Init:
             pending, self._pending = self._pending, {}
             for mod, names in pending.values():
                 self._partition_noted(mod, names)
+            roots, self._roots = self._roots, {}
+            for mod in roots.values():  # the outermost modules, which no parent adopted: the model itself
+                self._keep_in_fp32(mod)
 
     # ------------------------------------------------------------------ hooks
     def _on_parameter(self, module: nn.Module, name: str, param) -> None:
         if param is not None and sharded_param_of(param) is None:
             self._pending.setdefault(id(module), (module, set()))[1].add(name)
+            self._roots.setdefault(id(module), module)
+        return None
+
+    def _on_buffer(self, module: nn.Module, name: str, buffer):
+        """A floating buffer registered inside the context becomes the training dtype (see the class docstring)."""
+        self._roots.setdefault(id(module), module)
+        if buffer is not None and buffer.dtype in _CASTABLE and buffer.dtype != self.dtype:
+            return buffer.to(self.dtype)
         return None
 
     def _on_submodule(self, parent: nn.Module, name: str, child) -> None:
@@ -234,7 +285,14 @@ class Init:
         entry = self._pending.pop(id(child), None)
         if entry is not None:
             self._partition_noted(*entry)
+        self._roots.pop(id(child), None)
+        self._roots.setdefault(id(parent), parent)
+        self._keep_in_fp32(child)  # DeepSpeed applies the model's fp32 lists as each module's __init__ ends
         return None
+
+    def _keep_in_fp32(self, module: nn.Module) -> None:
+        if self.dtype in (torch.float16, torch.bfloat16):
+            keep_buffers_in_fp32(module, keep_in_fp32_pattern(module, self._precision.keep_in_fp32, self.dtype))
 
     def _partition_noted(self, mod: nn.Module, names: set[str]) -> None:
         # Registration order, never set order: ds_ids must be assigned identically on every rank.
