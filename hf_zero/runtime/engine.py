@@ -28,6 +28,7 @@ from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.backward import BackwardSessions
 from hf_zero.runtime.optimizers import OptimizerPlan
 from hf_zero.tensor_parallel import tp_info
+from hf_zero.zero.buffer_dtypes import cast_module_buffers, unusable_norms
 from hf_zero.zero.grad_reducer import GroupGradReducer, ReduceMode
 from hf_zero.zero.loss_scaler import LossScaler
 from hf_zero.zero.optimizer import ZeroOptimizer
@@ -102,6 +103,7 @@ class HfZeroEngine(nn.Module):
 
         check_nvme_paths(config, module, stage=self.stage, world_size=self.world_size, rank=self.global_rank,
                          group=process_group)
+        self._cast_buffers(module, precision)
         names = {p: n for n, p in module.named_parameters(remove_duplicate=False)}
         grad_dtype = precision.grad_dtype
         self._master_dtype, self._state_dtype = _bf16_state_dtypes(config, self.stage, grad_dtype, plan)
@@ -156,6 +158,25 @@ class HfZeroEngine(nn.Module):
             self.optimizer.norm_excluded_spans = replicated_spans(self.groups)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self._finish_init(module, config)
+
+    def _cast_buffers(self, module: nn.Module, precision) -> None:
+        """Buffers as DeepSpeed 0.19.8 leaves them at initialize (hf_zero/zero/buffer_dtypes.py): their own dtype
+        unless ``data_types.buffer_dtype`` names one, the model's fp32 lists in fp32. Parameters are cast later, by
+        the stage's groups. A batch-norm layer that cannot run that way is refused here rather than in its first
+        forward, where DeepSpeed fails with torch's "expected scalar type BFloat16 but found Float"."""
+        cast_module_buffers(module, param_dtype=self.compute_dtype, buffer_dtype=precision.buffer_dtype,
+                            keep=precision.keep_in_fp32)
+        norms = unusable_norms(module, self.compute_dtype)
+        if norms:
+            mode = "bf16" if self.compute_dtype == torch.bfloat16 else "fp16"
+            value = "unset (buffers keep their dtype)" if precision.buffer_dtype is None else \
+                f"{precision.buffer_dtype} for the buffers"
+            raise ConfigError("data_types.buffer_dtype",
+                              f"{value}, while {mode}.enabled trains the parameters in {self.compute_dtype}: torch's "
+                              f"batch_norm cannot run {'; '.join(norms)}. Set \"data_types\": {{\"buffer_dtype\": "
+                              f"\"{mode}\"}} to cast the buffers too (DeepSpeed's option; DeepSpeed fails in the "
+                              f"first forward without it), or build the model under zero.Init with this config "
+                              f"(stage 3), which builds floating buffers in {mode} as DeepSpeed's does")
 
     def _finish_init(self, module: nn.Module, config: HfZeroConfig) -> None:
         # flops_profiler: counts and reports the step whose global_steps == profile_step (hf_zero/profiling)
