@@ -36,6 +36,7 @@ stages 1-2).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import platform
@@ -330,9 +331,22 @@ def ring_for(group=None, nbytes: int = DEFAULT_RING_BYTES) -> ShmRing | None:
     if world > 1 and dist.get_backend(group) == "gloo":
         # every rank of the group takes part in the vote below, whatever it concludes locally
         ring = _open(group, dist.get_rank(group), world, _ring_bytes(nbytes), usable=enabled() and _platform_ok())
+    if not _RINGS:
+        # registered after process_group's own atexit (init_distributed ran before), so it runs before it: the pins
+        # are dropped before the group is destroyed, and destroying it frees gloo's threads while the interpreter
+        # still runs (left to interpreter teardown they can be destroyed joinable: 'terminate called without an
+        # active exception')
+        atexit.register(close_all)
     _RINGS[key] = ring
     _PINNED[key] = group if group is not None else dist.group.WORLD  # keeps id() unique while the key is used
     return ring
+
+
+def close_all() -> None:
+    """Forget every ring and the process groups pinned for them (at exit, and whenever every group is torn down):
+    the rings' shared memory goes with the last mapping, the groups with their last reference."""
+    _RINGS.clear()
+    _PINNED.clear()
 
 
 def _platform_ok() -> bool:
