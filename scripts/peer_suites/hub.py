@@ -1,0 +1,258 @@
+"""Local stand-ins for the Hub names the peers' DeepSpeed tests load.
+
+The peers' tests call ``from_pretrained("gpt2")``, ``load_dataset("nyu-mll/glue", "mrpc")`` and the like.
+Nothing here can reach the Hub, so this module writes a Hub cache the ordinary offline code paths read:
+``HF_HUB_CACHE/models--<org>--<name>/snapshots/<commit>/`` holding a tiny config built from a transformers
+config class, random weights and a tokenizer built locally, and a prepared ``datasets`` cache entry for each
+dataset. With ``HF_HUB_OFFLINE=1`` every process, including the ones the tests launch with
+``accelerate launch``, resolves the names there; no code in the peer or in transformers is patched.
+
+The weights are random: a test that asserts an accuracy only pretrained weights reach fails on both engines.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["MODELS", "DATASETS", "build_hub", "hub_env", "repo_dir"]
+
+# One commit id for every stand-in: the cache needs one, and nothing compares it.
+_COMMIT = "0" * 40
+_WORDS = (
+    "the a an cat dog sat on mat ran fast slow big small red blue green house car tree river said "
+    "company shares market year new percent million stock would its it was he she they"
+).split()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How one Hub name is stood in for: ``config`` builds the transformers config, ``auto_class`` names the
+    ``transformers`` Auto class whose ``from_config`` builds the random weights (None: config only), and
+    ``tokenizer`` is "bert-cased", "bert-uncased", "bytes" or None."""
+
+    config: Callable[[], object]
+    auto_class: str | None
+    tokenizer: str | None
+
+
+def _gpt2(n_embd: int, n_layer: int = 2):
+    def make():
+        from transformers import GPT2Config
+
+        # token 256 is the byte tokenizer's <|endoftext|>
+        return GPT2Config(
+            n_embd=n_embd, n_layer=n_layer, n_head=2, n_positions=256, vocab_size=1024, bos_token_id=256,
+            eos_token_id=256,
+        )
+
+    return make
+
+
+def _bert(vocab_size: int):
+    def make():
+        from transformers import BertConfig
+
+        return BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+            vocab_size=vocab_size, max_position_embeddings=512, num_labels=2,
+        )
+
+    return make
+
+
+def _distilbert(vocab_size: int):
+    def make():
+        from transformers import DistilBertConfig
+
+        return DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=37, vocab_size=vocab_size, num_labels=2)
+
+    return make
+
+
+def _llama():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=1024, max_position_embeddings=2048, bos_token_id=256, eos_token_id=256, pad_token_id=256,
+    )
+
+
+def _qwen_moe():
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(
+        hidden_size=16, intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=1024, max_position_embeddings=512, bos_token_id=256, eos_token_id=256, pad_token_id=256,
+    )
+
+
+def _mobilevit():
+    from transformers import MobileViTConfig
+
+    # the xx-small layout's widths (the tests read hidden_sizes only)
+    return MobileViTConfig(hidden_sizes=[64, 80, 96], neck_hidden_sizes=[16, 16, 24, 48, 64, 80, 320])
+
+
+def _bert_vocab() -> list[str]:
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    chars = [chr(c) for c in range(33, 127)]
+    return specials + _WORDS + chars + ["##" + c for c in chars if c.isalnum()]
+
+
+# The names the suites load, by suite (accelerate's tests/deepspeed and its external_deps scripts).
+MODELS: dict[str, ModelSpec] = {
+    "sshleifer/tiny-gpt2": ModelSpec(_gpt2(16), "AutoModelForCausalLM", "bytes"),
+    "gpt2": ModelSpec(_gpt2(32), "AutoModelForCausalLM", "bytes"),
+    "hf-internal-testing/tiny-random-gpt2": ModelSpec(_gpt2(32, 2), "AutoModelForCausalLM", "bytes"),
+    "hf-internal-testing/tiny-random-LlamaForCausalLM": ModelSpec(_llama, "AutoModelForCausalLM", "bytes"),
+    "peft-internal-testing/tiny-random-qwen-1.5-MoE": ModelSpec(_qwen_moe, "AutoModelForCausalLM", "bytes"),
+    "apple/mobilevit-xx-small": ModelSpec(_mobilevit, None, None),
+    "bert-base-cased": ModelSpec(_bert(len(_bert_vocab())), "AutoModelForSequenceClassification", "bert-cased"),
+    "hf-internal-testing/mrpc-bert-base-cased": ModelSpec(
+        _bert(len(_bert_vocab())), "AutoModelForSequenceClassification", "bert-cased"
+    ),
+    "distilbert-base-uncased": ModelSpec(
+        _distilbert(len(_bert_vocab())), "AutoModelForSequenceClassification", "bert-uncased"
+    ),
+}
+
+# Datasets: (name, config) -> {split: rows}. GLUE/MRPC's columns, random sentences over _WORDS.
+DATASETS: dict[tuple[str, str], dict[str, int]] = {
+    ("nyu-mll/glue", "mrpc"): {"train": 64, "validation": 32, "test": 32},
+}
+
+
+def repo_dir(hub_cache: str, name: str, kind: str = "models") -> str:
+    """The snapshot directory huggingface_hub reads for ``name`` in offline mode."""
+    return os.path.join(hub_cache, f"{kind}--{name.replace('/', '--')}", "snapshots", _COMMIT)
+
+
+def _write_tokenizer(kind: str, out_dir: str) -> None:
+    if kind.startswith("bert"):
+        from transformers import BertTokenizerFast
+
+        vocab = {token: i for i, token in enumerate(_bert_vocab())}
+        BertTokenizerFast(vocab=vocab, do_lower_case=kind == "bert-uncased").save_pretrained(out_dir)
+        return
+    # "bytes": byte-level BPE over the 256 byte symbols and no merges (every byte one token).
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {sym: i for i, sym in enumerate(sorted(alphabet))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.save_pretrained(out_dir)
+
+
+def _write_model(name: str, spec: ModelSpec, hub_cache: str) -> None:
+    import torch
+    import transformers
+
+    out_dir = repo_dir(hub_cache, name)
+    os.makedirs(out_dir, exist_ok=True)
+    config = spec.config()
+    if spec.auto_class is None:
+        config.save_pretrained(out_dir)
+    else:
+        torch.manual_seed(0)
+        model = getattr(transformers, spec.auto_class).from_config(config)
+        model.save_pretrained(out_dir)
+    if spec.tokenizer:
+        _write_tokenizer(spec.tokenizer, out_dir)
+    refs = os.path.join(hub_cache, f"models--{name.replace('/', '--')}", "refs")
+    os.makedirs(refs, exist_ok=True)
+    with open(os.path.join(refs, "main"), "w") as f:
+        f.write(_COMMIT)
+
+
+def _write_dataset(name: str, config_name: str, splits: dict[str, int], datasets_cache: str) -> None:
+    """A prepared ``datasets`` cache entry: what ``load_dataset(name, config_name)`` reads in offline mode
+    (``<cache>/<org>___<name>/<config>/0.0.0/<hash>/<name>-<split>.arrow`` + ``dataset_info.json``). Built by
+    the parquet builder from generated rows, then renamed to the dataset's name and config."""
+    import datasets
+
+    rng = random.Random(0)
+
+    def rows(n):
+        return {
+            "sentence1": [" ".join(rng.choices(_WORDS, k=8)) for _ in range(n)],
+            "sentence2": [" ".join(rng.choices(_WORDS, k=8)) for _ in range(n)],
+            "label": [rng.randint(0, 1) for _ in range(n)],
+            "idx": list(range(n)),
+        }
+
+    scratch = os.path.join(datasets_cache, "_build")
+    os.makedirs(scratch, exist_ok=True)
+    files = {}
+    for split, n in splits.items():
+        files[split] = os.path.join(scratch, f"{split}.parquet")
+        datasets.Dataset.from_dict(rows(n)).to_parquet(files[split])
+    builder = datasets.load_dataset_builder("parquet", data_files=files, cache_dir=os.path.join(scratch, "cache"))
+    builder.download_and_prepare()
+    short = name.split("/")[-1]
+    dst = os.path.join(datasets_cache, name.replace("/", "___"), config_name, "0.0.0", _COMMIT)
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(builder.cache_dir, dst)
+    for path in glob.glob(os.path.join(dst, "parquet-*.arrow")):
+        os.rename(path, path.replace(os.sep + "parquet-", os.sep + f"{short}-"))
+    info_path = os.path.join(dst, "dataset_info.json")
+    with open(info_path, encoding="utf-8") as f:
+        info = json.load(f)
+    info.update(config_name=config_name, dataset_name=short, builder_name=short)
+    for split_info in info.get("splits", {}).values():
+        split_info["dataset_name"] = short
+    with open(info_path, "w", encoding="utf-8") as f:
+        json.dump(info, f)
+    shutil.rmtree(scratch)
+
+
+def build_hub(root: str, names: list[str] | None = None, with_datasets: bool = True) -> dict[str, str]:
+    """Writes the stand-ins under ``root`` (once: a stamp file holding the list of names skips the rebuild)
+    and returns the environment that points every process at them."""
+    env = hub_env(root)
+    os.environ.update({k: v for k, v in env.items() if "PROGRESS" in k})
+    wanted = sorted(names if names is not None else MODELS)
+    stamp = os.path.join(root, "built.json")
+    want_stamp = {"models": wanted, "datasets": sorted(map("/".join, DATASETS)) if with_datasets else []}
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if json.load(f) == want_stamp:
+                return env
+    for name in wanted:
+        _write_model(name, MODELS[name], env["HF_HUB_CACHE"])
+    if with_datasets:
+        for (name, config_name), splits in DATASETS.items():
+            _write_dataset(name, config_name, splits, env["HF_DATASETS_CACHE"])
+    with open(stamp, "w") as f:
+        json.dump(want_stamp, f)
+    return env
+
+
+def hub_env(root: str) -> dict[str, str]:
+    """Offline mode, pointed at the stand-ins; HF_HOME too, so no user's accelerate config is read."""
+    return {
+        "HF_HOME": os.path.join(root, "hf_home"),
+        "HF_HUB_CACHE": os.path.join(root, "hub"),
+        "HF_DATASETS_CACHE": os.path.join(root, "datasets"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    }

@@ -1,0 +1,130 @@
+"""pytest plugin (``-p peer_gates``): lifts the peers' hardware gates, and nothing else, before collection.
+
+The peers' DeepSpeed tests are decorated ``@require_non_cpu``, ``@require_multi_device``, ``@require_cuda``
+and the like, imported from ``accelerate.test_utils`` / ``transformers.testing_utils``. Those decorators are
+``unittest.skipUnless(<a GPU is present>)``; this plugin replaces each with the identity in the module that
+defines it (and in the package namespace that re-exports it) when pytest imports the plugin, which is before the
+peer's conftest files and test modules, so the test files are run unedited. Software gates (``require_deepspeed``,
+``require_fp16``, ``require_huggingface_suite``, ``slow``) are left alone: they decide as they always do.
+
+A test that then asks for more devices than the machine has gets ``PEER_SUITES_NPROC`` CPU processes
+(default 2): accelerate's ``device_count`` and ``DEFAULT_LAUNCH_COMMAND`` are set to it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import os
+import sys
+
+__all__ = ["GATES", "lift_gates", "lifted"]
+
+# module -> names of decorators that gate on hardware (GPU presence, GPU count). Missing names are ignored:
+# the list covers several versions of each peer.
+GATES: dict[str, tuple[str, ...]] = {
+    "accelerate.test_utils.testing": (
+        "require_non_cpu", "require_cuda", "require_cuda_or_hpu", "require_cuda_or_xpu", "require_multi_device",
+        "require_multi_gpu", "require_multi_gpu_or_xpu", "require_single_device", "require_single_gpu",
+    ),
+    "transformers.testing_utils": (
+        "require_torch_gpu", "require_torch_accelerator", "require_torch_multi_gpu",
+        "require_torch_multi_accelerator", "require_torch_up_to_2_gpus", "require_torch_up_to_2_accelerators",
+        "require_torch_non_multi_gpu", "require_torch_non_multi_accelerator",
+    ),
+    "peft.testing_utils": ("require_non_cpu", "require_torch_gpu", "require_torch_multi_gpu"),
+}
+
+# A peer's own test helpers (peft's ``tests/testing_utils.py``) define gates of the same names; they are lifted
+# as those modules are imported, by an import hook, before the test module that imports them continues.
+_HELPER_SUFFIX = "testing_utils"
+_HELPER_GATES = tuple(sorted({name for names in GATES.values() for name in names}))
+
+# Package namespaces that re-export the decorators (``from accelerate.test_utils import require_cuda``).
+_REEXPORTS: dict[str, tuple[str, ...]] = {"accelerate.test_utils.testing": ("accelerate.test_utils",)}
+
+lifted: list[str] = []
+
+
+def _identity(test_case=None, *args, **kwargs):
+    return test_case
+
+
+def lift_gates(nproc: int) -> list[str]:
+    """Replaces every gate found; returns ``module.name`` for each one replaced."""
+    done = []
+    for module_name, names in GATES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        namespaces = [module] + [sys.modules[m] for m in _REEXPORTS.get(module_name, ()) if m in sys.modules]
+        for name in names:
+            if not hasattr(module, name):
+                continue
+            for namespace in namespaces:
+                if hasattr(namespace, name):
+                    setattr(namespace, name, _identity)
+            done.append(f"{module_name}.{name}")
+        if module_name == "accelerate.test_utils.testing":
+            _set_accelerate_devices(module, namespaces, nproc)
+    return done
+
+
+def _lift_in(module) -> list[str]:
+    done = []
+    for name in _HELPER_GATES:
+        if callable(getattr(module, name, None)):
+            setattr(module, name, _identity)
+            done.append(f"{module.__name__}.{name}")
+    return done
+
+
+class _HelperGateLifter(importlib.abc.MetaPathFinder):
+    """Finds ``*testing_utils`` modules outside the installed packages through the other finders and lifts the
+    gates they define right after they are executed."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.rsplit(".", 1)[-1] != _HELPER_SUFFIX or fullname in GATES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _LiftingLoader(spec.loader)
+                return spec
+            if spec is not None:
+                return spec
+        return None
+
+
+class _LiftingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        lifted.extend(_lift_in(module))
+
+
+def _set_accelerate_devices(module, namespaces, nproc: int) -> None:
+    if getattr(module, "device_count", nproc) >= nproc:
+        return
+    for namespace in namespaces:
+        if hasattr(namespace, "device_count"):
+            namespace.device_count = nproc
+        if hasattr(namespace, "DEFAULT_LAUNCH_COMMAND"):
+            namespace.DEFAULT_LAUNCH_COMMAND = module.get_launch_command(num_processes=nproc, monitor_interval=0.1)
+
+
+# At import: ``-p peer_gates`` imports this before the peer's conftest files and test modules.
+lifted[:] = lift_gates(int(os.environ.get("PEER_SUITES_NPROC", "2")))
+sys.meta_path.insert(0, _HelperGateLifter())
+
+
+def pytest_report_header(config):
+    return f"peer_gates: lifted {len(lifted)} hardware gates: {', '.join(n.rsplit('.', 1)[1] for n in lifted)}"
