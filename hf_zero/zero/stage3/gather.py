@@ -14,6 +14,7 @@ dropped, right after. The Gatherer also counts the bytes of full parameters aliv
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 
 import torch
@@ -203,5 +204,10 @@ def gatherer_for(group=None) -> Gatherer:
     the group must make that first call at the same point (partitioning a parameter does)."""
     g = _GATHERERS.get(group)
     if g is None or (dist.is_initialized() and g.world_size != dist.get_world_size(group)):
+        if not _GATHERERS:
+            # they hold their groups (the key, and Gatherer.group): let go of them at exit, before the process
+            # group hf_zero created is destroyed (its atexit was registered earlier, so runs later), so that
+            # destroying it frees gloo's threads while the interpreter still runs
+            atexit.register(_GATHERERS.clear)
         g = _GATHERERS[group] = Gatherer(group)
     return g
