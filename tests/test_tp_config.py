@@ -78,7 +78,8 @@ def _refusals():
     except ConfigError as e:
         out["dtype"] = str(e)
     # DeepSpeed's idiom (#26 item 4): model_parameters=model.parameters(), a generator read after AutoTP replaced the
-    # parameters -- accepted; a list taken before the sharding names replaced parameters -- refused, saying so
+    # parameters -- accepted; a list taken before the sharding -- accepted too, as in DeepSpeed, whose AutoTP keeps
+    # the Parameter objects: it is pointed at their replacements (runtime/tp_setup.py adopt_sharded_params)
     from torch.distributed.tensor import DTensor
 
     tp_cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -91,10 +92,14 @@ def _refusals():
     engine.destroy()
     model = make_model("llama")
     stale = list(model.parameters())
-    try:
-        hf_zero.initialize(model=model, model_parameters=stale, config=tp_cfg)
+    engine, *_ = hf_zero.initialize(model=model, model_parameters=stale, config=tp_cfg)
+    stepped = [p for g in engine.groups for p in g.params]
+    out["stale_list"] = (len(stepped), set(stepped) == set(model.parameters()))
+    engine.destroy()
+    try:  # parameters of another model stay refused
+        hf_zero.initialize(model=make_model("llama"), model_parameters=stale, config=tp_cfg)
     except ValueError as e:
-        out["stale_list"] = str(e)
+        out["foreign_list"] = str(e)
     return out
 
 
@@ -109,4 +114,5 @@ def test_refusals_name_the_cause():
     assert out["dtype"].startswith("tensor_parallel.dtype") and "fp32" in out["dtype"]
     trained, in_model, sharded = out["generator"]
     assert trained == in_model and sharded, out["generator"]
-    assert "before tensor parallelism replaced them" in out["stale_list"], out["stale_list"]
+    assert out["stale_list"] == (trained, True), out["stale_list"]
+    assert "not the tensor-parallel model's" in out["foreign_list"], out["foreign_list"]

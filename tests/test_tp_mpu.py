@@ -120,6 +120,56 @@ def _worker():
 register(2, "mpu", _worker)  # in the shared 2-rank process group (tests/_tp_spawns.py)
 
 
+def _client_optimizer_worker():
+    """DeepSpeed's AutoTP training example: ``torch.optim.AdamW(model.parameters())`` built *before*
+    ``initialize(model, optimizer=opt, config with tensor_parallel.autotp_size)``.
+
+    DeepSpeed 0.19.8 (2 CPU ranks, the same model, batches and config, no mpu): AutoTP keeps all 21 Parameter objects
+    of the tiny Llama and swaps the ``.data`` of 15 for this rank's shard (q_proj (64, 64) -> (32, 64), ...), so the
+    optimizer built before holds the trained parameters; losses 4.890985, 4.864984, 4.857522 on both ranks, grad norm
+    2.7161 at the last step (the single-process reference below: the same to 1e-5)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import hf_zero
+    from hf_zero.tensor_parallel.state import full_state_dict
+
+    cfg = _config(autotp_size=2)
+    del cfg["optimizer"]  # the client's optimizer is the only one, as in the example
+    model = make_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    engine, *_ = hf_zero.initialize(model=model, optimizer=opt, config=cfg)
+    held = [p for g in opt.param_groups for p in g["params"]]
+    current = list(model.parameters())
+    out = {"adopted": (len(held), len(current), all(any(p is q for q in current) for p in held),
+                       sum(isinstance(p, DTensor) for p in held), sum(isinstance(p, DTensor) for p in current))}
+    data = token_data(STEPS, batch=2)
+    losses, norms = [], []
+    for s in range(STEPS):
+        loss = engine(input_ids=data[s], labels=data[s]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(engine.get_global_grad_norm())
+    out.update(losses=losses, norms=norms, state=full_state_dict(engine.module))
+    engine.destroy()
+    # an optimizer that already stepped on the full tensors has state of the unsharded shape: refused, naming it
+    model = make_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model(input_ids=data[0], labels=data[0]).loss.backward()
+    opt.step()
+    try:
+        hf_zero.initialize(model=model, optimizer=opt, config=cfg)
+        out["stepped"] = None
+    except ValueError as e:
+        out["stepped"] = str(e)
+    dist.barrier()
+    return out
+
+
+register(2, "client_optimizer", _client_optimizer_worker)
+
+
 def test_mpu_tp_groups_with_autotp_train_as_one_process():
     ref_losses, ref_norms, ref_state = _reference()
     assert max(ref_norms) > CLIP  # clipping is active
@@ -138,3 +188,26 @@ def test_mpu_size_mismatch_is_refused_naming_both():
         assert "2, but the mpu" in out["mismatch"] and "tensor-parallel size of 1" in out["mismatch"]
         assert out["unset"] is not None and "tensor parallel size 2" in out["unset"]
         assert "tensor_parallel.autotp_size: 2" in out["unset"]
+
+
+def test_optimizer_built_before_autotp_trains_as_one_process():
+    ref_losses, ref_norms, ref_state = _reference()
+    for rank, out in enumerate(case(2, "client_optimizer")):
+        held, in_model, same, dtensors_held, dtensors_model = out["adopted"]
+        # the optimizer holds exactly the model's parameters, the sharded (DTensor) ones included
+        assert held == in_model == 21 and same and dtensors_held == dtensors_model > 0, (rank, out["adopted"])
+        for s in range(STEPS):
+            assert abs(out["losses"][s] - ref_losses[s]) <= 1e-5 * ref_losses[s], (rank, s, out["losses"])
+            assert abs(out["norms"][s] - ref_norms[s]) <= 1e-5 * ref_norms[s], (rank, s, out["norms"])
+        for name, ref in ref_state.items():
+            assert rel(out["state"][name], ref) <= 1e-5, (rank, name, rel(out["state"][name], ref))
+        assert out["stepped"] is not None and "'model.embed_tokens.weight'" in out["stepped"], out["stepped"]
+        assert "state for" in out["stepped"] and "shape (128, 64)" in out["stepped"]
+
+
+def test_reference_matches_deepspeeds_autotp_run():
+    """The numbers DeepSpeed's run of _client_optimizer_worker gave (its docstring)."""
+    ref_losses, ref_norms, _ = _reference()
+    for got, ds in zip(ref_losses, [4.890985488891602, 4.864983558654785, 4.857522010803223]):
+        assert abs(got - ds) <= 1e-5 * ds, (ref_losses, ds)
+    assert abs(ref_norms[-1] - 2.7161) <= 1e-4 * 2.7161, ref_norms

@@ -18,7 +18,7 @@ from hf_zero.config.status import ConfigKeyIgnored
 from hf_zero.runtime.engine import HfZeroEngine
 from hf_zero.runtime.mpu import mpu_tensor_mesh, read_mpu
 from hf_zero.runtime.optimizers import plan_from_client, plan_from_config
-from hf_zero.runtime.tp_setup import setup_tensor_parallel
+from hf_zero.runtime.tp_setup import adopt_sharded_params, setup_tensor_parallel
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.tensor_parallel.config import parse_tp_config
 
@@ -80,7 +80,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if model_parameters is not None:
         # Read once, here (it is used twice below): after tensor parallelism, so that `model.parameters()` -- a
         # generator, DeepSpeed's idiom -- yields the sharded parameters that replaced the model's, as DeepSpeed
-        # reads it after AutoTP. A list built before the sharding still names the replaced ones (refused below).
+        # reads it after AutoTP. A list taken before the sharding names the replaced ones: adopt_sharded_params
+        # points it at their replacements, as DeepSpeed's AutoTP (which keeps the objects) effectively does.
         model_parameters = list(model_parameters)
     data_rank = comm.get_rank(process_group)
     if pipeline_grid is not None:  # batch sizes count data-parallel replicas, not every rank
@@ -94,6 +95,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                                       "num_stages) to initialize(), or remove the section (accelerate and the "
                                       "Trainer cannot drive a pipeline: see docs/pipeline.md)")
     if tp is not None:
+        model_parameters = adopt_sharded_params(model, model_parameters, optimizer)
         _check_tp_params(model, model_parameters, optimizer, cfg, raw)
 
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
@@ -153,9 +155,9 @@ def _check_tp_params(model: nn.Module, model_parameters, optimizer, cfg, raw: di
     if isinstance(optimizer, torch.optim.Optimizer):
         given += [p for g in optimizer.param_groups for p in g["params"]]
     if any(p not in current for p in given):
-        raise ValueError("hf_zero.initialize: the optimizer / model_parameters hold parameters of the model before "
-                         "tensor parallelism replaced them; build them after deepspeed.tp_model_init(model, ...) "
-                         "(or pass the optimizer as a config section or a callable)")
+        raise ValueError("hf_zero.initialize: the optimizer / model_parameters hold parameters that are not the "
+                         "tensor-parallel model's (nor ones its sharding replaced); build them from this model's "
+                         "parameters (or pass the optimizer as a config section or a callable)")
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     have = names[cfg.compute_dtype]
     tp_dtype = (raw.get("tensor_parallel") or {}).get("dtype")

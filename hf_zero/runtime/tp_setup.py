@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -26,7 +27,7 @@ from hf_zero.tensor_parallel.loss import vocab_parallel_cross_entropy
 from hf_zero.tensor_parallel.mesh import TPMesh
 from hf_zero.tensor_parallel.state import full_state_dict
 
-__all__ = ["TPLayout", "setup_tensor_parallel", "replicated_spans"]
+__all__ = ["TPLayout", "setup_tensor_parallel", "replicated_spans", "adopt_sharded_params"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,36 @@ def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int
     # the dp group even when it holds one rank: None would mean the whole world to the engine
     return TPLayout(layout.tp_size, layout.tp_rank, layout.tp_group, layout.dp_size, layout.dp_rank,
                     layout.dp_group)
+
+
+def adopt_sharded_params(model: nn.Module, model_parameters, optimizer) -> list | None:
+    """Point what the caller built before the sharding at the sharded parameters; returns ``model_parameters``.
+
+    DeepSpeed's AutoTP keeps each ``nn.Parameter`` object and swaps its ``.data`` for this rank's shard, so an
+    optimizer built over ``model.parameters()`` before ``initialize`` (its AutoTP training example does that) and a
+    ``list(model.parameters())`` taken before it both hold the trained parameters. Here sharded parameters are new
+    (DTensor) objects; :attr:`TPInfo.replaced` maps each old one to its replacement, and this rewrites the client
+    optimizer's ``param_groups`` in place (the same optimizer object, now over the model's parameters, as in
+    DeepSpeed) and the ``model_parameters`` list. An optimizer that has state for a replaced parameter already
+    stepped on the full tensor: refused, naming it, since that state has the unsharded shape."""
+    info = tp_info(model)
+    if info is None or not len(info.replaced):
+        return model_parameters
+    if model_parameters is not None:
+        model_parameters = [dict(item, params=[info.current(p) for p in item["params"]]) if isinstance(item, dict)
+                            else info.current(item) for item in model_parameters]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        names = {p: n for n, p in model.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                new = info.replacement(p)
+                if new is not None and optimizer.state.get(p):
+                    raise ValueError(f"hf_zero.initialize: the optimizer has state for "
+                                     f"{names.get(new, 'a parameter')!r} from before tensor parallelism sharded it "
+                                     f"(shape {tuple(p.shape)}); build the optimizer (or take its first step) after "
+                                     "the sharding, or pass it as a config section or a callable")
+            group["params"] = [info.current(p) for p in group["params"]]
+    return model_parameters
 
 
 def _setup_pipeline_stage(model: nn.Module, tp_cfg: TPConfig, grid) -> TPLayout | None:

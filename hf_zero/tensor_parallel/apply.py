@@ -16,6 +16,7 @@ linears are split with them (adapters.py).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,21 @@ class TPInfo:
     layout: TPMesh | None = None           # the (dp, tp) mesh when apply_tp got one (data-parallel groups)
     dtype: torch.dtype | None = None       # tp_model_init(dtype=...): checked against the engine's dtype
     sequence_parallel: bool = False        # residual stream split along the sequence between TP regions
+    # id(pre-sharding Parameter) -> (a weak reference to it, the Parameter that replaced it): DTensor parameters are
+    # new objects, where DeepSpeed's AutoTP keeps the objects and swaps their .data; this is how an optimizer built
+    # before the sharding finds its parameters. Weak, so the replaced full-size tensors are not kept alive; keyed by
+    # id because a tensor as a dict key would be compared with == (elementwise) by weakref's equality.
+    replaced: dict[int, tuple[weakref.ref, nn.Parameter]] = field(default_factory=dict)
+
+    def replacement(self, param: torch.Tensor) -> nn.Parameter | None:
+        """The parameter that replaced ``param`` when the model was sharded, or None."""
+        entry = self.replaced.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else None
+
+    def current(self, param: torch.Tensor) -> torch.Tensor:
+        """``param`` as the model holds it now: its sharded replacement, or itself."""
+        new = self.replacement(param)
+        return param if new is None else new
 
     @property
     def size(self) -> int:
@@ -161,6 +177,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
     if tp_mesh.ndim != 1:
         raise ValueError(f"hf_zero: apply_tp needs the 1-D tensor-parallel mesh (mesh['tp']), got {tp_mesh.ndim}-D")
     outer, model = model, peft_base_model(model)  # PEFT: the transformers model inside (plan, embeddings, loss)
+    before = dict(model.named_parameters(remove_duplicate=False))  # to map replaced parameters (TPInfo.replaced)
     resolved, source = resolve_plan(model, plan, vocab_parallel_head=vocab_parallel_head,
                                     sequence_parallel=sequence_parallel)
     matched = match_modules(model, resolved)
@@ -196,8 +213,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
     if sequence_parallel:
         prefix = getattr(model, "base_model_prefix", "")
         install_sequence_check(getattr(model, prefix, None) if prefix and hasattr(model, prefix) else model, tp_mesh)
-    model.hf_zero_tp = TPInfo(mesh=tp_mesh, plan=matched, plan_source=source, fused=fused, layout=layout,
-                              sequence_parallel=sequence_parallel)
+    info = TPInfo(mesh=tp_mesh, plan=matched, plan_source=source, fused=fused, layout=layout,
+                  sequence_parallel=sequence_parallel)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        old = before.get(name)
+        if old is not None and old is not param:
+            info.replaced[id(old)] = (weakref.ref(old), param)
+    model.hf_zero_tp = info
     return outer
 
 
