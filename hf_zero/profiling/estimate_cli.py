@@ -94,8 +94,12 @@ def _evaluate(config, model, ds: dict, args, world: int, micro: int, gc: bool, a
     host_mem = int(args.host_memory_gib * _GIB) if args.host_memory_gib else _host_memory()
     result["device_memory_bytes"] = device_mem
     result["fits"] = est.peak("accelerator") <= device_mem and est.peak("host") * args.nproc_per_node <= host_mem
-    # loading: every local process materialises the full model (fp32 checkpoint) unless zero.Init shards it
-    per_process = counts.total * 4 // (world if int(ds.get("zero_optimization", {}).get("stage", 0)) == 3 else 1)
+    # loading: every local process materialises the full model (fp32 checkpoint) unless zero.Init shards it, into
+    # shards of the training dtype (zero.Init casts them under bf16/fp16, as DeepSpeed's does)
+    if int(ds.get("zero_optimization", {}).get("stage", 0)) == 3:
+        per_process = counts.total * torch.empty(0, dtype=dtype).element_size() // world
+    else:
+        per_process = counts.total * 4
     result["host_bytes_while_loading"] = per_process * args.nproc_per_node
     peak = peak_tflops(args.accelerator if args.accelerator == "cuda" else "cpu", dtype, override=args.peak_tflops)
     if peak and config is not None and supports(config):
