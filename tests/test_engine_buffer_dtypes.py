@@ -18,6 +18,12 @@ hf_zero gives 13.011749, 8.814046, 13.923901, 13.298123 at every stage (rank 0 r
 -0.0566): the first step is bit-identical, the rest within 0.06 % of DeepSpeed's stages 2/3 and 1.3 % of its stage 0
 (whose bf16 path updates differently; the 2e-2 relative bound is the one the bf16 parity tests use). Without
 ``buffer_dtype`` hf_zero refuses at initialize, naming the key, instead of failing in forward.
+
+fp16 (DeepSpeed's ``module.half()`` question), the same script with ``fp16.enabled`` (default loss scaling):
+DeepSpeed fails at every stage with "expected scalar type Half but found Float" unless ``buffer_dtype: "fp16"``;
+with it, stages 2 and 3 give 13.008264, 9.239029, 14.180226, 14.346144 and stage 0 13.008264, 8.929170, 13.931321,
+13.467098 (its stage-0 fp16 optimizer treats the first, overflowing, scale differently). hf_zero gives DeepSpeed's
+stage 2/3 numbers bit for bit at stages 0, 2 and 3.
 """
 
 from __future__ import annotations
@@ -34,12 +40,14 @@ DS_LOSSES = {0: [13.011749267578125, 8.91366195678711, 13.917600631713867, 13.47
              2: [13.011749267578125, 8.819120407104492, 13.922162055969238, 13.296671867370605],
              3: [13.011749267578125, 8.819120407104492, 13.922162055969238, 13.296671867370605]}
 DS_RUNNING_MEAN_RANK0 = [-0.07177734375, -0.111328125, -0.054931640625]  # stages 2 and 3
+DS_FP16_LOSSES_STAGES_2_3 = [13.00826358795166, 9.239028930664062, 14.18022632598877, 14.34614372253418]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _config(stage: int, **extra) -> dict:
+def _config(stage: int, precision: str = "bf16", **extra) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}, "steps_per_print": 10**6}
+           "zero_optimization": {"stage": stage}, precision: {"enabled": True}, "steps_per_print": 10**6}
     cfg.update(extra)
     return cfg
 
@@ -49,13 +57,13 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
 
 
-def _train(engine, rank: int, world: int) -> list[float]:
+def _train(engine, rank: int, world: int, dtype=torch.bfloat16) -> list[float]:
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(4):
         x = torch.randn(world, 4, 8, generator=g)
         y = x.sum(-1, keepdim=True)
-        loss = (engine(x[rank].to(torch.bfloat16)).float() - y[rank]).square().mean()
+        loss = (engine(x[rank].to(dtype)).float() - y[rank]).square().mean()
         engine.backward(loss)
         engine.step()
         t = loss.detach().clone()
@@ -86,12 +94,19 @@ def _check() -> dict:
         out["losses"][stage] = _train(engine, rank, world)
         out.setdefault("running_mean", {})[stage] = engine.module[1].running_mean[:3].float().tolist()
         engine.destroy()
-    # bf16 alone: refused at initialize, naming the key (DeepSpeed fails in forward)
-    try:
-        hf_zero.initialize(model=_model(), config=_config(2))
-        out["refused"] = None
-    except hf_zero.ConfigError as err:
-        out["refused"] = str(err)
+    for stage in (0, 2, 3):
+        engine, *_ = hf_zero.initialize(model=_model(), config=_config(stage, "fp16",
+                                                                       data_types={"buffer_dtype": "fp16"}))
+        out.setdefault("fp16_buffers", {})[stage] = {n: b.dtype for n, b in engine.module.named_buffers()}
+        out.setdefault("fp16_losses", {})[stage] = _train(engine, rank, world, torch.float16)
+        engine.destroy()
+    # 16-bit alone: refused at initialize, naming the key (DeepSpeed fails in forward)
+    for precision in DTYPES:
+        try:
+            hf_zero.initialize(model=_model(), config=_config(2, precision))
+            out.setdefault("refused", {})[precision] = None
+        except hf_zero.ConfigError as err:
+            out.setdefault("refused", {})[precision] = str(err)
     # keep_in_fp32_modules "auto": the listed buffer stays fp32 (its values too), the others follow buffer_dtype
     m = _Listed()
     engine, *_ = hf_zero.initialize(model=m, config=_config(2, data_types={"buffer_dtype": "bf16"}))
@@ -134,11 +149,21 @@ def test_buffer_dtype_bf16_casts_buffers_and_trains_like_deepspeed(results):
         assert results[1]["losses"][stage] == r["losses"][stage]
 
 
-def test_bf16_without_buffer_dtype_is_refused_naming_the_key(results):
-    msg = results[0]["refused"]
+def test_buffer_dtype_fp16_trains_like_deepspeed(results):
+    r = results[0]
+    for stage in (0, 2, 3):
+        assert r["fp16_buffers"][stage] == {"1.running_mean": torch.float16, "1.running_var": torch.float16,
+                                            "1.num_batches_tracked": torch.int64}
+        torch.testing.assert_close(torch.tensor(r["fp16_losses"][stage]), torch.tensor(DS_FP16_LOSSES_STAGES_2_3),
+                                   rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16bit_without_buffer_dtype_is_refused_naming_the_key(results, precision):
+    msg = results[0]["refused"][precision]
     assert msg is not None and msg.startswith("data_types.buffer_dtype: unset")
-    assert "'1' (BatchNorm1d: torch.bfloat16 weight, torch.float32 running statistics)" in msg
-    assert '"buffer_dtype": "bf16"' in msg
+    assert f"'1' (BatchNorm1d: {DTYPES[precision]} weight, torch.float32 running statistics)" in msg
+    assert f'"buffer_dtype": "{precision}"' in msg
 
 
 def test_keep_in_fp32_modules(results):
