@@ -23,13 +23,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["KEEP_AUTO", "keep_in_fp32_pattern", "keep_buffers_in_fp32", "cast_module_buffers", "cast_floating",
+__all__ = ["KEEP_AUTO", "CASTABLE_DTYPES", "keep_in_fp32_pattern", "keep_buffers_in_fp32", "cast_module_buffers", "cast_floating",
            "unusable_norms"]
 
 KEEP_AUTO = "auto"
 
 # the floating dtypes DeepSpeed's engine casts (its CASTABLE_DTYPES); fp8 and complex buffers are left alone
-_CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+CASTABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def keep_in_fp32_pattern(module: nn.Module, setting: str | Sequence[str] | None,
@@ -79,7 +79,7 @@ def keep_buffers_in_fp32(module: nn.Module, pattern: re.Pattern | None) -> int:
 
 def cast_floating(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``buf`` in ``dtype`` when it is a castable floating tensor; itself otherwise (integer counters, masks)."""
-    if buf.dtype in _CASTABLE and buf.dtype != dtype:
+    if buf.dtype in CASTABLE_DTYPES and buf.dtype != dtype:
         buf.data = buf.data.to(dtype)  # the same tensor object: whoever kept a reference sees the new dtype
     return buf
 

@@ -37,7 +37,7 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
 from hf_zero.config.loader import read_config
 from hf_zero.config.policies import InitPrecision, init_precision, param_offload_device, param_offload_policy
 
-from .buffer_dtypes import keep_buffers_in_fp32, keep_in_fp32_pattern
+from .buffer_dtypes import CASTABLE_DTYPES, keep_buffers_in_fp32, keep_in_fp32_pattern
 from .stage3.gather import gatherer_for
 from .stage3.param import ShardedParam, sharded_param_of
 
@@ -141,10 +141,6 @@ def _param_swapper(raw: dict, remote_device, rank: int):
     if policy is None:
         return None
     return param_swapper_for(policy.nvme_path, rank=rank, aio=policy.aio)
-
-
-# floating dtypes a build in 16 bit casts (DeepSpeed's wrapped constructors cast every floating tensor)
-_CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _init_precision(raw: dict | None, dtype: torch.dtype | None) -> InitPrecision:
@@ -273,7 +269,7 @@ class Init:
     def _on_buffer(self, module: nn.Module, name: str, buffer):
         """A floating buffer registered inside the context becomes the training dtype (see the class docstring)."""
         self._roots.setdefault(id(module), module)
-        if buffer is not None and buffer.dtype in _CASTABLE and buffer.dtype != self.dtype:
+        if buffer is not None and buffer.dtype in CASTABLE_DTYPES and buffer.dtype != self.dtype:
             return buffer.to(self.dtype)
         return None
 
