@@ -159,3 +159,111 @@ def test_fused_adam_matches_cpu_adam(device):
         opt_b.step()
     for p, q in zip(a, b):
         assert _max_rel(p.detach(), q.detach()) < 1e-6
+
+
+# ---------------------------------------------------------------- the CPU kernel's SIMD paths
+
+
+def _cpu_isas() -> list[str]:
+    """The CPU Adam paths this machine can run: "scalar" always, then "avx2" and "avx512" where supported."""
+    best = torch.ops.hf_zero.adam_cpu_isa("auto")
+    order = ["scalar", "avx2", "avx512"]
+    return order[: order.index(best) + 1]
+
+
+@pytest.fixture
+def cpu_isa():
+    """Selects a CPU Adam path for the test (``cpu_isa("avx2")``); the widest one is restored afterwards."""
+    yield lambda isa: torch.ops.hf_zero.adam_cpu_isa(isa)
+    torch.ops.hf_zero.adam_cpu_isa("auto")
+
+
+# Lengths around the vector widths (8, 16), the thread-chunk unit (64) and the prefetch distance (1024).
+SIMD_NUMELS = [1, 7, 8, 9, 15, 16, 17, 63, 65, 1040, 1057, 4099, 100_003]
+SIMD_CASES = [  # (grad dtype, out16 dtype, adamw_mode, weight_decay, bias_correction, grad_scale)
+    (torch.float32, None, True, 0.1, True, 1.0),
+    (torch.float32, None, False, 0.1, True, 1.0),
+    (torch.float32, None, True, 0.0, False, 1.0),
+    (torch.bfloat16, torch.bfloat16, True, 0.1, True, 128.0),
+    (torch.bfloat16, torch.float16, False, 0.1, False, 1.0),
+    (torch.float16, torch.bfloat16, True, 0.0, True, 64.0),
+    (torch.float16, torch.float16, False, 0.05, True, 1.0),
+    (torch.float32, torch.bfloat16, True, 0.1, True, 1.0),
+]
+
+
+def _simd_inputs(numel: int, grad_dtype, param_dtype=torch.float32):
+    gen = torch.Generator().manual_seed(numel)
+    param = torch.randn(numel, generator=gen).to(param_dtype)
+    exp_avg = torch.randn(numel, generator=gen) * 0.1
+    exp_avg_sq = torch.rand(numel, generator=gen) * 0.1
+    grads = [(torch.randn(numel, generator=gen) * 64).to(grad_dtype) for _ in range(3)]
+    return param, exp_avg, exp_avg_sq, grads
+
+
+def _run_steps(isa_fn, isa, param, exp_avg, exp_avg_sq, grads, out16_dtype, **kwargs):
+    isa_fn(isa)
+    state = [param.clone(), exp_avg.clone(), exp_avg_sq.clone()]
+    out16 = None if out16_dtype is None else torch.empty(param.numel(), dtype=out16_dtype)
+    for step, grad in enumerate(grads, start=1):
+        adam_step_(*state[:1], grad, *state[1:], step=step, out16=out16, **kwargs)
+    return state, out16
+
+
+@requires_native
+@pytest.mark.parametrize("numel", SIMD_NUMELS)
+@pytest.mark.parametrize("case", SIMD_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_adam_cpu_simd_paths_match_scalar_and_reference(cpu_isa, numel, case):
+    """Every SIMD path computes what the scalar loop computes, bit for bit (same operations, same order; tails
+    included), and the scalar loop tracks the pure-PyTorch reference."""
+    grad_dtype, out16_dtype, adamw_mode, weight_decay, bias_correction, grad_scale = case
+    kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, adamw_mode=adamw_mode,
+                  bias_correction=bias_correction, grad_scale=grad_scale)
+    inputs = _simd_inputs(numel, grad_dtype)
+    scalar, scalar16 = _run_steps(cpu_isa, "scalar", *inputs, out16_dtype, **kwargs)
+    for isa in _cpu_isas()[1:]:
+        simd, simd16 = _run_steps(cpu_isa, isa, *inputs, out16_dtype, **kwargs)
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), simd, scalar):
+            assert torch.equal(a, b), f"{isa} differs from scalar in {name} (numel {numel})"
+        if out16_dtype is not None:
+            assert torch.equal(simd16, scalar16), f"{isa} differs from scalar in out16 (numel {numel})"
+            assert torch.equal(simd16, simd[0].to(out16_dtype)), f"{isa}: out16 is not param rounded"
+    param, exp_avg, exp_avg_sq, grads = inputs
+    ref = [param.clone(), exp_avg.clone(), exp_avg_sq.clone()]
+    for step, grad in enumerate(grads, start=1):
+        adam_step_reference(ref[0], grad, ref[1], ref[2], step=step, **kwargs)
+    for a, b in zip(scalar, ref):
+        assert _max_rel(a, b) < 1e-6
+
+
+@requires_native
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel", [17, 1057, 100_003])
+def test_adam_step_16bit_param_in_place(cpu_isa, param_dtype, grad_dtype, numel):
+    """A bf16/fp16 param (no fp32 master) is updated in fp32 and rounded once: every path agrees bit for bit,
+    and with the reference (fp32 update of the 16-bit value, rounded) to within one 16-bit rounding."""
+    kwargs = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                  bias_correction=True)
+    inputs = _simd_inputs(numel, grad_dtype, param_dtype)
+    results = {isa: _run_steps(cpu_isa, isa, *inputs, None, **kwargs)[0] for isa in _cpu_isas()}
+    scalar = results["scalar"]
+    assert scalar[0].dtype == param_dtype
+    for isa, state in results.items():
+        for a, b in zip(state, scalar):
+            assert torch.equal(a, b), f"{isa} differs from scalar"
+    param, exp_avg, exp_avg_sq, grads = inputs
+    ref = [param.clone(), exp_avg.clone(), exp_avg_sq.clone()]
+    for step, grad in enumerate(grads, start=1):
+        adam_step_reference(ref[0], grad, ref[1], ref[2], step=step, **kwargs)
+    ulp = 2.0**-7 if param_dtype == torch.bfloat16 else 2.0**-10
+    torch.testing.assert_close(scalar[0].float(), ref[0].float(), rtol=ulp, atol=1e-3)
+    for a, b in zip(scalar[1:], ref[1:]):
+        assert _max_rel(a, b) < 1e-5
+
+
+@requires_native
+def test_adam_cpu_isa_rejects_unknown_path():
+    with pytest.raises(RuntimeError, match="unknown path"):
+        torch.ops.hf_zero.adam_cpu_isa("sse9")
+    assert torch.ops.hf_zero.adam_cpu_isa() in ("scalar", "avx2", "avx512")

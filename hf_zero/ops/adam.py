@@ -3,6 +3,7 @@
 * ``adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, ...)`` -- one in-place step over a flat fp32
   partition in one pass over memory; ``grad`` may be fp32, bf16 or fp16; ``grad_scale`` divides the gradient
   (loss-scale unscale and clipping coefficient folded in); ``out16`` receives the updated parameter in 16 bit.
+  ``param`` may also be bf16/fp16 itself (no fp32 master): it is updated in fp32 and rounded once.
 * ``AdamHyper`` -- the step's hyper-parameters of one group as one frozen value (``adam_step_(..., **h.kwargs())``).
 * ``CPUAdam`` -- drop-in for DeepSpeed's ``DeepSpeedCPUAdam`` (same constructor), for offloaded optimizer states.
 * ``FusedAdam`` -- the same for CUDA parameters, one multi-tensor launch per step; on CPU it runs the CPU kernel.
@@ -72,6 +73,13 @@ def adam_step_reference(
     out16: torch.Tensor | None = None,
 ) -> None:
     """Pure-PyTorch reference of ``adam_step_``: the formula of torch.optim.AdamW (adamw_mode) / Adam (L2)."""
+    if param.dtype != torch.float32:  # a 16-bit param: computed in fp32, rounded once (as the kernel does)
+        master = param.float()
+        adam_step_reference(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                            weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction,
+                            grad_scale=grad_scale, out16=out16)
+        param.copy_(master)
+        return
     g = grad.reshape(param.shape).float()
     if grad_scale != 1.0:
         g = g / grad_scale
@@ -107,15 +115,18 @@ def adam_step_(
     grad_scale: float = 1.0,
     out16: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW step, in place on ``param`` (fp32), ``exp_avg`` and ``exp_avg_sq`` (fp32).
+    """One Adam/AdamW step, in place on ``param``, ``exp_avg`` and ``exp_avg_sq`` (fp32).
 
-    ``grad_used = grad / grad_scale``; ``out16`` (bf16/fp16, same numel) gets the updated param in 16 bit.
+    ``param`` is the fp32 master, or on CPU a bf16/fp16 parameter (updated in fp32, rounded once on store).
+    ``grad_used = grad / grad_scale``; ``out16`` (bf16/fp16, same numel) gets an fp32 param's update in 16 bit.
     """
     if native_available(param.device):
         # The kernel works on flat contiguous storage; strided views (rare: the engine passes flat partitions)
-        # take the reference path, which handles any layout.
+        # take the reference path, which handles any layout. 16-bit params in place: the CPU kernel only.
         flat = all(t is None or t.is_contiguous() for t in (param, exp_avg, exp_avg_sq, out16))
-        if flat and param.dtype == torch.float32:
+        param_ok = param.dtype == torch.float32 or (param.device.type == "cpu" and param.dtype in _FLOAT16
+                                                    and out16 is None)
+        if flat and param_ok:
             torch.ops.hf_zero.adam_step(
                 param, grad, exp_avg, exp_avg_sq, out16, int(step), float(lr), float(beta1), float(beta2),
                 float(eps), float(weight_decay), bool(adamw_mode), bool(bias_correction), float(grad_scale),
@@ -181,7 +192,9 @@ class CPUAdam(torch.optim.Optimizer):
 
     def _step_param(self, p: torch.Tensor, state: dict[str, Any], kwargs: dict[str, Any]) -> None:
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        if p.dtype == torch.float32 and exp_avg.dtype == torch.float32:
+        fp32_states = exp_avg.dtype == torch.float32 and exp_avg_sq.dtype == torch.float32
+        if fp32_states and (p.dtype == torch.float32 or (p.device.type == "cpu" and p.dtype in _FLOAT16)):
+            # fp32 params, or 16-bit CPU params updated in place in one pass (DeepSpeedCPUAdam's layout)
             adam_step_(p.data, p.grad, exp_avg, exp_avg_sq, **kwargs)
             return
         # 16-bit parameter (and maybe 16-bit states): compute in fp32, write back in the storage dtypes.
@@ -257,7 +270,7 @@ def _register() -> None:
     @torch.library.register_fake("hf_zero::adam_step")
     def _(param, grad, exp_avg, exp_avg_sq, out16, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
           bias_correction, grad_scale):
-        torch._check(param.dtype == torch.float32, lambda: "adam_step: param must be float32")
+        torch._check(param.dtype in (torch.float32, *_FLOAT16), lambda: "adam_step: param must be a float type")
         torch._check(grad.numel() == param.numel(), lambda: "adam_step: grad and param differ in numel")
         return None
 
