@@ -46,8 +46,8 @@ def _dtypes(model: nn.Module) -> dict:
     w = model[0].weight
     with GatheredParameters([w]):
         gathered = (w.dtype, tuple(w.shape))
-    return {"param": {p.dtype for p in model.parameters()}, "ds_tensor": {p.ds_tensor.dtype for p in model.parameters()},
-            "gathered": gathered}
+    params = list(model.parameters())
+    return {"param": {p.dtype for p in params}, "ds_tensor": {p.ds_tensor.dtype for p in params}, "gathered": gathered}
 
 
 def _run(tmp_dir: str) -> dict:

@@ -4,8 +4,8 @@ Two places cast buffers, both DeepSpeed's:
 
 - ``zero.Init`` with bf16 or fp16 enabled: DeepSpeed's wrapped tensor constructors make every floating tensor built
   inside the context 16-bit, buffers included (measured: BatchNorm's ``running_mean``/``running_var`` and Llama's
-  ``rotary_emb.inv_freq`` come out bfloat16). hf_zero casts each floating buffer as it is registered instead
-  (:func:`cast_floating`), which gives the same dtypes without patching torch.
+  ``rotary_emb.inv_freq`` come out bfloat16). hf_zero's ``Init`` casts each floating buffer as it is registered
+  instead (a buffer-registration hook, hf_zero/zero/init.py), which gives the same dtypes without patching torch.
 - ``initialize``: DeepSpeed casts parameters only; buffers keep the dtype they arrive in unless
   ``data_types.buffer_dtype`` names one (:func:`cast_module_buffers`), at every ZeRO stage.
 
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["KEEP_AUTO", "CASTABLE_DTYPES", "keep_in_fp32_pattern", "keep_buffers_in_fp32", "cast_module_buffers", "cast_floating",
-           "unusable_norms"]
+__all__ = ["KEEP_AUTO", "CASTABLE_DTYPES", "keep_in_fp32_pattern", "keep_buffers_in_fp32", "cast_module_buffers",
+           "cast_floating", "unusable_norms"]
 
 KEEP_AUTO = "auto"
 
