@@ -149,6 +149,12 @@ def test_report_lists_deepspeed_only_passes_with_their_cause():
     assert ds_only == ["m.C::b"] and hf_only == ["m.C::a"]
     assert run.root_cause(hf_zero.results["m.C::b"].message).startswith("hf_zero.config.ConfigError: offload")
     assert run.root_cause(deepspeed.results["m.C::a"].message) == "AssertionError: fp16 is not supported on CPU"
+    chained = ("[rank0]: json.decoder.JSONDecodeError: Expecting value\n\n"
+               "[rank0]: During handling of the above exception, another exception occurred:\n"
+               "[rank0]: ValueError: Expected a string path to an existing deepspeed config\n"
+               "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
+    assert run.root_cause(chained) == "ValueError: Expected a string path to an existing deepspeed config"
+    assert run.root_cause("[rank1]:     assert best > first\n[rank1]: AssertionError\n") == "AssertionError"
 
 
 def test_every_stand_in_builds_from_its_config_class():

@@ -42,7 +42,11 @@ SUITES: dict[str, Suite] = {
     "transformers": Suite(
         "transformers", ("tests/deepspeed", "tests/trainer/distributed/test_trainer_distributed_deepspeed.py")
     ),
-    "peft": Suite("peft", ("tests",), ("-k", "deepspeed or DeepSpeed")),
+    # peft's DeepSpeed tests sit among others; -k is case-insensitive
+    "peft": Suite(
+        "peft", ("tests/test_gpu_examples.py", "tests/test_initialization.py", "tests/test_low_level_api.py"),
+        ("-k", "deepspeed or zero3"),
+    ),
 }
 
 # Engines: name -> environment that selects it. hf_zero answers ``import deepspeed`` where DeepSpeed is absent;
@@ -90,14 +94,15 @@ def _has_module(python: str, module: str, env: dict[str, str]) -> bool:
     return subprocess.run([python, "-c", probe], env=env, capture_output=True).returncode == 0
 
 
-def engine_env(engine: str, python: str, work: str, hub_vars: dict[str, str], nproc: int, slow: bool) -> dict:
+def engine_env(engine: str, python: str, work: str, hub_vars: dict[str, str], nproc: int, slow: bool,
+               peer_src: str | None = None) -> dict:
     env = dict(os.environ)
     env.update(hub_vars)
     env.update(ENGINE_ENV[engine])
     bin_dir = os.path.join(work, f"bin-{engine}")
     _write_bin(bin_dir, python)
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
-    python_path = [HERE]
+    python_path = [HERE] + ([peer_src] if peer_src else [])
     if not _has_module(python, "evaluate", env):
         python_path.append(os.path.join(HERE, "standins"))
     env["PYTHONPATH"] = os.pathsep.join(python_path + [p for p in [env.get("PYTHONPATH")] if p])
@@ -157,19 +162,27 @@ def parse_junit(path: str) -> dict[str, Result]:
     return results
 
 
-_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)|Failed): .*")
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)|Failed)(: .*)?$")
 _PREFIX = re.compile(r"^(E\s+|\[rank\d+\]:\s*|\[default\d+\]:\s*|\s+)+")
 # Lines that only say a child process failed; the cause is the child's own exception.
 _WRAPPERS = re.compile(r"returncode|ChildFailedError|CalledProcessError|failed with|SignalException|Timeout >")
 
 
 def root_cause(text: str) -> str:
-    """The first exception line that is not a launcher's "a child failed" wrapper (the child's own error when
-    a test launched processes), else the first exception line, else the first non-empty line."""
+    """The first exception line that ends its chain (not followed by "During handling of the above exception")
+    and is not a launcher's "a child failed" wrapper: the child's own error when a test launched processes.
+    Else the first exception line, else the first non-empty line."""
     lines = [_PREFIX.sub("", line).rstrip() for line in text.splitlines()]
-    found = [line for line in lines if _EXCEPTION_LINE.match(line)]
-    own = [line for line in found if not _WRAPPERS.search(line)]
-    for candidates in (own, found, [line for line in lines if line.strip()]):
+    lines = [line for line in lines if line]
+    found, final = [], []
+    for i, line in enumerate(lines):
+        if _EXCEPTION_LINE.match(line):
+            found.append(line)
+            following = lines[i + 1] if i + 1 < len(lines) else ""
+            if not following.startswith(("During handling of the above exception", "The above exception was")):
+                final.append(line)
+    own = [line for line in final if not _WRAPPERS.search(line)]
+    for candidates in (own, found, lines):
         if candidates:
             return candidates[0][:400]
     return ""
@@ -185,7 +198,8 @@ def compare(hf_zero: Run, deepspeed: Run) -> tuple[list[str], list[str]]:
 
 
 def run_engine(engine, python, checkout, suite, work, hub_vars, args) -> Run:
-    env = engine_env(engine, python, work, hub_vars, args.nproc, not args.no_slow)
+    peer_src = os.path.join(checkout, "src") if args.peer_src else None
+    env = engine_env(engine, python, work, hub_vars, args.nproc, not args.no_slow, peer_src)
     xml_path = os.path.join(work, f"{engine}.xml")
     log_path = os.path.join(work, f"{engine}.log")
     paths = [p for p in suite.paths if os.path.exists(os.path.join(checkout, p))]
@@ -240,6 +254,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=int, default=900, help="per-test timeout in seconds (default 900)")
     parser.add_argument("--nproc", type=int, default=2, help="CPU processes for the distributed tests (default 2)")
     parser.add_argument("--no-slow", action="store_true", help="leave RUN_SLOW unset (the peers' slow tests skip)")
+    parser.add_argument("--peer-src", action="store_true",
+                        help="import the peer package from the checkout's src/ (as its CI's editable install does; "
+                             "scripts that read files of the source tree beside the package need it)")
     parser.add_argument("--report-only", action="store_true", help="re-read the last junit files, run nothing")
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
