@@ -91,6 +91,23 @@ FAKE_PEER_HELPERS = textwrap.dedent(
     """
 )
 
+# peft-style module-level gate: the whole module skips itself on a CPU
+FAKE_PEER_GPU_MODULE = textwrap.dedent(
+    """
+    import pytest
+    import torch
+    from accelerate.test_utils.testing import get_backend
+
+    device, _, _ = get_backend()
+    if device == "cpu":
+        pytest.skip(allow_module_level=True, reason="GPU tests require hardware accelerator, got CPU only")
+
+
+    def test_module_gate_lifted_device_still_cpu():
+        assert torch.zeros(1).to(device).device.type == "cpu"
+    """
+)
+
 
 @pytest.fixture(scope="module")
 def fake_run(tmp_path_factory):
@@ -101,6 +118,7 @@ def fake_run(tmp_path_factory):
     (peer / "tests" / "__init__.py").write_text("")
     (peer / "tests" / "testing_utils.py").write_text(FAKE_PEER_HELPERS)
     (peer / "tests" / "test_fake_peer.py").write_text(FAKE_PEER_TEST)
+    (peer / "tests" / "test_fake_peer_gpu.py").write_text(FAKE_PEER_GPU_MODULE)
     hub_vars = hub.build_hub(str(tmp / "hub"), names=["sshleifer/tiny-gpt2"], with_datasets=False)
     env = run.engine_env("hf_zero", sys.executable, str(tmp), hub_vars, nproc=2, slow=False)
     xml_path = tmp / "out.xml"
@@ -125,6 +143,7 @@ def test_hardware_gates_lifted_software_gates_kept(fake_run):
     assert _outcome(results, "test_software_gate_kept") == "skipped", log
     assert _outcome(results, "test_helper_gpu_gate") == "passed", log
     assert _outcome(results, "test_helper_software_gate_kept") == "skipped", log
+    assert _outcome(results, "test_module_gate_lifted_device_still_cpu") == "passed", log
 
 
 def test_hub_names_resolve_offline_to_stand_ins(fake_run):

@@ -7,6 +7,9 @@ defines it (and in the package namespace that re-exports it) when pytest imports
 peer's conftest files and test modules, so the test files are run unedited. Software gates (``require_deepspeed``,
 ``require_fp16``, ``require_huggingface_suite``, ``slow``) are left alone: they decide as they always do.
 
+accelerate's ``get_backend()``, which test modules call at import to skip themselves on a CPU, returns a "cpu"
+that does not compare equal to "cpu" (and is the CPU everywhere it is used).
+
 A test that then asks for more devices than the machine has gets ``PEER_SUITES_NPROC`` CPU processes
 (default 2): accelerate's ``device_count`` and ``DEFAULT_LAUNCH_COMMAND`` are set to it.
 """
@@ -50,6 +53,28 @@ def _identity(test_case=None, *args, **kwargs):
     return test_case
 
 
+class _UngatedCpu(str):
+    """"cpu" that does not compare equal to "cpu": for module-level gates of the form
+    ``device, _, _ = get_backend(); if device == "cpu": pytest.skip(allow_module_level=True)`` (peft's GPU test
+    module). Everything that uses the value (``torch.device(device)``, ``.to(device)``) still gets the CPU."""
+
+    def __eq__(self, other):
+        return False if other == "cpu" else str.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
+
+
+def _ungated_backend(get_backend):
+    def wrapper(*args, **kwargs):
+        device, *rest = get_backend(*args, **kwargs)
+        return (_UngatedCpu(device) if device == "cpu" else device, *rest)
+
+    return wrapper
+
+
 def lift_gates(nproc: int) -> list[str]:
     """Replaces every gate found; returns ``module.name`` for each one replaced."""
     done = []
@@ -68,6 +93,11 @@ def lift_gates(nproc: int) -> list[str]:
             done.append(f"{module_name}.{name}")
         if module_name == "accelerate.test_utils.testing":
             _set_accelerate_devices(module, namespaces, nproc)
+            if hasattr(module, "get_backend"):
+                for namespace in namespaces:
+                    if hasattr(namespace, "get_backend"):
+                        namespace.get_backend = _ungated_backend(module.get_backend)
+                done.append(f"{module_name}.get_backend")
     return done
 
 

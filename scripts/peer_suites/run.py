@@ -202,9 +202,11 @@ def run_engine(engine, python, checkout, suite, work, hub_vars, args) -> Run:
     env = engine_env(engine, python, work, hub_vars, args.nproc, not args.no_slow, peer_src)
     xml_path = os.path.join(work, f"{engine}.xml")
     log_path = os.path.join(work, f"{engine}.log")
-    paths = [p for p in suite.paths if os.path.exists(os.path.join(checkout, p))]
-    cmd = [python, "-m", "pytest", *paths, "-p", "peer_gates", "-p", "no:cacheprovider", "-o", "addopts=", "-o", "junit_logging=all",
-           f"--timeout={args.timeout}", "-rfEs", "-v", f"--junitxml={xml_path}", *suite.pytest_args, *args.pytest_args]
+    paths = [p for p in (args.paths or suite.paths) if os.path.exists(os.path.join(checkout, p))]
+    # addopts cleared (peft's adds coverage); junit_logging keeps a launched job's stderr for root_cause
+    cmd = [python, "-m", "pytest", *paths, "-p", "peer_gates", "-p", "no:cacheprovider", "-o", "addopts=",
+           "-o", "junit_logging=all", f"--timeout={args.timeout}", "-rfEs", "-v", f"--junitxml={xml_path}",
+           *suite.pytest_args, *args.pytest_args]
     print(f"[{engine}] {' '.join(shlex.quote(c) for c in cmd)}\n[{engine}] log: {log_path}", flush=True)
     start = time.monotonic()
     with open(log_path, "w") as log:
@@ -257,6 +259,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-src", action="store_true",
                         help="import the peer package from the checkout's src/ (as its CI's editable install does; "
                              "scripts that read files of the source tree beside the package need it)")
+    parser.add_argument("--paths", nargs="+", help="test paths inside the checkout instead of the suite's own")
     parser.add_argument("--report-only", action="store_true", help="re-read the last junit files, run nothing")
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
