@@ -102,3 +102,20 @@ def test_repeating_loader_restarts_and_reshuffles_per_pass():
     assert sampler.epoch == 1  # each pass is a new epoch: a distributed sampler reshuffles
     assert sorted(first.tolist()) == sorted(second.tolist()) == data.tolist()
     assert first.tolist() != second.tolist()
+
+
+def test_move_to_device_moves_nested_tensors_like_deepspeed():
+    """deepspeed.runtime.utils.move_to_device (accelerate's Ulysses path imports it): containers rebuilt, a tensor
+    meeting the criterion moved in place (the same object, its .data rebound), every other tensor returned as .to()
+    -- DeepSpeed 0.19.8's behaviour, run beside it on these inputs."""
+    from deepspeed.runtime.utils import move_to_device
+
+    a, b = torch.ones(2), torch.zeros(3, dtype=torch.float64)
+    out = move_to_device({"x": [a, (b,)], "y": a}, "cpu")
+    assert isinstance(out["x"], list) and isinstance(out["x"][1], tuple)
+    assert torch.equal(out["x"][0], a) and out["x"][1][0].dtype == torch.float64
+    kept = move_to_device([a, b], "cpu", criterion_func=lambda t: torch.is_tensor(t) and t.numel() == 2)
+    assert kept[0] is a and torch.equal(kept[1], b)  # moved in place: the caller's own tensor comes back
+    meta = move_to_device((a, {"b": b}), torch.device("meta"))  # no criterion: copies on the target
+    assert meta[0] is not a and meta[0].device.type == "meta" and meta[1]["b"].device.type == "meta"
+    assert a.device.type == "cpu" and b.device.type == "cpu"

