@@ -166,7 +166,7 @@ def test_stage3_peak_is_a_bucket_flush_whatever_the_batch():
     """Issue 16 regression pin. ZeRO-3 with 16 MiB buckets (comm/buckets.py) reduces during backward: the peak of
     the tiny Llama of benchmarks/bench_estimate.py on 2 ranks is a bucket flush -- mid-backward, or the last one
     with the one before still in flight (overlap_comm) -- not the start of backward, so it does not move with the
-    batch. Measured (benchmarks/RESULTS.md, VmHWM growth per rank, fp32 AdamW, gloo, forked ranks): 2 ranks
+    batch. Measured (benchmarks/RESULTS_history.md, VmHWM growth per rank, fp32 AdamW, gloo, forked ranks): 2 ranks
     170.5-173.1 MiB at 1x128 and 2x128, 1 rank 215.6-215.9 MiB. The estimate that modelled one bucket apart from
     backward said 141.2 MiB on 2 ranks at 1x128 (-18%) and fell by 21 MiB from 2x128 to 1x128."""
     import sys

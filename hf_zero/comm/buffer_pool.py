@@ -36,7 +36,7 @@ __all__ = ["take", "give", "give_if_unshared", "refill_storage", "release_storag
 POOL_CAP_BYTES = 2 * BUCKET_CAP_BYTES
 # ZeRO-3 also keeps its gathered parameters' and packed gradients' buffers here (zero/stage3), a working set of
 # several modules' parameters: with 32 MiB half the takes of a 32M-Llama step missed (~120k page faults per step).
-# 64 MiB halves the misses for ~25 MB more peak (benchmarks/RESULTS.md); raised by the ZeRO-3 runtime only.
+# 64 MiB halves the misses for ~25 MB more peak (benchmarks/RESULTS_history.md); raised by the ZeRO-3 runtime only.
 POOL_CAP_BYTES_STAGE3 = 4 * BUCKET_CAP_BYTES
 # Below glibc's (fixed) mmap threshold buffers come from the heap, which reuses them without faults.
 MIN_POOLED_BYTES = 1 << 20
