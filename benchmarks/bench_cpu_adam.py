@@ -57,12 +57,15 @@ def _isa() -> str:
     return torch.ops.hf_zero.adam_cpu_isa() if hasattr(torch.ops.hf_zero, "adam_cpu_isa") else "(before adam_cpu_isa)"
 
 
-def _child(numel: int, threads: int, repeat: int, cases: list[str]) -> dict:
+def _child(numel: int, threads: int, repeat: int, cases: list[str], isa: str) -> dict:
     sys.path.insert(0, str(REPO))
     import torch
 
     torch.set_num_threads(threads)
     from hf_zero.ops.adam import adam_step_
+
+    if isa:
+        torch.ops.hf_zero.adam_cpu_isa(isa)
 
     ds_cls = _deepspeed_adam()
     results = {}
@@ -116,11 +119,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts (default 1 2)")
     parser.add_argument("--repeat", type=int, default=40, help="timed steps per optimizer and case")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--isa", default="", choices=["", "avx512", "avx2", "scalar"],
+                        help="hf_zero's CPU Adam path (default: the widest this CPU has)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     numel = int(args.mparams * 1e6)
     if args.child:
-        print("RESULT " + json.dumps(_child(numel, args.threads[0], args.repeat, args.cases)))
+        print("RESULT " + json.dumps(_child(numel, args.threads[0], args.repeat, args.cases, args.isa)))
         return
 
     has_ds = _deepspeed_adam() is not None
@@ -130,8 +135,7 @@ def main() -> None:
     if not has_ds:
         print("DeepSpeed not importable (or its shim active): hf_zero alone. Run with DeepSpeed's interpreter and "
               "HF_ZERO_DISABLE_DEEPSPEED_SHIM=1 DS_ACCELERATOR=cpu to compare.")
-    isa = _isa()
-    print(f"hf_zero CPU Adam path: {isa}")
+    print(f"hf_zero CPU Adam path: {args.isa or _isa()}")
     print(f"{'case':<7}{'threads':>8}{'hf_zero ms':>12}{'Mparam/s':>10}{'DeepSpeed ms':>14}{'Mparam/s':>10}"
           f"{'speed-up':>10}")
     for threads in args.threads:
@@ -140,7 +144,7 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE",
                "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--mparams", str(args.mparams),
-               "--threads", str(threads), "--repeat", str(args.repeat), "--cases", *args.cases]
+               "--threads", str(threads), "--repeat", str(args.repeat), "--cases", *args.cases, "--isa", args.isa]
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/tmp", timeout=3600)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         if not lines:
