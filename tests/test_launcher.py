@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import tomllib
 from pathlib import Path
 
@@ -203,17 +204,29 @@ def test_two_node_launch_on_localhost(venv, job):
     node_flags = [["--hostfile", "hostfile"],
                   ["--hostfile", "no-such-hostfile", "--num_nodes", "2", "--num_gpus", "1", "--master_addr",
                    "127.0.0.1"]]
-    procs = [subprocess.Popen([str(venv.parent / "hf-zero"), "launch", *node_flags[node], "--node_rank", str(node),
-                               "--master_port", str(port), "train.py", "--deepspeed", "--deepspeed_config",
-                               "ds_config.json", "--out", str(job / "out"), "--ckpt", "ckpt"], cwd=job / f"node{node}",
-                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in (0, 1)]
+    # each node's output into a file of its own, not a pipe: waiting on node 0 while nobody reads node 1's pipe
+    # would stall node 1 on a full pipe (64 KiB) -- and node 0 with it, in their next collective
+    logs = [job / f"node{node}.log" for node in (0, 1)]
+    procs = []
+    for node in (0, 1):
+        with open(logs[node], "w") as log:
+            procs.append(subprocess.Popen(
+                [str(venv.parent / "hf-zero"), "launch", *node_flags[node], "--node_rank", str(node), "--master_port",
+                 str(port), "train.py", "--deepspeed", "--deepspeed_config", "ds_config.json", "--out",
+                 str(job / "out"), "--ckpt", "ckpt"], cwd=job / f"node{node}", env=clean_env(), stdout=log,
+                stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + 300
     try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pass
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
+    outputs = [log.read_text() for log in logs]
     assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
     results = _results(job / "out", 2)
     _assert_trained_like_reference(results)
