@@ -51,7 +51,7 @@ class Stage3GradReducer:
 
     def add(self, sp: ShardedParam, grad: torch.Tensor) -> None:
         if self.world_size == 1 and (sp.grad_storage is None or sp.grad_storage.device == grad.device):
-            self._accumulate_alone(sp, grad)
+            self.accumulate_alone([(sp, grad)])
             return
         width = sp.shard_numel
         if self._bucket is not None and (self._used + width > self._bucket.shape[1] or
@@ -69,21 +69,27 @@ class Stage3GradReducer:
         self._entries.append((sp, self._used))
         self._used += width
 
-    def _accumulate_alone(self, sp: ShardedParam, grad: torch.Tensor) -> None:
-        """A world of one: the gradient is its own reduced shard. One kernel adds (or, into known zeros, copies) it
-        into the grad storage, scaled and cast on the way, instead of packing a bucket and reduce-scattering it
-        with nobody."""
-        flat = grad.detach().reshape(-1)
-        if sp.grad_storage is None:
-            sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=flat.device)
-        if sp.grad_zeroed:
-            sp.grad_storage.copy_(flat)
-            if self.grad_scale != 1.0:
-                sp.grad_storage.mul_(self.grad_scale)
+    def accumulate_alone(self, items: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """A world of one: each gradient is its own reduced shard. They go into their grad storages in one batch --
+        copied where the storage holds known zeros, added otherwise, scaled and cast on the way -- instead of
+        packing a bucket and reduce-scattering it with nobody (one gradient from the hooks; all of them at once
+        when ZeRO-3 keeps parameters whole, Stage3Runtime.whole)."""
+        copies, adds = ([], []), ([], [])
+        for sp, grad in items:
+            if sp.grad_storage is None:
+                sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=grad.device)
+            dst, src = copies if sp.grad_zeroed else adds
+            dst.append(sp.grad_storage)
+            src.append(grad.detach().reshape(-1))
             sp.grad_zeroed = False
-        else:
-            sp.grad_storage.add_(flat, alpha=self.grad_scale)
-        self.reduced_numel += sp.shard_numel
+            self.reduced_numel += sp.shard_numel
+        with torch.no_grad():
+            if copies[0]:
+                torch._foreach_copy_(*copies)
+                if self.grad_scale != 1.0:
+                    torch._foreach_mul_(copies[0], self.grad_scale)
+            if adds[0]:
+                torch._foreach_add_(*adds, alpha=self.grad_scale)
 
     def flush(self) -> None:
         """Reduce-scatter the current bucket (asynchronously with overlap_comm)."""

@@ -277,29 +277,14 @@ class Stage3Runtime:
 
     def _accumulate_whole(self) -> None:
         """Every parameter is whole (``self.whole``): the gradients autograd left in ``.grad`` go into the grad
-        storages in one batch -- a copy where the storage holds known zeros, an add otherwise -- and ``.grad`` is
-        cleared, as the per-parameter hooks do when parameters are partitioned."""
-        copies, adds = ([], []), ([], [])
+        storages in one batch, and ``.grad`` is cleared, as the per-parameter hooks do when parameters are
+        partitioned."""
+        items = []
         for sp in self._sps:
-            grad = sp.param.grad
-            if grad is None:
-                continue
-            sp.param.grad = None
-            if sp.grad_storage is None:
-                sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=grad.device)
-            dst, src = copies if sp.grad_zeroed else adds
-            dst.append(sp.grad_storage)
-            src.append(grad.detach().reshape(-1))
-            sp.grad_zeroed = False
-            self.reducer.reduced_numel += sp.shard_numel
-        scale = self.reducer.grad_scale
-        with torch.no_grad():
-            if copies[0]:
-                torch._foreach_copy_(*copies)
-                if scale != 1.0:
-                    torch._foreach_mul_(copies[0], scale)
-            if adds[0]:
-                torch._foreach_add_(*adds, alpha=scale)
+            if sp.param.grad is not None:
+                items.append((sp, sp.param.grad))
+                sp.param.grad = None
+        self.reducer.accumulate_alone(items)
 
     def after_step(self) -> None:
         """After the optimizer updated the shards: gathered copies are stale; persistent params are re-gathered."""
