@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_node_id", "barrier",
-           "default_backend", "bookkeeping_device", "free_port", "created_by_hf_zero", "get_sequence_parallel_group", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
+           "default_backend", "bookkeeping_device", "free_port", "created_by_hf_zero", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
 
 ReduceOp = dist.ReduceOp
 
@@ -152,12 +152,6 @@ def bookkeeping_device(group=None) -> torch.device:
     if "gloo" in str(dist.get_backend(group)):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def get_sequence_parallel_group():
-    """transformers asks for this only when Ulysses sequence parallelism is configured; hf_zero has none."""
-    raise RuntimeError("hf_zero does not implement Ulysses sequence parallelism (transformers' "
-                       "parallelism_config sp_size > 1); remove it from TrainingArguments or use DeepSpeed for it")
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
