@@ -22,12 +22,14 @@ import hf_zero
 
 # Higher imports lower. Same number: peers that may not import each other.
 LAYERS = {
-    "<top>": 9,          # hf_zero/__init__.py, cli.py, doctor.py, testing.py, __main__.py
-    "integrations": 8,   # HF Trainer/accelerate glue and the `deepspeed` shim
-    "runtime": 7,        # the engine: composes everything below from the config
+    "<top>": 10,         # hf_zero/__init__.py, cli.py, doctor.py, testing.py, __main__.py
+    "integrations": 9,   # HF Trainer/accelerate glue and the `deepspeed` shim
+    "runtime": 8,        # the engine: composes everything below from the config
+    "checkpoint": 7,     # every checkpoint's format, commit and re-cut; takes the engine as an argument
     "pipeline": 6,
     "compression": 6,
     "tensor_parallel": 6,
+    "sequence_parallel": 6,  # Ulysses attention wrapper, data-loader adapter, loss aggregation
     "zero": 5,           # sharding, ZeRO-3 runtime; declares the storage interfaces offload implements
     "offload": 4,        # where off-device bytes live: swap files, optimizer-state tiers; knows nothing of zero
     "profiling": 3,      # timers and memory readers; imports nothing above comm
