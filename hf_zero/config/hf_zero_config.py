@@ -92,7 +92,9 @@ class HfZeroConfig:
         None, help="Dtype gradients are reduced in; default: the training dtype.")
     data_parallel_size: int | None = spec(
         None, help="Data-parallel ranks (DeepSpeed reads it with sequence_parallel_size); must be the world size.")
-    sequence_parallel_size: int = spec(1, help="Ulysses sequence parallelism; hf_zero runs 1 only.")
+    sequence_parallel_size: int | None = spec(
+        None, help="Ulysses sequence parallelism: ranks per sequence-parallel group (hf_zero.sequence_parallel); "
+                   "the batch sizes count world / sequence_parallel_size replicas. Must agree with an mpu's.")
     torch_autocast: TorchAutocastConfig = spec(default_factory=TorchAutocastConfig,
                                                help="torch.autocast forward with fp32 parameters.")
     fp16: FP16Config = spec(default_factory=FP16Config, help="float16 mixed precision with loss scaling.")
@@ -137,10 +139,8 @@ class HfZeroConfig:
              "arithmetic) or 'default' (a batch key nothing determined).")
 
     def __post_init__(self) -> None:
-        if self.sequence_parallel_size != 1:
-            raise ConfigError("sequence_parallel_size", f"{self.sequence_parallel_size}: hf_zero shards over data "
-                                                        "parallelism only; for model parallelism see "
-                                                        "hf_zero.tensor_parallel (apply_tp) and hf_zero.pipe")
+        if self.sequence_parallel_size is not None and self.sequence_parallel_size < 1:
+            raise ConfigError("sequence_parallel_size", f"{self.sequence_parallel_size}: must be >= 1")
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ConfigError("bf16.enabled",
                               "true together with fp16.enabled true; enable at most one of fp16 and bf16")

@@ -141,7 +141,7 @@ STATUS: dict[str, KeyStatus] = {
         "gradients are reduced in the dtype they are accumulated in; set data_types.grad_accum_dtype to choose it",
         active=lambda cfg: cfg.communication_data_type not in (None, _reduce_dtype(cfg))),
     "data_parallel_size": HONOURED,  # must equal the world size (checked by the loader)
-    "sequence_parallel_size": HONOURED,  # must be 1 (checked by the schema)
+    "sequence_parallel_size": HONOURED,  # Ulysses groups and batch arithmetic (hf_zero/sequence_parallel/setup.py)
     "torch_autocast.enabled": HONOURED,
     "torch_autocast.dtype": HONOURED,
     "torch_autocast.lower_precision_safe_modules": _todo(

@@ -18,6 +18,7 @@ from hf_zero.config.status import ConfigKeyIgnored
 from hf_zero.runtime.engine import HfZeroEngine
 from hf_zero.runtime.mpu import mpu_tensor_mesh, read_mpu
 from hf_zero.runtime.optimizers import plan_from_client, plan_from_config
+from hf_zero.sequence_parallel import sequence_parallel_size
 from hf_zero.runtime.tp_setup import adopt_sharded_params, setup_tensor_parallel
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.tensor_parallel.config import parse_tp_config
@@ -88,7 +89,10 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         world_size, data_rank = pipeline_grid.data_parallel_size, pipeline_grid.data_parallel_id
     elif tp is not None:
         world_size, data_rank = tp.dp_size, tp.dp_rank
-    cfg = load_config(raw, world_size=world_size, rank=data_rank)
+    # Ulysses: the ranks of one sequence-parallel group train one replica (hf_zero/sequence_parallel/setup.py)
+    sp_size = sequence_parallel_size(raw.get("sequence_parallel_size"), getattr(mpu_groups, "sp_size", 1),
+                                     model_parallel="tensor parallelism" if tp is not None else None)
+    cfg = load_config(raw, world_size=world_size // sp_size, rank=data_rank)
     if cfg.pipeline and pipeline_grid is None:
         raise ConfigError("pipeline", "the config has a pipeline section but the model is not a pipeline model; "
                                       "pass hf_zero.pipe.PipelineModule(...) or hf_zero.pipeline.wrap(model, "

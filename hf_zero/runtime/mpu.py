@@ -8,8 +8,10 @@
   groups. The sizes must agree; DeepSpeed 0.19 does not check, it drops the mpu under AutoTP and builds groups of
   its own, so a script whose mpu says otherwise trains on groups it did not ask for.
 - Anything else that splits the model (tensor parallelism without autotp_size: a model split by hand, Megatron
-  style; pipeline or sequence parallelism from an mpu) is refused: the engine cannot know which parameters are
-  split or duplicated.
+  style; pipeline parallelism from an mpu) is refused: the engine cannot know which parameters are split or
+  duplicated.
+- Ulysses sequence parallelism (the mpu ``register_with_transformers`` returns): the model is whole on every rank;
+  ZeRO runs over the SP x DP block (:func:`_read_sequence_parallel_mpu`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class MpuGroups:
     tp_size: int
     tp_group: Any | None  # None when tp_size is 1 (or the mpu has no getter for it: refused where it is needed)
     kind: str             # the mpu's class name, for errors
+    sp_size: int = 1      # Ulysses sequence parallelism: dp_group then spans every rank of the SP x DP block
 
 
 def _call(mpu, *names: str):
@@ -44,10 +47,13 @@ def _call(mpu, *names: str):
 
 
 def read_mpu(mpu) -> MpuGroups:
-    """The mpu's data-parallel group and tensor-parallel size and group; pipeline / sequence splits refused."""
+    """The mpu's data-parallel group and tensor-parallel size and group; pipeline splits refused."""
+    sp_size = int(_call(mpu, "get_sequence_parallel_world_size") or 1)
+    if sp_size > 1:
+        return _read_sequence_parallel_mpu(mpu, sp_size)
     tp_size = int(_call(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size") or 1)
     split = {kind: int(_call(mpu, getter) or 1) for kind, getter in (
-        ("pipeline", "get_pipeline_model_parallel_world_size"), ("sequence", "get_sequence_parallel_world_size"))}
+        ("pipeline", "get_pipeline_model_parallel_world_size"),)}
     split = {k: v for k, v in split.items() if v > 1}
     if split:
         raise ValueError(
@@ -59,6 +65,21 @@ def read_mpu(mpu) -> MpuGroups:
                         "DeepSpeed's mpu interface needs it")
     tp_group = _call(mpu, "get_tensor_model_parallel_group", "get_model_parallel_group") if tp_size > 1 else None
     return MpuGroups(mpu.get_data_parallel_group(), tp_size, tp_group, type(mpu).__name__)
+
+
+def _read_sequence_parallel_mpu(mpu, sp_size: int) -> MpuGroups:
+    """An mpu with Ulysses sequence parallelism (UlyssesSPAttentionHF.register_with_transformers returns one):
+    the ranks of an SP group each compute part of one sample's gradient, so ZeRO reduces and partitions over the
+    whole SP x DP block (``get_sequence_data_parallel_group``), and the batch arithmetic counts world / sp_size
+    replicas (hf_zero.sequence_parallel.setup)."""
+    tp_size = int(_call(mpu, "get_tensor_model_parallel_world_size") or 1)
+    if tp_size > 1 or int(_call(mpu, "get_pipeline_model_parallel_world_size") or 1) > 1:
+        raise ValueError(f"hf_zero.initialize(mpu=...): the mpu combines sequence parallelism (size {sp_size}) with "
+                         "tensor or pipeline parallelism; hf_zero runs Ulysses over data parallelism only")
+    if not callable(getattr(mpu, "get_sequence_data_parallel_group", None)):
+        raise TypeError(f"hf_zero.initialize(mpu=...): {type(mpu).__name__} reports a sequence-parallel size of "
+                        f"{sp_size} but has no get_sequence_data_parallel_group(), the group ZeRO runs over")
+    return MpuGroups(mpu.get_sequence_data_parallel_group(), 1, None, type(mpu).__name__, sp_size=sp_size)
 
 
 def mpu_tensor_mesh(groups: MpuGroups, tp_cfg: TPConfig, model: nn.Module) -> TPMesh | None:
