@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 import hf_zero
-import hf_zero.runtime.checkpoint_commit as commit
-from hf_zero.runtime.checkpoint_files import CheckpointError
+import hf_zero.checkpoint.commit as commit
+from hf_zero.checkpoint.files import CheckpointError
 from hf_zero.testing import run_distributed
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
-from hf_zero.runtime.checkpoint_files import CheckpointError
+from hf_zero.checkpoint.files import CheckpointError
 from hf_zero.testing import run_distributed
 
 from _parity import base_config, engine_run, make_model

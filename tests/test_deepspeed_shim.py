@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hf_zero.comm.accelerator import Accelerator, get_accelerator
-from hf_zero.runtime.checkpoint_utils import clone_tensors_for_torch_save
+from hf_zero.checkpoint.clone import clone_tensors_for_torch_save
 
 from _hf_env import make_venv
 
@@ -90,7 +90,7 @@ out["VALID_LR_SCHEDULES"] = deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES  #
 
 import hf_zero.comm, hf_zero.runtime.lr_schedules, hf_zero.comm.accelerator, hf_zero.integrations.compat
 import hf_zero.integrations.ds_comm
-import hf_zero.runtime.checkpoint_utils, hf_zero.ops.adam
+import hf_zero.checkpoint.clone, hf_zero.ops.adam
 out["same_objects"] = {
     "lr_schedules": deepspeed.runtime.lr_schedules is hf_zero.runtime.lr_schedules,
     "WarmupLR": deepspeed.runtime.lr_schedules.WarmupLR is hf_zero.runtime.lr_schedules.WarmupLR,
@@ -101,7 +101,7 @@ out["same_objects"] = {
     "logger": deepspeed.utils.logger is hf_zero.integrations.compat.logger,
     "utils.is_initialized": deepspeed.utils.is_initialized is hf_zero.comm.is_initialized,
     "clone": (importlib.import_module("deepspeed.checkpoint.utils").clone_tensors_for_torch_save
-              is hf_zero.runtime.checkpoint_utils.clone_tensors_for_torch_save),
+              is hf_zero.checkpoint.clone.clone_tensors_for_torch_save),
     "DeepSpeedCPUAdam": importlib.import_module("deepspeed.ops.adam").DeepSpeedCPUAdam is hf_zero.ops.adam.CPUAdam,
     "FusedAdam": importlib.import_module("deepspeed.ops.adam").FusedAdam is hf_zero.ops.adam.FusedAdam,
 }

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
-import hf_zero.runtime.checkpoint as ckpt
+import hf_zero.checkpoint.engine as ckpt
 from hf_zero.testing import run_distributed
 
 from _parity import base_config, clone_state, engine_run, full_optimizer_state, make_model

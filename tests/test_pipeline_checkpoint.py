@@ -92,7 +92,7 @@ def _failed_resave(engine, ckpt: str, tag: str):
 def _crash_between_renames(engine, ckpt: str, tag: str):
     """Rank 0 dies (here: raises) after renaming the previous tag to .old-<tag> and before renaming the new one into
     place: the reloads must then read the .old- copy, the previous checkpoint."""
-    import hf_zero.runtime.checkpoint_commit as commit
+    import hf_zero.checkpoint.commit as commit
 
     real = commit._rename
 
@@ -116,7 +116,7 @@ def _refusals(engine, net, ckpt: str) -> dict:
     """Broken copies of the checkpoint: every rank refuses naming the file, and no parameter moved."""
     import torch.distributed as dist
 
-    from hf_zero.runtime.checkpoint_files import CheckpointError
+    from hf_zero.checkpoint.files import CheckpointError
 
     tag = open(os.path.join(ckpt, "latest")).read()
     out = {}

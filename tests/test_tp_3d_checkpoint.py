@@ -147,7 +147,7 @@ def _refusals(root: str, stages: int) -> dict:
     """Broken copies of the 3D checkpoint: every rank raises, and no parameter moved."""
     import torch.distributed as dist
 
-    from hf_zero.runtime.checkpoint_files import CheckpointError
+    from hf_zero.checkpoint.files import CheckpointError
 
     src = os.path.join(root, "3d", "llama")
     broken = os.path.join(root, f"broken-{stages}")

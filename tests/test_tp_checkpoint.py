@@ -65,7 +65,7 @@ def _save(root: str):
     import torch.distributed as dist
 
     import hf_zero
-    import hf_zero.runtime.checkpoint as ckpt
+    import hf_zero.checkpoint.engine as ckpt
 
     out = {}
     for kind in KINDS:
@@ -98,7 +98,7 @@ def _save(root: str):
 def _refused_tp_json(root: str, tp: int) -> tuple[str, bool]:
     """A copy whose tp.json was edited (still valid JSON): refused naming it, no parameter moved."""
     import hf_zero
-    from hf_zero.runtime.checkpoint_files import CheckpointError
+    from hf_zero.checkpoint.files import CheckpointError
 
     broken = f"{root}/broken-tp{tp}"
     shutil.copytree(f"{root}/{KINDS[0]}", broken)

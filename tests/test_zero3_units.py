@@ -136,7 +136,7 @@ def test_shard_state_reshards_frozen_shards_and_buffers(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from hf_zero.runtime.checkpoint import _Reader
+    from hf_zero.checkpoint.reshard import ShardFiles
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3))
@@ -153,7 +153,7 @@ def test_shard_state_reshards_frozen_shards_and_buffers(tmp_path):
     buffers = {k: v.clone() + 1 for k, v in saved.items() if k.startswith("stage3.buffer.")}
     for r, piece in enumerate((flat[:8], flat[8:])):
         save_file({"stage3.frozen.0.weight": piece.contiguous(), **buffers}, str(tmp_path / f"r{r}.safetensors"))
-    rt.load_shard_state(_Reader([safe_open(str(tmp_path / f"r{r}.safetensors"), "pt") for r in range(2)]))
+    rt.load_shard_state(ShardFiles([safe_open(str(tmp_path / f"r{r}.safetensors"), "pt") for r in range(2)]))
     assert torch.equal(model[1].running_mean, buffers["stage3.buffer.1.running_mean"])
     rt.remove()
     assert torch.equal(model[0].weight, full_weight * 2)

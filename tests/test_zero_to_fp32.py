@@ -202,7 +202,7 @@ def test_errors_name_the_file_and_tag(saved, tmp_path):
 
 def _strip_module_entry(ckpt):
     """A checkpoint as an hf_zero from before meta.json described the module saved it (manifest kept valid)."""
-    from hf_zero.runtime.checkpoint_files import file_entry
+    from hf_zero.checkpoint.files import file_entry
 
     tag = ckpt / "global_step3"
     meta = json.loads((tag / "meta.json").read_text())

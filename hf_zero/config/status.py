@@ -260,10 +260,10 @@ STATUS: dict[str, KeyStatus] = {
     "comet": _todo("metrics are not sent; the HF Trainer's report_to does", active=_switched_on("comet")),
     "comms_logger": _todo("collectives are not logged", active=_enabled("comms_logger")),
     # reliability (#14) owns checkpoint behaviour.
-    "checkpoint.tag_validation": HONOURED,  # hf_zero/runtime/checkpoint_tag.py
+    "checkpoint.tag_validation": HONOURED,  # hf_zero/checkpoint/tags.py
     "checkpoint.load_universal": _todo("DeepSpeed universal checkpoints are not read; hf_zero checkpoints load at any "
                                        "world size"),
-    "checkpoint.use_node_local_storage": HONOURED,  # hf_zero/runtime/checkpoint_nodes.py
+    "checkpoint.use_node_local_storage": HONOURED,  # hf_zero/checkpoint/placement.py
     "checkpoint.parallel_write": _no_op("every rank always writes its own files in parallel"),
     "data_types.grad_accum_dtype": HONOURED,
     "data_types.param_dtype": HONOURED,  # checked against the precision mode (hf_zero_config.py)

@@ -452,24 +452,24 @@ class HfZeroEngine(nn.Module):
             self._offloader = StateOffloader(self.groups, self.optimizer, self.module)
         return self._offloader
 
-    # ---- checkpoints (hf_zero/runtime/checkpoint.py does the work) --------------------------------------------------
+    # ---- checkpoints (hf_zero/checkpoint/engine.py does the work) --------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         if self.optimizer is None:
             self._no_optimizer()
-        from hf_zero.runtime.checkpoint_tag import resolve_save_tag
+        from hf_zero.checkpoint.tags import resolve_save_tag
 
         tag = resolve_save_tag(tag, f"global_step{self.global_steps}", self._config.checkpoint.tag_validation)
         if tp_info(self.module) is not None:
-            if self._config.checkpoint.use_node_local_storage:  # tp_checkpoint.py writes one directory
+            if self._config.checkpoint.use_node_local_storage:  # tp.py writes one directory
                 raise NotImplementedError(
                     "hf_zero: checkpoint.use_node_local_storage is not supported for tensor-parallel checkpoints: "
                     "save them to a directory every node shares")
-            from hf_zero.runtime.tp_checkpoint import save_tp_checkpoint
+            from hf_zero.checkpoint.tp import save_tp_checkpoint
 
             return save_tp_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                       exclude_frozen_parameters=exclude_frozen_parameters)
-        from hf_zero.runtime.checkpoint import save_checkpoint
+        from hf_zero.checkpoint.engine import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters)
@@ -486,13 +486,13 @@ class HfZeroEngine(nn.Module):
                 "load_module_only=True and apply your function to engine.module afterwards (stages 0-2), or "
                 "inside hf_zero.zero.GatheredParameters (stage 3).")
 
-        from hf_zero.runtime.tp_checkpoint import is_tp_checkpoint, load_tp_checkpoint
+        from hf_zero.checkpoint.tp import is_tp_checkpoint, load_tp_checkpoint
 
         if tp_info(self.module) is not None or is_tp_checkpoint(load_dir, tag):
             return load_tp_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                       load_optimizer_states=load_optimizer_states and not load_module_only,
                                       load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
-        from hf_zero.runtime.checkpoint import load_checkpoint
+        from hf_zero.checkpoint.engine import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states and not load_module_only,
@@ -528,7 +528,7 @@ class HfZeroEngine(nn.Module):
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
-        from hf_zero.runtime.checkpoint import save_16bit_model
+        from hf_zero.checkpoint.engine import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 

@@ -194,12 +194,12 @@ class PipelineEngine(HfZeroEngine):
             return loss, (outputs if self.is_last_stage() else None)
         return loss
 
-    # ---- checkpoints (hf_zero/runtime/pipe_checkpoint.py) --------------------------------------------------------
+    # ---- checkpoints (hf_zero/checkpoint/pipeline.py) --------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         """Collective over every rank: per-layer model files plus each stage's (with tensor parallelism: each
         stage's TP ranks') ZeRO checkpoint; reloads on any number of stages, replicas, ZeRO stage and TP size."""
-        from hf_zero.runtime.checkpoint_tag import resolve_save_tag
+        from hf_zero.checkpoint.tags import resolve_save_tag
 
         tag = resolve_save_tag(tag, f"global_step{self.global_steps}", self._config.checkpoint.tag_validation)
         if self._config.checkpoint.use_node_local_storage:  # its per-layer files and 'latest' go to one directory
@@ -208,7 +208,7 @@ class PipelineEngine(HfZeroEngine):
                 "model files are written once, by the first replica): save them to a directory every node shares")
         if exclude_frozen_parameters:
             raise ValueError("pipeline checkpoints keep frozen parameters (they are needed to re-cut the stages)")
-        from hf_zero.runtime.pipe_checkpoint import save_pipeline_checkpoint
+        from hf_zero.checkpoint.pipeline import save_pipeline_checkpoint
 
         return save_pipeline_checkpoint(self, save_dir, tag=tag, client_state=client_state,
                                         save_latest=save_latest)
@@ -218,7 +218,7 @@ class PipelineEngine(HfZeroEngine):
                         custom_load_fn=None):
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...) is not supported for pipeline checkpoints")
-        from hf_zero.runtime.pipe_checkpoint import load_pipeline_checkpoint
+        from hf_zero.checkpoint.pipeline import load_pipeline_checkpoint
 
         return load_pipeline_checkpoint(self, load_dir, tag=tag,
                                         load_optimizer_states=load_optimizer_states and not load_module_only,

@@ -5,8 +5,8 @@ A checkpoint written at TP size ``t`` holds, per TP rank, the flat local piece o
 :func:`full_from_pieces` rebuilds the unsplit tensor in the model's canonical order from the ``t`` saved pieces and
 :func:`piece_for` cuts this rank's piece for the current layout. The saved and current layouts may differ in
 more than the size: a parameter replicated at save time (no TP at all) is cut by the current plan, and the other
-way round. Used by the TP engine's and the 3D pipeline's checkpoints (hf_zero/runtime/tp_checkpoint.py,
-pipe_checkpoint.py).
+way round. Used by the TP engine's and the 3D pipeline's checkpoints (hf_zero/checkpoint/tp.py,
+pipeline.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each component saves and loads its own named state (``ZeroOptimizer``: master and optimizer-state shards plus
 scalars; the stage-3 runtime: frozen-parameter shards and persistent buffers; ``LossScaler``: its scale). Where the
 bytes go, their checksums and atomicity, and the re-cut of shards saved on another number of ranks belong to
-``hf_zero/runtime/checkpoint.py``, which hands a component a :class:`ShardReader` at load time. A component asks it
+``hf_zero/checkpoint/engine.py``, which hands a component a :class:`ShardReader` at load time. A component asks it
 for the piece *its* layout gives *its* rank, and never learns how many ranks wrote the files.
 """
 

@@ -193,7 +193,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sd["hf_zero"] = {"skipped_steps": self.skipped_steps}
         return sd
 
-    # checkpoint state (hf_zero/runtime/checkpoint.py chooses the files; these say what the state is) ------------
+    # checkpoint state (hf_zero/checkpoint/engine.py chooses the files; these say what the state is) ------------
     def shard_state(self) -> dict[str, torch.Tensor]:
         """This rank's flat shards, by name: ``group<i>.master`` and each per-element optimizer state
         ``group<i>.state.<name>`` (Adam's moments once stepped), read back whole from where the back-end keeps them

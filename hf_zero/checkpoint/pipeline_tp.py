@@ -5,8 +5,8 @@ pipeline without TP, a plain pipeline checkpoint into a 3D one.
 The module comes from the per-layer files (full tensors; each rank keeps its slice of them), the masters and
 optimizer states from the stages' per-TP-rank checkpoints: the (stage, TP rank)'s own directory when the cut and
 the TP size are the saved ones, else a one-rank checkpoint of exactly this rank's pieces assembled by
-pipe_checkpoint._assemble, re-cut per parameter from the saved TP pieces. The format is described in
-hf_zero/runtime/pipe_checkpoint.py.
+reshard.write_recut, re-cut per parameter from the saved TP pieces. The format is described in
+hf_zero/checkpoint/pipeline.py.
 
 Validation first: every rank checks what it will read (its layer files present, every tensor of its stage in
 them with the model's full shape, every parameter's optimizer state found with a matching layout), the ranks
@@ -15,17 +15,15 @@ agree, and only then is anything loaded; errors name the file and the parameter.
 
 from __future__ import annotations
 
-import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
-from hf_zero import comm
-from hf_zero.runtime.checkpoint import load_checkpoint
-from hf_zero.runtime.checkpoint_commit import agree_or_raise
-from hf_zero.runtime.checkpoint_files import CheckpointError, torch_load, verify_files
-from hf_zero.runtime.pipe_checkpoint import (_ZERO_TAG, _assemble, _layer_file, _restage_dir, _same_cut, _stage_tag,
-                                             _tp_coords)
+from hf_zero.checkpoint.commit import agree_or_raise
+from hf_zero.checkpoint.engine import load_checkpoint
+from hf_zero.checkpoint.files import CheckpointError, torch_load, verify_files
+from hf_zero.checkpoint.pipeline_cut import RESTAGED, ZERO_TAG, layer_file, restage, same_cut, stage_tag, tp_coords
 from hf_zero.tensor_parallel.state import load_full_state_dict
 
 __all__ = ["load_tp_pipeline_checkpoint", "read_layer_files"]
@@ -42,31 +40,26 @@ def load_tp_pipeline_checkpoint(engine, root: Path, info: dict, manifest: dict |
         raise NotImplementedError("hf_zero: loading a pipeline checkpoint with tensor parallelism (written or "
                                   "loaded at TP > 1) into a ZeRO-3 pipeline is not supported: load it at ZeRO "
                                   "stage 0-2 and save again")
-    grid = engine.grid
-    same = _same_cut(engine, info)
-    merged = None if same else _restage_dir(engine, root)
-    error, sd = None, None
-    try:
-        sd = read_layer_files(module, root, manifest, strict=load_module_strict)
-        if merged is not None and grid.data_parallel_id == 0:
-            _assemble(engine, root, info, merged)
-    except Exception as exc:  # every rank must hear of it, or the others would wait for this one
-        error = exc
-    try:
+    same = same_cut(engine, info)
+    # another cut or TP size: this rank's pieces are re-cut into a private temporary directory (nothing is written
+    # into the checkpoint being read)
+    with tempfile.TemporaryDirectory(prefix="hf_zero_restage_") as tmp:
+        error, sd = None, None
+        try:
+            sd = read_layer_files(module, root, manifest, strict=load_module_strict)
+            if not same:
+                restage(engine, root, info, Path(tmp) / RESTAGED)
+        except Exception as exc:  # every rank must hear of it, or the others would wait for this one
+            error = exc
         agree_or_raise(error, "load_checkpoint")
-        tp, tp_rank = _tp_coords(engine)
-        where = (root / "pipe" / _stage_tag(engine.stage_id, tp_rank, tp), _ZERO_TAG) if same else \
-            (merged.parent, merged.name)
+        tp, tp_rank = tp_coords(engine)
+        where = (root / "pipe" / stage_tag(engine.stage_id, tp_rank, tp), ZERO_TAG) if same else \
+            (Path(tmp), RESTAGED)
         # the module is loaded from the layer files below, after the ordinary loader has validated its files
         _, client_state = load_checkpoint(engine, where[0], tag=where[1], load_module_strict=load_module_strict,
                                           load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_weights=False)
-    finally:
-        if merged is not None:
-            comm.barrier(None, what="the end of load_pipeline_checkpoint")  # every replica read the assembled files
-            if grid.data_parallel_id == 0:
-                shutil.rmtree(merged.parent, ignore_errors=True)
     # the parameters already hold the masters (the same values, fp32 or rounded as trained); this also brings the
     # buffers and frozen parameters, which have no optimizer state
     load_full_state_dict(module, sd, strict=False)
@@ -82,9 +75,9 @@ def read_layer_files(module, root: Path, manifest: dict | None, *, strict: bool)
     aliases = module.checkpoint_aliases()
     files: dict[int, tuple[Path, dict]] = {}
 
-    def layer_file(unit: int, wanted: str) -> tuple[Path, dict]:
+    def open_layer(unit: int, wanted: str) -> tuple[Path, dict]:
         if unit not in files:
-            path = root / _layer_file(unit)
+            path = root / layer_file(unit)
             if not path.is_file():
                 raise CheckpointError(f"hf_zero: checkpoint file {str(path)!r} is missing: it holds layer {unit} "
                                       f"of the model ({wanted!r} ...); the checkpoint is incomplete")
@@ -97,13 +90,13 @@ def read_layer_files(module, root: Path, manifest: dict | None, *, strict: bool)
     for key, t in own.items():
         found = None
         for name in (key, *aliases.get(key, ())):
-            path, sd = layer_file(module.unit_of(name), name)
+            path, sd = open_layer(module.unit_of(name), name)
             if name in sd:
                 found = (path, name, sd[name])
                 break
         if found is None:
             if strict:
-                path, _ = layer_file(module.unit_of(key), key)
+                path, _ = open_layer(module.unit_of(key), key)
                 raise CheckpointError(f"hf_zero: checkpoint file {str(path)!r} has no tensor {key!r} (the model's); "
                                       f"load_module_strict=False to leave it as it is")
             continue

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from hf_zero.runtime.checkpoint_commit import agree
+from hf_zero.checkpoint.commit import agree
 
 __all__ = ["resolve_save_tag"]
 

@@ -5,12 +5,12 @@ Layout of ``save_dir``::
     latest                          the newest complete tag (replaced atomically)
     zero_to_fp32.py                 DeepSpeed's offline converter's command line, calling hf_zero's (zero_to_fp32.py)
     <tag>/meta.json                 world size, stage, per group: parameter names and numels; scalar optimizer state;
-                                    the module's shapes, tied names, frozen parameters, buffers (checkpoint_module.py)
+                                    the module's shapes, tied names, frozen parameters, buffers (module_info.py)
     <tag>/model.safetensors         rank 0: the model's state dict (stages 0-2; whole parameters on every rank)
     <tag>/zero_rank00003.safetensors  rank 3: fp32 master shard and optimizer-state shards of every group, RNG state
     <tag>/engine_state.pt           rank 0: counters, loss scaler, LR scheduler, client_state (loaded weights_only)
 
-Atomicity (checkpoint_commit.py): every rank writes into ``.tmp-<tag>``; the ranks agree (one bounded
+Atomicity (commit.py): every rank writes into ``.tmp-<tag>``; the ranks agree (one bounded
 all-gather) that all writes succeeded; only then rank 0 renames the directory into place and rewrites ``latest``.
 A crash or error part-way leaves the previous checkpoint and ``latest`` untouched; a leftover ``.tmp-*`` directory
 is ignored and replaced by the next save.
@@ -30,14 +30,17 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from hf_zero import comm
-from hf_zero.runtime.checkpoint_commit import agree, check_tag, commit_tag
-from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
-                                              read_manifest, resolve_checkpoint, torch_load, verify_files)
-from hf_zero.runtime.checkpoint_module import describe_module, persistent_buffers, write_recovery_script
-from hf_zero.runtime.checkpoint_nodes import agree_on_tag, describe_ranks, place
+from hf_zero.checkpoint.commit import agree, check_tag, commit_tag
+from hf_zero.checkpoint.disk_format import (FORMAT_VERSION, dedupe_shared, open_shard_file, rank_file,
+                                            read_latest_tag, read_model_file)
+from hf_zero.checkpoint.files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
+                                      read_manifest, resolve_checkpoint, torch_load, verify_files)
+from hf_zero.checkpoint.module_info import describe_module, persistent_buffers, write_recovery_script
+from hf_zero.checkpoint.placement import agree_on_tag, describe_ranks, place
+from hf_zero.checkpoint.reshard import ShardFiles
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.layout import ShardLayout
 
@@ -45,31 +48,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "read_lates
 
 logger = logging.getLogger("hf_zero")
 
-FORMAT_VERSION = 2  # 2: manifest.json with every file's size and sha256
-
-
-def _rank_file(rank: int) -> str:
-    return f"zero_rank{rank:05d}.safetensors"
-
-
-def read_latest_tag(load_dir: str | os.PathLike) -> str | None:
-    path = Path(load_dir) / "latest"
-    return path.read_text().strip() if path.is_file() else None
-
-
-def _dedupe_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """safetensors refuses tensors sharing storage (tied embeddings): keep one, remember the aliases."""
-    first: dict[tuple, str] = {}
-    out, aliases = {}, {}
-    for name, t in sd.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype) if t.numel() else None
-        if key is not None and key in first:
-            aliases[name] = first[key]
-            continue
-        if key is not None:
-            first[key] = name
-        out[name] = t.detach().contiguous()
-    return out, aliases
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 def _write_rank_files(engine, tmp: Path, exclude_frozen: bool, client_state: dict, is_writer: bool,
@@ -95,7 +74,7 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
     * its ``engine_state.pt``: counters, skipped steps, the loss scaler's and the LR scheduler's state dicts
       (each once), ``client_state``;
     * its ``model.safetensors`` (stages 0-2): the module's state dict -- unless ``write_model`` is false (a 3D
-      pipeline keeps its module in per-layer files: hf_zero/runtime/pipe_checkpoint.py); ``module_state`` if
+      pipeline keeps its module in per-layer files: hf_zero/checkpoint/pipeline.py); ``module_state`` if
       given (a tensor-parallel module's state dict, gathered by the caller before any write can fail: the gather
       is a collective over the TP group).
 
@@ -111,15 +90,15 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
         tensors.update(optimizer.shard_state())
     if engine.stage3 is not None:
         tensors.update(engine.stage3.shard_state(exclude_frozen=exclude_frozen))
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / _rank_file(rank)))
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / rank_file(rank)))
     if not is_writer:
-        return [_rank_file(rank)]
-    written = [_rank_file(rank), "meta.json", "engine_state.pt"]
+        return [rank_file(rank)]
+    written = [rank_file(rank), "meta.json", "engine_state.pt"]
     if unsharded and rank != 0:
-        save_file({k: v.detach().contiguous() for k, v in optimizer.shard_state().items()}, str(tmp / _rank_file(0)))
-        written.append(_rank_file(0))
+        save_file({k: v.detach().contiguous() for k, v in optimizer.shard_state().items()}, str(tmp / rank_file(0)))
+        written.append(rank_file(0))
     if engine.stage3 is None and write_model:
-        sd, aliases = _dedupe_shared(module_state if module_state is not None else
+        sd, aliases = dedupe_shared(module_state if module_state is not None else
                                      engine.module_state_dict(exclude_frozen))
         save_file(sd, str(tmp / "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
         written.append("model.safetensors")
@@ -142,11 +121,11 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_late
                     exclude_frozen_parameters: bool, write_model: bool = True,
                     module_state: dict | None = None, recovery_script: bool = True) -> bool:
     """Write a checkpoint on every rank (collective). Raises, leaving the previous checkpoint intact, on failure
-    (:class:`~hf_zero.runtime.checkpoint_commit.SaveError` on every rank, naming the rank that failed).
+    (:class:`~hf_zero.checkpoint.commit.SaveError` on every rank, naming the rank that failed).
 
     Each directory (the shared one, or with ``checkpoint.use_node_local_storage`` each node's own: see
-    checkpoint_nodes.py) gets the files of the ranks that see it, and is finalized by its writer rank; ``latest``
-    moves only after every directory holds its complete, renamed tag (checkpoint_commit.py).
+    placement.py) gets the files of the ranks that see it, and is finalized by its writer rank; ``latest``
+    moves only after every directory holds its complete, renamed tag (commit.py).
 
     ``recovery_script``: the writer also puts ``zero_to_fp32.py`` into the directory, as part of the save (its
     failure fails the save on every rank); false for the parts of a composite checkpoint (pipeline, tensor
@@ -177,49 +156,12 @@ def _agree(engine, mine: Any, what: str) -> list[Any]:
     return agree(mine, what, engine.process_group)
 
 
-def _full_param_from_shards(files: list, key: str, layout: ShardLayout, index: int) -> torch.Tensor:
-    """Reassemble parameter ``index``'s flat tensor from its shards in every saved rank's file."""
-    lo, hi = layout.offsets[index], layout.offsets[index + 1]
-    parts = [f.get_slice(key)[lo:hi] for f in files]
-    return torch.cat(parts)[:layout.numels[index]]
-
-
-class _Reader:
-    """The :class:`~hf_zero.zero.checkpoint_state.ShardReader` over one validated checkpoint's rank files: the
-    N->M re-cut lives here, so a component only ever sees its own rank's piece. ``handles``: every saved rank's
-    file (a list), or -- a node-local directory loaded on the ranks that saved it -- ``{saved rank: file}`` of the
-    ones this rank reads (validation made sure they are the ones it asks for)."""
-
-    def __init__(self, handles: list | dict, saved_world: int | None = None):
-        self._handles = dict(enumerate(handles)) if isinstance(handles, list) else dict(handles)
-        self._saved_world = saved_world if saved_world is not None else len(self._handles)
-        first = next(iter(self._handles.values()), None)
-        self._keys = set(first.keys()) if first is not None else set()
-
-    def keys(self) -> set[str]:
-        return self._keys
-
-    def shard(self, key: str, layout: ShardLayout, rank: int) -> torch.Tensor:
-        saved = ShardLayout(layout.numels, self._saved_world)  # the groups were checked equal at validation
-        if saved == layout:
-            return self._handles[rank].get_tensor(key)
-        handles = [self._handles[r] for r in range(self._saved_world)]
-        out = torch.empty(layout.shard_numel, dtype=handles[0].get_slice(key)[0:0].dtype)
-        for i in range(len(layout.numels)):
-            full = _full_param_from_shards(handles, key, saved, i)
-            layout.shard_of(full, i, rank, out[layout.offsets[i]:layout.offsets[i + 1]])
-        return out
-
-    def whole(self, key: str) -> torch.Tensor:
-        return next(iter(self._handles.values())).get_tensor(key)
-
-
 def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, load_optimizer_states: bool,
                     load_lr_scheduler_states: bool, load_module_weights: bool = True):
     """Restore a checkpoint (any saved world size). Returns ``(path, client_state)``, or ``(None, None)``.
 
     ``load_module_weights=False``: the caller has loaded the module (a tensor-parallel model's full weights are
-    sliced into its DTensors by hf_zero/runtime/tp_checkpoint.py)."""
+    sliced into its DTensors by hf_zero/checkpoint/tp.py)."""
     root = Path(load_dir)
     # every rank loads the same tag, or none does (a node whose 'latest' differs is named, not mixed in)
     tag = agree_on_tag(engine.global_rank, engine.world_size, root, tag, read_latest_tag,
@@ -241,7 +183,7 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     if failed:
         raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
                               f"{reports[failed[0]]}")
-    reader = _Reader(handles, int(meta.get("shard_world_size", 0)))
+    reader = ShardFiles(handles, int(meta.get("shard_world_size", 0)))
     if sd is not None and load_module_weights:
         engine.module.load_state_dict(sd, strict=load_module_strict)
     if engine.stage3 is None and meta.get("stage") == 3:
@@ -255,7 +197,7 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     finally:
         del reader, handles
     engine.optimizer.publish()
-    own_file = path / _rank_file(engine.global_rank)
+    own_file = path / rank_file(engine.global_rank)
     if meta["world_size"] == engine.world_size and own_file.is_file():  # RNG streams only resume on the same ranks
         with safe_open(str(own_file), "pt") as f:
             if "rng.cpu" in f.keys():
@@ -269,32 +211,6 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
         engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
     comm.barrier(engine.process_group, what="the end of load_checkpoint")
     return str(path), engine_state["client_state"]
-
-
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-
-
-def _open(path: Path):
-    try:
-        return safe_open(str(path), "pt")
-    except Exception as exc:
-        raise CheckpointError(f"hf_zero: checkpoint file {str(path)!r} cannot be read: {exc}") from exc
-
-
-def open_saved(path: Path) -> tuple[dict, list]:
-    """A saved checkpoint directory's meta.json and every saved rank's file (safetensors handles, in rank order),
-    verified against its manifest before they are parsed: what the re-cuts of pipeline and tensor-parallel
-    checkpoints read directly (pipe_checkpoint.py, tp_checkpoint.py)."""
-    if not (path / "meta.json").is_file():
-        raise CheckpointError(f"hf_zero: checkpoint file {str(path / 'meta.json')!r} is missing")
-    manifest = read_manifest(path)
-    if manifest is not None:
-        verify_files(path, manifest, ["meta.json"])
-    meta = read_json(path / "meta.json")
-    names = [_rank_file(r) for r in range(int(meta.get("shard_world_size", 0)))]
-    if manifest is not None:
-        verify_files(path, manifest, ["engine_state.pt", *names])
-    return meta, [_open(path / name) for name in names]
 
 
 def _validate(engine, root: Path, tag: str, strict: bool, read_model: bool = True):
@@ -311,7 +227,7 @@ def _validate(engine, root: Path, tag: str, strict: bool, read_model: bool = Tru
     meta = read_json(path / "meta.json")
     saved_world = int(meta.get("shard_world_size", 0))
     reads = _shard_files_read(engine, path, meta, manifest)
-    rank_names = {r: _rank_file(r) for r in reads}
+    rank_names = {r: rank_file(r) for r in reads}
     if manifest is not None:
         verify_files(path, manifest, ["meta.json", "engine_state.pt", *rank_names.values()] +
                      (["model.safetensors"] if "model.safetensors" in manifest else []))
@@ -320,7 +236,7 @@ def _validate(engine, root: Path, tag: str, strict: bool, read_model: bool = Tru
                        str(path), MANIFEST)
     _check_groups(engine.optimizer.scalar_state()["groups"], meta, path)
     state = torch_load(path / "engine_state.pt")
-    handles = {r: _open(path / name) for r, name in rank_names.items()}
+    handles = {r: open_shard_file(path / name) for r, name in rank_names.items()}
     for prefix, layout, _, dtype in engine.optimizer.shard_layouts():
         saved_layout = ShardLayout(layout.numels, saved_world)
         for r, h in handles.items():
@@ -369,7 +285,7 @@ def _shard_files_read(engine, path: Path, meta: dict, manifest: dict | None) -> 
     saved_world = int(meta.get("shard_world_size", 0))
 
     def here(r: int) -> bool:
-        return _rank_file(r) in manifest if manifest is not None else (path / _rank_file(r)).is_file()
+        return rank_file(r) in manifest if manifest is not None else (path / rank_file(r)).is_file()
 
     everything = list(range(saved_world))
     if all(here(r) for r in everything):
@@ -394,21 +310,8 @@ def _shard_files_read(engine, path: Path, meta: dict, manifest: dict | None) -> 
                f"(or at another ZeRO stage): re-cutting its shards needs every rank's file, so copy every node's "
                f"zero_rank*.safetensors of this tag into one directory")
     raise CheckpointError(f"hf_zero: load_checkpoint: rank {engine.global_rank} (node {comm.get_node_id()!r}) "
-                          f"needs checkpoint file {str(path / _rank_file(missing[0]))!r}, which is not on this node: "
+                          f"needs checkpoint file {str(path / rank_file(missing[0]))!r}, which is not on this node: "
                           f"{why}; {fix}. Nothing was loaded.")
-
-
-def read_model_file(model_file: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint's model.safetensors as the module's state dict: tied names point at one tensor again."""
-    try:
-        sd = load_file(str(model_file), device="cpu")
-        with safe_open(str(model_file), "pt") as f:
-            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-    except Exception as exc:
-        raise CheckpointError(f"hf_zero: checkpoint file {str(model_file)!r} cannot be read: {exc}") from exc
-    for alias, src in aliases.items():
-        sd[alias] = sd[src]
-    return sd
 
 
 def _read_model_file(model_file: Path, engine, strict: bool) -> dict[str, torch.Tensor]:
@@ -426,7 +329,7 @@ def _read_model_file(model_file: Path, engine, strict: bool) -> dict[str, torch.
     return sd
 
 
-def _restore_stage3_extras(engine, reader: _Reader) -> None:
+def _restore_stage3_extras(engine, reader: ShardFiles) -> None:
     """Buffers and frozen parameters of a ZeRO-3 checkpoint into a stage 0-2 engine (whole parameters)."""
     with torch.no_grad():
         for name, buf in persistent_buffers(engine.module):
@@ -458,7 +361,7 @@ def save_16bit_model(engine, save_dir, save_filename: str, exclude_frozen_parame
     if engine.global_rank == 0 and (tp is None or tp.mesh.get_local_rank() == 0):
         root = Path(save_dir)
         root.mkdir(parents=True, exist_ok=True)
-        sd, aliases = _dedupe_shared(sd)
+        sd, aliases = dedupe_shared(sd)
         tmp = root / f".{save_filename}.tmp"
         save_file(sd, str(tmp), metadata={"format": "pt", "aliases": json.dumps(aliases)})
         os.replace(tmp, root / save_filename)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hf_zero import comm
-from hf_zero.runtime.checkpoint_files import CheckpointError
+from hf_zero.checkpoint.files import CheckpointError
 
 __all__ = ["Placement", "place", "agree_on_tag", "describe_ranks"]
 

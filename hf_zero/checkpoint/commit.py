@@ -1,6 +1,6 @@
 """How a checkpoint tag becomes visible: all of it, or none of it. Shared by the ordinary engine checkpoint
-(checkpoint.py) and the composites built of ordinary ones -- a pipeline's per-layer files, pipeline.json and one
-checkpoint per stage (pipe_checkpoint.py); a TP engine's tp.json and one checkpoint per TP rank (tp_checkpoint.py)
+(engine.py) and the composites built of ordinary ones -- a pipeline's per-layer files, pipeline.json and one
+checkpoint per stage (pipeline.py); a TP engine's tp.json and one checkpoint per TP rank (tp.py)
 -- so that a composite is atomic as a whole, not part by part.
 
 :func:`commit_tag`, collective over the ranks that ``agree`` spans:
@@ -31,7 +31,7 @@ import torch
 
 from hf_zero import comm
 from hf_zero.comm import faults
-from hf_zero.runtime.checkpoint_files import CheckpointError, clean_stale, fsync_dir, fsync_file, write_manifest
+from hf_zero.checkpoint.files import CheckpointError, clean_stale, fsync_dir, fsync_file, write_manifest
 
 __all__ = ["SaveError", "agree", "agree_or_raise", "check_tag", "commit_tag", "error_report", "rename_into_place",
            "write_latest"]

@@ -1,7 +1,7 @@
 """What an engine checkpoint records for reading it offline, without the model or a process group.
 
 The shards say how parameters were cut (meta.json's groups: names and numels); offline consolidation
-(hf_zero/runtime/zero_to_fp32.py) also needs what the model would otherwise tell: each parameter's full shape,
+(hf_zero/checkpoint/zero_to_fp32.py) also needs what the model would otherwise tell: each parameter's full shape,
 which names share one tensor (tied weights), which parameters are frozen and which buffers persist. At stage 3
 nothing else in the checkpoint holds that (no model.safetensors), so meta.json gets a ``module`` entry at every
 stage -- DeepSpeed's model-states file carries the same facts (``param_shapes``, ``shared_params``,
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from hf_zero.runtime.checkpoint_files import fsync_file
+from hf_zero.checkpoint.files import fsync_file
 from hf_zero.zero.stage3.param import sharded_param_of
 
 __all__ = ["describe_module", "persistent_buffers", "write_recovery_script", "RECOVERY_SCRIPT"]
@@ -33,12 +33,12 @@ offline -- DeepSpeed's zero_to_fp32.py command line:
     python zero_to_fp32.py . output_dir [--safe_serialization] [--max_shard_size 5GB] [-t TAG]
                                         [--exclude_frozen_parameters]
 
-Written by hf_zero's save_checkpoint; needs hf_zero installed (the code is hf_zero.runtime.zero_to_fp32).
+Written by hf_zero's save_checkpoint; needs hf_zero installed (the code is hf_zero.checkpoint.zero_to_fp32).
 """
 
 import sys
 
-from hf_zero.runtime.zero_to_fp32 import main
+from hf_zero.checkpoint.zero_to_fp32 import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@
                                        holds the whole gathered model (names and layout of the unsplit model).
                                        One directory per TP rank: each save cleans its own directory's leftovers
 
-The tag is atomic as a whole (checkpoint_commit.py): built under ``<dir>/.tmp-<tag>/``, renamed into place once
+The tag is atomic as a whole (commit.py): built under ``<dir>/.tmp-<tag>/``, renamed into place once
 every rank reported its part written, ``latest`` moved last; a failure on any TP rank raises on every rank.
 
 Same TP size: each TP rank loads its own directory. Another TP size: each rank assembles a one-rank checkpoint
@@ -27,20 +27,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from hf_zero import comm
-from hf_zero.runtime.checkpoint import _full_param_from_shards, _rank_file, load_checkpoint, open_saved, \
-    read_latest_tag, save_checkpoint
-from hf_zero.runtime.checkpoint_commit import agree, agree_or_raise, check_tag, commit_tag
-from hf_zero.runtime.checkpoint_files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
-                                              read_manifest, resolve_checkpoint, verify_files)
-from hf_zero.runtime.checkpoint_nodes import agree_on_tag
+from hf_zero.checkpoint.commit import agree, agree_or_raise, check_tag, commit_tag
+from hf_zero.checkpoint.disk_format import open_saved, read_latest_tag, read_model_file
+from hf_zero.checkpoint.engine import load_checkpoint, save_checkpoint
+from hf_zero.checkpoint.files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
+                                      read_manifest, resolve_checkpoint, verify_files)
+from hf_zero.checkpoint.placement import agree_on_tag
+from hf_zero.checkpoint.reshard import TPCut, write_recut
 from hf_zero.tensor_parallel import tp_info
-from hf_zero.tensor_parallel.reshard import full_from_pieces, param_layout, piece_for
+from hf_zero.tensor_parallel.reshard import param_layout
 from hf_zero.tensor_parallel.state import load_full_state_dict
-from hf_zero.zero.layout import ShardLayout
 
 __all__ = ["save_tp_checkpoint", "load_tp_checkpoint", "is_tp_checkpoint"]
 
@@ -59,7 +57,7 @@ def save_tp_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_la
                        exclude_frozen_parameters: bool = False) -> bool:
     """Collective over every rank: each TP rank's data-parallel group writes its own ordinary checkpoint into
     ``<dir>/.tmp-<tag>/``; the tag (tp.json, the manifest, every TP rank's part) is published whole once every rank
-    reported its part written (checkpoint_commit.py), else every rank raises naming the rank that failed."""
+    reported its part written (commit.py), else every rank raises naming the rank that failed."""
     info = tp_info(engine.module)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     check_tag(tag)
@@ -121,7 +119,7 @@ def load_tp_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool =
                 where = (_rank_root(root, tp_rank), _STATE)
                 open_saved(where[0] / _STATE)  # its shards verified now, before the module below changes
             else:  # this rank's pieces, re-cut from every saved part (verified as they are opened)
-                _assemble(engine, root, saved, tp_size, tp_rank, tmp / "one")
+                _recut(engine, root, saved, tp_size, tp_rank, tmp / "one")
                 where = (tmp, "one")
         except Exception as exc:  # every rank must hear of it, or the others would wait for this one
             error = exc
@@ -155,44 +153,17 @@ def _read_tag(load_dir: Path, tag: str) -> tuple[Path, dict, dict[str, torch.Ten
         if part is not None:
             verify_files(model.parent, part, [model.name])
     saved = read_json(root / _INFO)
-    try:
-        sd = load_file(str(model))
-        with safe_open(str(model), "pt") as f:
-            for alias, src in json.loads((f.metadata() or {}).get("aliases", "{}")).items():
-                sd[alias] = sd[src]
-    except Exception as exc:
-        raise CheckpointError(f"hf_zero: checkpoint file {str(model)!r} cannot be read: {exc}") from exc
+    sd = read_model_file(model)
     return root, saved, sd
 
 
-def _assemble(engine, root: Path, saved: dict, tp: int, tp_rank: int, out: Path) -> None:
-    """Write a one-rank checkpoint under ``out`` holding this rank's current shards of every group's state."""
-    saved_tp = saved["tp_size"]
-    dirs = [_rank_root(root, r) / _STATE for r in range(saved_tp)]
-    metas, handles = zip(*(open_saved(d) for d in dirs))  # verified against each part's manifest
-    tensors = {}
-    try:
-        for gi, g in enumerate(engine.groups):
-            keys = [k for k in handles[0][0].keys() if k.startswith(f"group{gi}.")]
-            layouts = [ShardLayout(tuple(m["groups"][gi]["numels"]), m["shard_world_size"]) for m in metas]
-            for key in keys:
-                flats = []
-                for i, name in enumerate(g.names):
-                    # the saved ranks' groups list the same parameters in the same order (names match)
-                    pieces = [_full_param_from_shards(handles[r], key, layouts[r], i) for r in range(saved_tp)]
-                    flats.append(_reshard(saved["params"][name], pieces, saved_tp, tp, tp_rank))
-                tensors[key] = torch.cat(flats) if flats else torch.zeros(0)
-    finally:
-        del handles
-    out.mkdir(parents=True)
-    save_file(tensors, str(out / _rank_file(0)))
-    meta = dict(metas[0])
-    meta.update({"world_size": 1, "shard_world_size": 1,
-                 "groups": [{"names": g.names, "numels": list(g.layout.numels)} for g in engine.groups]})
-    (out / "meta.json").write_text(json.dumps(meta))
-    shutil.copy(dirs[0] / "engine_state.pt", out / "engine_state.pt")
-
-
-def _reshard(layout: dict, pieces: list[torch.Tensor], saved_tp: int, tp: int, tp_rank: int) -> torch.Tensor:
-    """This rank's flat piece of a parameter at TP size ``tp``, from the saved ranks' flat pieces."""
-    return piece_for(full_from_pieces(layout, pieces, saved_tp), layout, tp, tp_rank)
+def _recut(engine, root: Path, saved: dict, tp: int, tp_rank: int, out: Path) -> None:
+    """A one-rank checkpoint under ``out`` (with its manifest) holding this rank's current pieces of every group's
+    state, re-cut from every saved TP rank's part (reshard.write_recut, the pipeline's re-stage's too)."""
+    saved_tp = int(saved["tp_size"])
+    info = tp_info(engine.module)
+    cut = TPCut(saved_tp=saved_tp, tp=tp, tp_rank=tp_rank, saved_layouts=saved.get("params", {}),
+                current_layouts=param_layout(engine.module) if info is not None else {},
+                info_file=root / _INFO)
+    write_recut(out, engine.groups, [[_rank_root(root, r) / _STATE for r in range(saved_tp)]], cut=cut,
+                parts_root=root / "tp")
