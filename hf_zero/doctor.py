@@ -94,7 +94,7 @@ def _installed_pth_files() -> list[str]:
 def _smoke_test() -> str:
     import torch
 
-    from hf_zero.ops._native import native_available
+    from hf_zero.ops import native_available
     from hf_zero.ops.scale_add import scale_add_reference
 
     if not native_available("cpu"):
@@ -112,7 +112,7 @@ def collect() -> Report:
     import torch.distributed as dist
 
     from hf_zero import __version__
-    from hf_zero.ops import _native
+    from hf_zero.ops import extension_status, op_kernels
 
     report = Report()
     report.versions["hf_zero"] = __version__
@@ -122,9 +122,9 @@ def collect() -> Report:
     report.versions["torch"] += f" (CUDA {torch.version.cuda})" if torch.version.cuda else " (CPU build)"
 
     for device_type in ("cpu", "cuda"):
-        status = _native.extension_status(device_type)
+        status = extension_status(device_type)
         report.extensions[status.module] = (status.loaded, status.reason)
-    report.op_kernels = _native.op_kernels()
+    report.op_kernels = op_kernels()
     report.smoke_test = _smoke_test()
 
     report.backends = {

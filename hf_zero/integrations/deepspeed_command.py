@@ -22,9 +22,9 @@ __all__ = ["main", "real_deepspeed_installed"]
 
 
 def real_deepspeed_installed() -> bool:
-    from hf_zero.integrations.deepspeed_shim._finder import _real_deepspeed_installed
+    from hf_zero.integrations.deepspeed_shim import real_deepspeed_installed as installed
 
-    return _real_deepspeed_installed()
+    return installed()
 
 
 def main() -> int:

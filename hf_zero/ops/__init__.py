@@ -15,7 +15,7 @@ for a device is unavailable, the wrappers below run the reference and warn once 
 Bottom layer: imports no other hf_zero package (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
 """
 
-from hf_zero.ops._native import extension_status, native_available
+from hf_zero.ops._native import extension_status, native_available, op_kernels
 from hf_zero.ops.adagrad import CPUAdagrad, adagrad_step_
 from hf_zero.ops.adam import CPUAdam, FusedAdam, adam_step_
 from hf_zero.ops.inject import inject, remove_injection
@@ -42,6 +42,7 @@ __all__ = [
     "layer_norm",
     "lion_step_",
     "native_available",
+    "op_kernels",
     "remove_injection",
     "rms_norm",
     "scale_add",

@@ -79,7 +79,7 @@ def _variant(ds: dict, stage: int, offload: str, micro: int) -> dict:
 def _evaluate(config, model, ds: dict, args, world: int, micro: int, gc: bool, act_per_sample) -> dict:
     from hf_zero.profiling.analytic import analytic_flops, supports
     from hf_zero.profiling.hardware import peak_tflops
-    from hf_zero.profiling.memory import _compute_dtype, estimate_memory
+    from hf_zero.profiling.memory import compute_dtype, estimate_memory
     from hf_zero.profiling.params import count_params
     from hf_zero.profiling.steptime import estimate_step_time
 
@@ -87,7 +87,7 @@ def _evaluate(config, model, ds: dict, args, world: int, micro: int, gc: bool, a
     est = estimate_memory(model, ds, world_size=world, micro_batch=micro, seq_len=args.seq_len,
                           accelerator=args.accelerator, trainable=trainable, gradient_checkpointing=gc,
                           activations=act_per_sample.scaled(micro))
-    dtype = _compute_dtype(ds)
+    dtype = compute_dtype(ds)
     counts = count_params(model)
     result = est.to_dict()
     device_mem = int(args.device_memory_gib * _GIB) if args.device_memory_gib else _device_memory(args.accelerator)
@@ -120,7 +120,7 @@ def _evaluate(config, model, ds: dict, args, world: int, micro: int, gc: bool, a
 
 def run(args: argparse.Namespace) -> int:
     from hf_zero.profiling.activations import activation_profile
-    from hf_zero.profiling.memory import _compute_dtype, _ds, _load_config, build_meta_model
+    from hf_zero.profiling.memory import build_meta_model, compute_dtype, load_model_config, read_ds_config
 
     if args.model is not None and args.model_config is not None and args.model != args.model_config:
         print(f"hf-zero estimate: got the model twice ({args.model!r} and --model-config {args.model_config!r}); "
@@ -133,15 +133,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.accelerator is None:
         args.accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-    config = _load_config(source)
+    config = load_model_config(source)
     lora = ({"r": args.lora_r, "target_modules": [t.strip() for t in args.lora_targets.split(",") if t.strip()]}
             if args.lora_targets else None)
     model = build_meta_model(config, lora)
-    ds = _ds(args.ds_config)
+    ds = read_ds_config(args.ds_config)
     world = args.world_size or args.nproc_per_node * args.nnodes
     cfg_micro = ds.get("train_micro_batch_size_per_gpu")
     micro = args.micro_batch or (int(cfg_micro) if cfg_micro not in (None, "auto") else 1)
-    dtype = _compute_dtype(ds)
+    dtype = compute_dtype(ds)
     trainable = re.compile(args.trainable).search if args.trainable else None
     # activations are linear in the batch: trace one sequence per checkpointing setting, scale by micro batch
     per_sample = {gc: activation_profile(config, 1, args.seq_len, dtype=dtype, gradient_checkpointing=gc,

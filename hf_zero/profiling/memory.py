@@ -372,7 +372,7 @@ def _stage3_reduction(layout: ParamLayout, profile: ActivationProfile, *, world_
 
 # ---- inputs ----------------------------------------------------------------------------------------------------
 
-def _load_config(model_or_config: Any):
+def load_model_config(model_or_config: Any):
     """A transformers config from a path (config.json or its directory), a config object, or a model."""
     if isinstance(model_or_config, (str, os.PathLike)):
         from transformers import AutoConfig
@@ -425,7 +425,7 @@ def with_lora(model: nn.Module, lora: dict) -> nn.Module:
             from err
 
 
-def _ds(ds_config: Any) -> dict:
+def read_ds_config(ds_config: Any) -> dict:
     if ds_config is None:
         return {}
     if isinstance(ds_config, (str, os.PathLike)):
@@ -434,7 +434,7 @@ def _ds(ds_config: Any) -> dict:
     return dict(ds_config)
 
 
-def _compute_dtype(ds: dict) -> torch.dtype:
+def compute_dtype(ds: dict) -> torch.dtype:
     if (ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled") is True:
         return torch.bfloat16
     if (ds.get("fp16") or {}).get("enabled") is True:
@@ -469,10 +469,10 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
     optimizer states then exist for the adapters only (a PEFT model passed as ``model_or_config`` is estimated as
     it is).
     """
-    ds = _ds(ds_config)
+    ds = read_ds_config(ds_config)
     zero = dict(ds.get("zero_optimization") or {})
     stage = _int(zero.get("stage"), 0)
-    compute = _compute_dtype(ds)
+    compute = compute_dtype(ds)
     grad_name = (ds.get("data_types") or {}).get("grad_accum_dtype")
     grad_dtype = _DTYPES[grad_name] if grad_name else compute
     micro = micro_batch or _int(ds.get("train_micro_batch_size_per_gpu"), 1)
@@ -487,7 +487,7 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
                              "in is estimated as it is (apply peft to it first, or pass its config)")
         model, config = model_or_config, getattr(model_or_config, "config", None)
     else:
-        config = _load_config(model_or_config)
+        config = load_model_config(model_or_config)
         model = build_meta_model(config, lora)
     layout = param_layout(model, trainable)
     c = torch.empty(0, dtype=compute).element_size()

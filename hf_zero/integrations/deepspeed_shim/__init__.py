@@ -12,3 +12,7 @@ transformers and accelerate reach DeepSpeed only through ``import deepspeed``, a
 Switch it off with the environment variable ``HF_ZERO_DISABLE_DEEPSPEED_SHIM=1``. It never shadows a real
 DeepSpeed (installing DeepSpeed makes it stand aside) and is invisible to ``pip list`` and pip's resolver.
 """
+
+from ._finder import real_deepspeed_installed
+
+__all__ = ["real_deepspeed_installed"]

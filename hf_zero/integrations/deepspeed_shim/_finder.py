@@ -55,7 +55,7 @@ def _is_deepspeed(name: str | None) -> bool:
     return name is not None and name.replace("_", "-").replace(".", "-").lower() == "deepspeed"
 
 
-def _real_deepspeed_installed() -> bool:
+def real_deepspeed_installed() -> bool:
     """A real DeepSpeed is on sys.path: an importable regular package/module, or an installed distribution."""
     spec = importlib.machinery.PathFinder.find_spec("deepspeed")
     # A namespace package (a stray ``deepspeed/`` folder without __init__.py, e.g. of config files) has no origin;
@@ -80,7 +80,7 @@ class DeepSpeedShimFinder:
 
     def find_spec(self, fullname, path=None, target=None):
         # Submodules need no help: they are found through the shim package's __path__.
-        if fullname != "deepspeed" or disabled() or _real_deepspeed_installed():
+        if fullname != "deepspeed" or disabled() or real_deepspeed_installed():
             return None
         return importlib.util.spec_from_file_location(
             "deepspeed", os.path.join(_TREE, "__init__.py"), submodule_search_locations=[_TREE])
@@ -89,7 +89,7 @@ class DeepSpeedShimFinder:
         if context is None or not _is_deepspeed(getattr(context, "name", None)):
             return iter(())
         # Only the default search path: a lookup confined to explicit directories is about what is in them.
-        if context.path is not sys.path or disabled() or _real_deepspeed_installed():
+        if context.path is not sys.path or disabled() or real_deepspeed_installed():
             return iter(())
         return iter((_shim_distribution(),))
 

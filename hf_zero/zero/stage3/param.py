@@ -46,7 +46,7 @@ __all__ = ["HoldReason", "ParamState", "ShardedParam", "sharded_param_of", "is_s
 # lives as long as the parameter is gathered (and, parked, until the end of the step), so slack would be resident.
 GATHERED_FIT = 0.75
 
-_SP_ATTR = "_hf_zero_sharded"  # the only internal attribute hf_zero sets on an nn.Parameter
+SHARDED_PARAM_ATTR = "_hf_zero_sharded"  # the only internal attribute hf_zero sets on an nn.Parameter
 _next_ds_id = itertools.count()
 
 
@@ -79,7 +79,7 @@ _DS_STATUS = {ParamState.PARTITIONED: ZeroParamStatus.NOT_AVAILABLE, ParamState.
 
 
 def sharded_param_of(param: torch.Tensor) -> "ShardedParam | None":
-    return getattr(param, _SP_ATTR, None)
+    return getattr(param, SHARDED_PARAM_ATTR, None)
 
 
 def is_sharded(param: torch.Tensor) -> bool:
@@ -125,7 +125,7 @@ class ShardedParam:
         # so a release frees nothing and a re-bound shard takes the view with it
         self._aliased = False
         self._parked: torch.Tensor | None = None  # the last full buffer, storage freed; see to_partitioned(park)
-        setattr(param, _SP_ATTR, self)
+        setattr(param, SHARDED_PARAM_ATTR, self)
         self.to_partitioned()
 
     # ------------------------------------------------------------------ engine contract

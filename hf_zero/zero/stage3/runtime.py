@@ -673,9 +673,9 @@ def bump_external_version() -> None:
 
 def _forget(sp: ShardedParam) -> None:
     """Detach ``sp`` from its Parameter: no hf_zero attribute is left on it."""
-    from .param import _SP_ATTR
+    from .param import SHARDED_PARAM_ATTR
 
-    for attr in (_SP_ATTR, "ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist"):
+    for attr in (SHARDED_PARAM_ATTR, "ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist"):
         if attr in sp.param.__dict__:
             delattr(sp.param, attr)
 
