@@ -73,6 +73,14 @@ FAKE_PEER_TEST = textwrap.dedent(
 
         def test_unmapped_name_fails(self):
             AutoConfig.from_pretrained("no-such-org/no-such-model")
+
+
+    class Bf16Probe(unittest.TestCase):
+        # TrainingArguments refuses bf16 without a bf16 GPU; the runner's probe answers for the CPU
+        def test_training_arguments_accept_bf16(self):
+            from transformers import TrainingArguments
+
+            assert TrainingArguments("out", bf16=True).bf16 is True
     """
 )
 
@@ -144,6 +152,7 @@ def test_hardware_gates_lifted_software_gates_kept(fake_run):
     assert _outcome(results, "test_helper_gpu_gate") == "passed", log
     assert _outcome(results, "test_helper_software_gate_kept") == "skipped", log
     assert _outcome(results, "test_module_gate_lifted_device_still_cpu") == "passed", log
+    assert _outcome(results, "test_training_arguments_accept_bf16") == "passed", log
 
 
 def test_hub_names_resolve_offline_to_stand_ins(fake_run):
@@ -180,3 +189,18 @@ def test_every_stand_in_builds_from_its_config_class():
     for name, spec in hub.MODELS.items():
         config = spec.config()
         assert config.to_dict(), name
+
+
+def test_t5_stand_in_tokenizes_with_its_vocabulary(tmp_path):
+    """transformers' T5 tests load ``patrickvonplaten/t5-tiny-random`` with ``T5Tokenizer``: the stand-in's
+    Unigram vocabulary (3 specials, the words, "▁", 94 characters) plus T5's 100 sentinels fits the model's
+    256 embeddings, and a known word is one piece."""
+    from transformers import T5Tokenizer
+
+    name = "patrickvonplaten/t5-tiny-random"
+    hub._write_tokenizer("t5", str(tmp_path))
+    tok = T5Tokenizer.from_pretrained(str(tmp_path))
+    assert len(tok) == 3 + len(hub._WORDS) + 1 + 94 + 100
+    assert len(tok) <= hub.MODELS[name].config().vocab_size == 256
+    assert tok("the cat")["input_ids"] == [tok.convert_tokens_to_ids("▁the"),
+                                           tok.convert_tokens_to_ids("▁cat"), tok.eos_token_id]

@@ -34,7 +34,8 @@ _WORDS = (
 class ModelSpec:
     """How one Hub name is stood in for: ``config`` builds the transformers config, ``auto_class`` names the
     ``transformers`` Auto class whose ``from_config`` builds the random weights (None: config only), and
-    ``tokenizer`` is "bert-cased", "bert-uncased", "bytes" or None."""
+    ``tokenizer`` is "bert-cased", "bert-uncased", "bytes", "t5" (Unigram over words and characters, T5's
+    100 sentinels) or None."""
 
     config: Callable[[], object]
     auto_class: str | None
@@ -75,6 +76,26 @@ def _distilbert(vocab_size: int):
     return make
 
 
+def _gptj():
+    from transformers import GPTJConfig
+
+    # rotary_dim < head size (8): the partial-rotary path transformers' GPT-J tests exercise
+    return GPTJConfig(
+        n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=512, vocab_size=1024, bos_token_id=256,
+        eos_token_id=256,
+    )
+
+
+def _t5():
+    from transformers import T5Config
+
+    # vocab: the "t5" tokenizer's pieces plus its 100 sentinels fit in 256
+    return T5Config(
+        d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, vocab_size=256,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )
+
+
 def _llama():
     from transformers import LlamaConfig
 
@@ -107,7 +128,16 @@ def _bert_vocab() -> list[str]:
     return specials + _WORDS + chars + ["##" + c for c in chars if c.isalnum()]
 
 
-# The names the suites load, by suite (accelerate's tests/deepspeed and its external_deps scripts).
+def _t5_vocab() -> list[tuple[str, float]]:
+    """Unigram pieces (T5's ids 0-2 are pad, eos, unk): the words whole, then single characters; log-probabilities
+    favour whole words."""
+    chars = [chr(c) for c in range(33, 127)]
+    return ([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("\u2581" + w, -2.0) for w in _WORDS]
+            + [("\u2581", -3.0)] + [(c, -5.0) for c in chars])
+
+
+# The names the suites load, by suite (accelerate's tests/deepspeed and its external_deps scripts; transformers'
+# tests/trainer/distributed/test_trainer_distributed_deepspeed.py).
 MODELS: dict[str, ModelSpec] = {
     "sshleifer/tiny-gpt2": ModelSpec(_gpt2(16), "AutoModelForCausalLM", "bytes"),
     "gpt2": ModelSpec(_gpt2(32), "AutoModelForCausalLM", "bytes"),
@@ -122,6 +152,8 @@ MODELS: dict[str, ModelSpec] = {
     "distilbert-base-uncased": ModelSpec(
         _distilbert(len(_bert_vocab())), "AutoModelForSequenceClassification", "bert-uncased"
     ),
+    "patrickvonplaten/t5-tiny-random": ModelSpec(_t5, "AutoModelForSeq2SeqLM", "t5"),
+    "hf-internal-testing/tiny-random-gptj": ModelSpec(_gptj, "AutoModelForCausalLM", "bytes"),
 }
 
 # Datasets: (name, config) -> {split: rows}. GLUE/MRPC's columns, random sentences over _WORDS.
@@ -141,6 +173,11 @@ def _write_tokenizer(kind: str, out_dir: str) -> None:
 
         vocab = {token: i for i, token in enumerate(_bert_vocab())}
         BertTokenizerFast(vocab=vocab, do_lower_case=kind == "bert-uncased").save_pretrained(out_dir)
+        return
+    if kind == "t5":
+        from transformers import T5Tokenizer
+
+        T5Tokenizer(vocab=_t5_vocab()).save_pretrained(out_dir)
         return
     # "bytes": byte-level BPE over the 256 byte symbols and no merges (every byte one token).
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

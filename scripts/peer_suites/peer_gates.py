@@ -8,7 +8,9 @@ peer's conftest files and test modules, so the test files are run unedited. Soft
 ``require_fp16``, ``require_huggingface_suite``, ``slow``) are left alone: they decide as they always do.
 
 accelerate's ``get_backend()``, which test modules call at import to skip themselves on a CPU, returns a "cpu"
-that does not compare equal to "cpu" (and is the CPU everywhere it is used).
+that does not compare equal to "cpu" (and is the CPU everywhere it is used). transformers' ``TrainingArguments``
+refuses ``bf16=True`` unless a GPU supports bf16 (``is_torch_bf16_gpu_available``, read by that check alone); the
+probe it reads answers True where the CPU runs bf16, so the peers' bf16 tests run on the CPU.
 
 A test that then asks for more devices than the machine has gets ``PEER_SUITES_NPROC`` CPU processes
 (default 2): accelerate's ``device_count`` and ``DEFAULT_LAUNCH_COMMAND`` are set to it.
@@ -46,6 +48,10 @@ _HELPER_GATES = tuple(sorted({name for names in GATES.values() for name in names
 # Package namespaces that re-export the decorators (``from accelerate.test_utils import require_cuda``).
 _REEXPORTS: dict[str, tuple[str, ...]] = {"accelerate.test_utils.testing": ("accelerate.test_utils",)}
 
+# module -> probes asked "does the GPU support X" by a check that refuses an option without one; each answers for
+# the CPU too (the run's device). Only the named module's binding is replaced.
+PROBES: dict[str, tuple[str, ...]] = {"transformers.training_args": ("is_torch_bf16_gpu_available",)}
+
 lifted: list[str] = []
 
 
@@ -73,6 +79,29 @@ def _ungated_backend(get_backend):
         return (_UngatedCpu(device) if device == "cpu" else device, *rest)
 
     return wrapper
+
+
+def _or_cpu_bf16(probe):
+    def wrapper(*args, **kwargs):
+        from transformers.utils import is_torch_bf16_available_on_device
+
+        return probe(*args, **kwargs) or is_torch_bf16_available_on_device("cpu")  # a bf16 op runs on this CPU
+
+    return wrapper
+
+
+def lift_probes() -> list[str]:
+    done = []
+    for module_name, names in PROBES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name in names:
+            if callable(getattr(module, name, None)):
+                setattr(module, name, _or_cpu_bf16(getattr(module, name)))
+                done.append(f"{module_name}.{name}")
+    return done
 
 
 def lift_gates(nproc: int) -> list[str]:
@@ -152,7 +181,7 @@ def _set_accelerate_devices(module, namespaces, nproc: int) -> None:
 
 
 # At import: ``-p peer_gates`` imports this before the peer's conftest files and test modules.
-lifted[:] = lift_gates(int(os.environ.get("PEER_SUITES_NPROC", "2")))
+lifted[:] = lift_gates(int(os.environ.get("PEER_SUITES_NPROC", "2"))) + lift_probes()
 sys.meta_path.insert(0, _HelperGateLifter())
 
 
