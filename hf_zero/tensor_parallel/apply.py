@@ -23,12 +23,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from hf_zero.tensor_parallel.adapters import is_lora_layer, parallelize_lora_layer, peft_base_model
+from hf_zero.tensor_parallel.layers import LocalColwise, LocalRowwise, LocalVocabEmbedding, LocalVocabHead
 from hf_zero.tensor_parallel.loss import VocabParallelCausalLMLoss
 from hf_zero.tensor_parallel.mesh import TPMesh
 from hf_zero.tensor_parallel.plans import match_modules, resolve_plan
+from hf_zero.tensor_parallel.regions import SharedCopy
 from hf_zero.tensor_parallel.sequence import SEQ_DIM, SP_STYLES, install_sequence_check, sp_style
 from hf_zero.tensor_parallel.styles import Conv1DColwise, Conv1DRowwise, ReplicatedGradAllReduce
 
@@ -105,22 +107,25 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def _style(name: str, style: str, module: nn.Module, sp: bool = False):
-    """The DTensor style for ``style``; ``sp``: sequence parallelism (see sequence.py) changes the layouts at the
+def _style(name: str, style: str, module: nn.Module, sp: bool = False, shared: SharedCopy | None = None):
+    """The parallel style for ``style``; ``sp``: sequence parallelism (see sequence.py) changes the layouts at the
     boundaries of the TP regions -- row-parallel outputs reduce-scattered to sequence shards, the embedding's too,
-    and the LM head gathering its sequence-sharded input."""
+    and the LM head gathering its sequence-sharded input. ``shared``: the column-parallel layers' shared input copy
+    (regions.py), one per TP group.
+
+    ``nn.Linear`` / ``nn.Embedding`` get layers.py's local-compute styles (plain matmuls, explicit collectives);
+    GPT-2's ``Conv1D`` and the gathered-logits head keep their DTensor styles."""
     conv = _is_conv1d(module)
-    seq = Shard(SEQ_DIM)
     if style in SP_STYLES:
         return sp_style(style)
     if style == "colwise":
-        return Conv1DColwise() if conv else ColwiseParallel()
+        return Conv1DColwise() if conv else LocalColwise(shared=shared)
     if style == "rowwise":
         if sp:
-            return Conv1DRowwise(output_placement=seq) if conv else RowwiseParallel(output_layouts=seq)
-        return Conv1DRowwise() if conv else RowwiseParallel()
+            return Conv1DRowwise(output_placement=Shard(SEQ_DIM)) if conv else LocalRowwise(sequence_parallel=True)
+        return Conv1DRowwise() if conv else LocalRowwise()
     if style == "colwise_gather_output":
-        return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
+        return ColwiseParallel(input_layouts=Shard(SEQ_DIM) if sp else Replicate(), output_layouts=Replicate())
     if style == "fused_qkv_colwise":
         return Conv1DColwise(fused_parts=3)
     if style == "replicated_with_grad_allreduce":
@@ -129,14 +134,12 @@ def _style(name: str, style: str, module: nn.Module, sp: bool = False):
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"hf_zero: vocab_embedding applies to nn.Embedding; module {name!r} is "
                              f"{type(module).__name__}")
-        if sp:  # the rows summed *and* split over the sequence: a reduce-scatter; a DTensor of the full shape
-            return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False)
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        # under sp the rows are summed *and* split over the sequence: a reduce-scatter, a DTensor of the full shape
+        return LocalVocabEmbedding(sequence_parallel=sp)
     if style == "vocab_lm_head":
         if not isinstance(module, nn.Linear):
             raise ValueError(f"hf_zero: vocab_lm_head applies to nn.Linear; module {name!r} is {type(module).__name__}")
-        return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
-                               use_local_output=False)
+        return LocalVocabHead(shared=shared, sequence_parallel=sp)
     raise ValueError(f"hf_zero: unknown tensor-parallel style {style!r} for module {name!r}")
 
 
@@ -191,15 +194,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
     tied = emb is not None and head is not None and getattr(head, "weight", None) is emb.weight
     modules = dict(model.named_modules())
     fused = {}
+    shared = SharedCopy(tp_mesh.get_group())
     for name, style in matched.items():
         module = modules[name]
         if is_lora_layer(module):  # the base layer as planned, its adapters split to match
             base = module.base_layer
-            parallelize_module(base, tp_mesh, _style(name, style, base, sequence_parallel))
+            parallelize_module(base, tp_mesh, _style(name, style, base, sequence_parallel, shared))
             fused.update(parallelize_lora_layer(name, module, style, tp_mesh, sequence_parallel=sequence_parallel))
         else:
             frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
-            parallelize_module(module, tp_mesh, _style(name, style, module, sequence_parallel))
+            parallelize_module(module, tp_mesh, _style(name, style, module, sequence_parallel, shared))
             for n in frozen:  # SequenceParallel re-creates parameters trainable (a PEFT-frozen norm would train)
                 module.get_parameter(n).requires_grad_(False)
         if style == "fused_qkv_colwise":
