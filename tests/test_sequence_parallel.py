@@ -110,3 +110,56 @@ def test_eager_and_mismatched_attention_are_refused():
     with pytest.raises(ValueError, match="the model runs attn_implementation='sdpa'"):
         UlyssesSPAttentionHF.register_with_transformers(model, "flex_attention", 2, 1)
     assert UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 1, 1) is None  # size 1: nothing to do
+
+
+def _hidden_and_targets():
+    model = sp_script.make_model()
+    ids, labels = sp_script.samples()
+    hidden = model.model(input_ids=ids[:2]).last_hidden_state.detach().requires_grad_(True)  # [2, 32, 32]
+    shift = torch.nn.functional.pad(labels[:2], (0, 1), value=-100)[:, 1:]
+    return model, hidden, shift
+
+
+def _grads_after(loss, model, hidden):
+    counts = {}
+    handles = [p.register_post_accumulate_grad_hook(lambda p, n=n: counts.__setitem__(n, counts.get(n, 0) + 1))
+               for n, p in model.lm_head.named_parameters()]
+    loss.backward()
+    for h in handles:
+        h.remove()
+    grads = [hidden.grad.clone(), model.lm_head.weight.grad.clone()]
+    hidden.grad = None
+    model.zero_grad()
+    return grads, counts
+
+
+def test_tiled_logits_loss_and_mlp_match_the_untiled_compute():
+    """4 tiles of the flattened rows: loss, input and weight gradients as one pass (1e-6), and each parameter's
+    gradient accumulated once per backward (what ZeRO's hooks expect)."""
+    from hf_zero.sequence_parallel import TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
+
+    model, hidden, shift = _hidden_and_targets()
+
+    def loss_sum(owner, x, y):  # per-tile sum; divided by the count below, as DeepSpeed advises for unequal tiles
+        return torch.nn.functional.cross_entropy(owner.lm_head(x).float(), y, ignore_index=-100, reduction="sum")
+
+    counted = (shift != -100).sum()
+    full = loss_sum(model, hidden.reshape(-1, 32), shift.reshape(-1)) / counted
+    ref_grads, _ = _grads_after(full, model, hidden)
+    tiled = TiledFusedLogitsLoss.apply(loss_sum, model, hidden, shift, None, 4, [model.lm_head.weight], "sum") / counted
+    grads, counts = _grads_after(tiled, model, hidden)
+    assert abs(tiled.item() - full.item()) <= 1e-6 * full.item()
+    for got, ref in zip(grads, ref_grads):
+        assert (got - ref).abs().max().item() <= 1e-6 * ref.abs().max().item()
+    assert counts == {"weight": 1}
+
+    mlp = model.model.layers[0].mlp
+    ref_out = mlp(hidden)
+    out = TiledMLP.apply(lambda m, x: m(x), mlp, hidden, 4, list(mlp.parameters()))
+    assert out.shape == ref_out.shape and (out - ref_out).abs().max().item() <= 1e-6 * ref_out.abs().max().item()
+
+    per_token = sequence_tiled_compute(lambda x, w: x @ w, seqlen=32, shards=3, kwargs_to_shard={"x": hidden},
+                                       kwargs_to_pass={"w": model.lm_head.weight.T}, grad_requiring_tensor_key="x",
+                                       output_reduction=None)
+    assert per_token.shape == (2, 32, sp_script.VOCAB)  # tiles of 11, 11, 10 tokens reassembled
+    assert (per_token - hidden @ model.lm_head.weight.T).abs().max().item() == 0.0

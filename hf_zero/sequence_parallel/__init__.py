@@ -12,7 +12,8 @@ head split with two all-to-alls; everything else runs per token on the slice.
                                    vocab_size=model.config.vocab_size)
         engine.backward(sequence_parallel_loss(loss, batch["shift_labels"], mpu.get_sequence_parallel_group()))
 
-Owns the attention wrapper, the data-loader adapter and the loss aggregation; the groups live in
+Owns the attention wrapper, the data-loader adapter, the loss aggregation and the tiled (per-tile checkpointed)
+logits-loss / MLP / generic compute; the groups live in
 ``hf_zero.comm.sequence_groups``. May import comm, config and util; runtime wires it in, integrations forwards
 ``deepspeed.runtime.sequence_parallel`` here (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
 """
@@ -21,6 +22,7 @@ from hf_zero.sequence_parallel.attention import UlyssesSPAttentionHF, unregister
 from hf_zero.sequence_parallel.dataloader import UlyssesSPDataLoaderAdapter
 from hf_zero.sequence_parallel.loss import sequence_parallel_loss
 from hf_zero.sequence_parallel.setup import sequence_parallel_size
+from hf_zero.sequence_parallel.tiled import TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 
 __all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "sequence_parallel_loss", "sequence_parallel_size",
-           "unregister_from_transformers"]
+           "unregister_from_transformers", "sequence_tiled_compute", "TiledFusedLogitsLoss", "TiledMLP"]
