@@ -105,10 +105,12 @@ def test_eager_and_mismatched_attention_are_refused():
     from hf_zero.sequence_parallel import UlyssesSPAttentionHF
 
     model = sp_script.make_model()
-    with pytest.raises(ValueError, match="eager needs the 4-D mask"):
+    with pytest.raises(ValueError, match="it needs the 4-D mask"):
         UlyssesSPAttentionHF.register_with_transformers(model, "eager", 2, 1)
-    with pytest.raises(ValueError, match="the model runs attn_implementation='sdpa'"):
+    with pytest.raises(ValueError, match="without its block mask it attends both ways"):
         UlyssesSPAttentionHF.register_with_transformers(model, "flex_attention", 2, 1)
+    with pytest.raises(ValueError, match="the model runs attn_implementation='sdpa'"):
+        UlyssesSPAttentionHF.register_with_transformers(model, "flash_attention_2", 2, 1)
     assert UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 1, 1) is None  # size 1: nothing to do
 
 

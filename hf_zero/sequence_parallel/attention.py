@@ -15,7 +15,8 @@ transformers takes for e.g. ``"sdpa"`` still runs and only the call itself is in
 Masks: the model builds its mask for the shard's length, which is meaningless after the exchange, and a full
 ``[seq, seq]`` mask is what long-sequence training cannot afford; the wrapper drops it and the attention function
 runs causal (``is_causal``). Padding is expressed through ``position_ids`` and the ``-100`` labels instead, as in
-DeepSpeed; ``eager`` (which needs the 4-D mask) is refused.
+DeepSpeed; ``eager`` (which needs the 4-D mask) and ``flex_attention`` (whose block mask DeepSpeed rebuilds for the
+full sequence; not done here) are refused, as accelerate's DeepSpeedSequenceParallelConfig refuses both.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ logger = logging.getLogger("hf_zero")
 
 HEAD_DIM, SEQ_DIM = 1, 2          # of q/k/v: [batch, heads, seq, head_dim]
 OUT_SEQ_DIM, OUT_HEAD_DIM = 1, 2  # of the attention output: [batch, seq, heads, head_dim]
-NEEDS_4D_MASK = ("eager", "paged|eager")
+# implementations the wrapper cannot run causal without the model's mask, and why
+UNSUPPORTED = {"eager": "it needs the 4-D mask", "paged|eager": "it needs the 4-D mask",
+               "flex_attention": "without its block mask it attends both ways"}
 
 # implementation name -> the function it had before the wrapper replaced it (for unregister and re-registration)
 _REPLACED: dict[str, Any] = {}
@@ -135,10 +138,10 @@ class UlyssesSPAttentionHF(nn.Module):
         if not seq_length_is_variable and seq_length is None:
             raise ValueError("register_with_transformers: seq_length_is_variable=False needs seq_length (the length "
                              "of every batch)")
-        if core_attn_implementation in NEEDS_4D_MASK:
+        if core_attn_implementation in UNSUPPORTED:
             raise ValueError(f"core_attn_implementation={core_attn_implementation!r}: Ulysses sequence parallelism "
-                             "drops the model's attention mask and runs causal attention; eager needs the 4-D mask. "
-                             "Use 'sdpa', a flash attention variant or 'flex_attention'")
+                             "drops the model's attention mask and runs causal attention, and "
+                             f"{UNSUPPORTED[core_attn_implementation]}. Use 'sdpa' or a flash attention variant")
         from transformers import AutoConfig
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
