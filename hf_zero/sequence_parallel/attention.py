@@ -113,6 +113,8 @@ class UlyssesSPAttentionHF(nn.Module):
             # the core function repeats kv heads by this ratio; after the exchange it is the local one
             module.num_key_value_groups = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
         try:
+            # the model's mask was built for the shard's length: dropped, causal instead (module docstring); the
+            # eval bypass above keeps it, since there the shard is all the attention sees
             out, weights = self.attn(module, q, k, v, None, *args, **kwargs)             # [b, s, h/n, d]
         finally:
             if groups_before is not None:
@@ -176,8 +178,7 @@ class UlyssesSPAttentionHF(nn.Module):
         uattn.core_attn_implementation = core_attn_implementation
 
         def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
-            # the model's mask was built for the shard's length: dropped (module docstring)
-            return uattn(module, query, key, value, None, *args, **kwargs)
+            return uattn(module, query, key, value, attention_mask, *args, **kwargs)
 
         ulysses_attention.ulysses = uattn
         _REPLACED[core_attn_implementation] = original
