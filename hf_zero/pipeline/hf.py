@@ -188,17 +188,8 @@ class HFPipelineModule(nn.Module):
         if not self.tied or self.num_stages == 1:
             return None
         owners = [0, self.num_stages - 1]
-        mine = None
         # one group per (replica, tensor-parallel rank): the first and the last stage's copies of the same shard
-        coords = [{"data": d} for d in range(self._grid.data_parallel_size)]
-        if "model" in self._topo.axes:
-            coords = [{**c, "model": m} for c in coords for m in range(self._topo.get_dim("model"))]
-        here = self._topo.get_coord(self._grid.global_rank)._asdict()
-        for c in coords:
-            ranks = [self._topo.get_rank(pipe=s, **c) for s in owners]
-            group = dist.new_group(ranks)
-            if all(here[k] == v for k, v in c.items()) and self.stage_id in owners:
-                mine = (ranks, group)
+        mine = self._grid.stage_copies_group(owners)
         if mine is None:
             return None
         with torch.no_grad():  # the last stage's copy starts from the first stage's weights

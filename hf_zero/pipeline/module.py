@@ -214,20 +214,10 @@ class PipelineModule(nn.Module):
             if isinstance(layer, TiedLayerSpec):
                 keys.setdefault(layer.key, layer)
         out = []
-        coord = self._topo.get_coord(dist.get_rank())._asdict()
         for key, spec in sorted(keys.items()):
             owners = sorted({self._stage_of_layer(i) for i, layer in enumerate(self._layer_specs)
                              if isinstance(layer, TiedLayerSpec) and layer.key == key})
-            mine = None
-            if len(owners) > 1:
-                others = [a for a in self._topo.axes if a != "pipe"]
-                import itertools
-
-                for fixed in itertools.product(*[range(self._topo.get_dim(a)) for a in others]):
-                    ranks = [self._topo.get_rank(pipe=s, **dict(zip(others, fixed))) for s in owners]
-                    group = dist.new_group(ranks)
-                    if all(coord[a] == v for a, v in zip(others, fixed)) and self.stage_id in owners:
-                        mine = (ranks, group)
+            mine = self._grid.stage_copies_group(owners) if len(owners) > 1 else None
             if key not in self.tied_modules:
                 continue
             module = self.tied_modules[key]

@@ -1,8 +1,10 @@
-"""Process topologies: which global rank holds which (pipe, data[, model]) coordinate, and the groups built from it.
+"""Process topologies: which global rank holds which (pipe, data[, model]) coordinate, and the groups of the run's
+device mesh laid out from it.
 
 Same classes and rank arithmetic as DeepSpeed's ``deepspeed.runtime.pipe.topology``: axes are listed outermost
 first, the last axis varies fastest. ``PipeDataParallelTopology(num_pp=2, num_dp=2)`` puts ranks 0,1 on stage 0 and
-ranks 2,3 on stage 1, so data-parallel reductions stay between neighbouring ranks.
+ranks 2,3 on stage 1, so data-parallel reductions stay between neighbouring ranks. The topology's pipe, data and
+model axes are the pp, dp and tp dimensions of the run's one mesh (:class:`hf_zero.parallel.ParallelDims`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import itertools
 from collections import namedtuple
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from hf_zero.comm.device import accelerator_type
+from hf_zero.parallel import ParallelDims
 
 __all__ = ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid"]
 
@@ -98,16 +100,21 @@ class PipeModelDataParallelTopology(ProcessTopology):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
 
 
+# the topology's axes, as the mesh's dimensions
+_AXIS_DIMS = {"pipe": "pp", "data": "dp", "model": "tp"}
+
+
 class PipelineParallelGrid:
     """The process groups of a topology, answering DeepSpeed's ``mpu`` queries.
 
-    Every rank creates every group (torch requires it), in the same order. "Model parallel" means DeepSpeed's: the
-    pipe x model ranks of one data-parallel replica -- the ranks whose gradients together make one model's.
+    The topology is laid out on the run's one ``(pp, dp, tp)`` device mesh (``device_mesh``; an axis the topology
+    lacks is a dimension of size 1), and every group is the mesh's: the pipe, data and tensor ("model") groups are
+    its dimensions, so the DTensor shards of tensor parallelism (3D) and the groups ZeRO and the schedule use agree
+    by construction. "Model parallel" means DeepSpeed's: the pipe x model ranks of one data-parallel replica -- the
+    ranks whose gradients together make one model's -- the mesh's ``pp`` x ``tp`` dimensions flattened.
 
-    A ``(pipe, data, model)`` topology whose model axis splits the model (3D: tensor parallelism inside each stage)
-    is laid out on one ``(pp, dp, tp)`` device mesh (``device_mesh``): the pipe, data and tensor groups are the
-    mesh's, so the DTensor shards of tensor parallelism and the groups ZeRO and the schedule use agree by
-    construction.
+    Every group is one of its own, never the default group (``share_world_group=False``): the pipeline's failure
+    path aborts these groups, and must not abort the application's default group.
     """
 
     def __init__(self, topology: ProcessTopology, process_group=None):
@@ -121,49 +128,81 @@ class PipelineParallelGrid:
             raise ValueError(f"the pipeline topology has {topology.world_size()} ranks ({shape}) but the world has "
                              f"{self.world_size}; set num_stages (or the topology) so that stages x data-parallel "
                              f"replicas = WORLD_SIZE")
+        unknown = [a for a in topology.axes if a not in _AXIS_DIMS]
+        if unknown:
+            raise ValueError(f"the pipeline topology's axes {topology.axes} include {unknown}; hf_zero lays out the "
+                             f"axes {list(_AXIS_DIMS)} (pipeline stages, data-parallel replicas, tensor parallelism)")
         self.data_parallel_size = max(topology.get_dim("data"), 1)
         self.pipe_parallel_size = max(topology.get_dim("pipe"), 1)
         self.model_parallel_size = max(topology.get_dim("model"), 1)
         coord = topology.get_coord(self.global_rank)
-        self.stage_id = coord.pipe
-        self.data_parallel_id = coord.data
+        self.stage_id = getattr(coord, "pipe", 0)
+        self.data_parallel_id = getattr(coord, "data", 0)
         self.ds_model_rank = getattr(coord, "model", 0)
-        self.device_mesh: DeviceMesh | None = None
-        if topology.axes == ["pipe", "data", "model"] and self.model_parallel_size > 1:
-            device_type = accelerator_type()
-            self.device_mesh = init_device_mesh(device_type, tuple(topology.dims), mesh_dim_names=("pp", "dp", "tp"))
-            self.dp_group, self.dp_proc_group = self._mesh_group("data", "dp")
-            self.pp_group, self.pp_proc_group = self._mesh_group("pipe", "pp")
-            self.slice_group, self.slice_proc_group = self._mesh_group("model", "tp")
+        self.dims = ParallelDims(self.data_parallel_size, self.pipe_parallel_size, self.model_parallel_size,
+                                 keys=("the topology's 'data' axis", "the topology's 'pipe' axis (num_stages)",
+                                       "the topology's 'model' axis (tp_size)"))
+        self.device_mesh: DeviceMesh = self.dims.build_mesh(ranks=self._rank_grid(), share_world_group=False)
+        self.dp_group, self.dp_proc_group = self._mesh_group("data", "dp")
+        self.pp_group, self.pp_proc_group = self._mesh_group("pipe", "pp")
+        self.slice_group, self.slice_proc_group = self._mesh_group("model", "tp")
+        # the pipe x model ranks of this replica: with one of the two of size 1 it is the other's group; else the
+        # two dimensions flattened (a group of the mesh, created on every rank like the others)
+        self.model_group = topology.filter_match(data=self.data_parallel_id) if "data" in topology.axes else \
+            list(range(self.world_size))
+        if self.model_parallel_size == 1:
+            self.model_proc_group = self.pp_proc_group
+        elif self.pipe_parallel_size == 1:
+            self.model_proc_group = self.slice_proc_group
         else:
-            self.dp_group, self.dp_proc_group = self._own_group("data")
-            self.pp_group, self.pp_proc_group = self._own_group("pipe")
-            self.slice_group, self.slice_proc_group = self._own_group("model") if "model" in topology.axes else \
-                ([self.global_rank], None)
-        # the pipe x model ranks of this replica: every rank with the same data coordinate
-        self.model_group, self.model_proc_group = [], None
-        for d in range(self.data_parallel_size):
-            ranks = topology.filter_match(data=d)
-            group = dist.new_group(ranks)
-            if self.global_rank in ranks:
-                self.model_group, self.model_proc_group = ranks, group
+            # torch's only way to a group over two mesh dimensions (torchtitan's dp_shard_cp is made the same way)
+            flat = self.device_mesh["pp", "tp"]._flatten("pp_tp", backend_override=dist.get_backend())
+            self.model_proc_group = flat.get_group()
+        if sorted(dist.get_process_group_ranks(self.model_proc_group)) != sorted(self.model_group):
+            raise RuntimeError(f"hf_zero: the device mesh's pipe x model group "
+                               f"{dist.get_process_group_ranks(self.model_proc_group)} differs from the topology's "
+                               f"replica {self.model_group}")
+
+    def _rank_grid(self) -> list:
+        """``[pp][dp][tp]`` -> the topology's global rank at that coordinate (its axes may come in any order)."""
+        sizes = {"pipe": self.pipe_parallel_size, "data": self.data_parallel_size, "model": self.model_parallel_size}
+        axes = self._topo.axes
+
+        def rank(p: int, d: int, t: int) -> int:
+            at = {"pipe": p, "data": d, "model": t}
+            return self._topo.get_rank(**{a: at[a] for a in axes})
+
+        return [[[rank(p, d, t) for t in range(sizes["model"])] for d in range(sizes["data"])]
+                for p in range(sizes["pipe"])]
 
     def _mesh_group(self, axis: str, dim: str):
         """This rank's group along ``dim`` of the device mesh, and its ranks (the topology's, checked against it)."""
         group = self.device_mesh.get_group(dim)
-        ranks = next(r for r in self._topo.get_axis_comm_lists(axis) if self.global_rank in r)
+        lists = self._topo.get_axis_comm_lists(axis)
+        ranks = next(r for r in lists if self.global_rank in r) if lists else [self.global_rank]
         if dist.get_process_group_ranks(group) != ranks:
             raise RuntimeError(f"hf_zero: the device mesh's {dim!r} group {dist.get_process_group_ranks(group)} "
                                f"differs from the topology's {axis!r} ranks {ranks}")
         return ranks, group
 
-    def _own_group(self, axis: str):
-        mine, mine_group = None, None
-        for ranks in self._topo.get_axis_comm_lists(axis):
+    def stage_copies_group(self, owner_stages: list[int]) -> tuple[list[int], object] | None:
+        """``(ranks, group)`` joining this rank's copies of a weight the stages ``owner_stages`` each hold (a tied
+        embedding), one group per (data, model) coordinate; None when this rank's stage holds no copy.
+
+        Collective: every rank calls it with the same stages at the same point. When every stage holds a copy the
+        groups are the mesh's pp groups themselves; otherwise they are parts of them, which no mesh dimension
+        describes, created here on every rank in rank order.
+        """
+        owners = sorted(owner_stages)
+        if owners == list(range(self.pipe_parallel_size)):
+            return (self.pp_group, self.pp_proc_group) if self.stage_id in owners else None
+        mine = None
+        for stage_ranks in self._topo.get_axis_comm_lists("pipe") or [[self.global_rank]]:
+            ranks = [stage_ranks[s] for s in owners]
             group = dist.new_group(ranks)
             if self.global_rank in ranks:
-                mine, mine_group = ranks, group
-        return mine, mine_group
+                mine = (ranks, group)
+        return mine
 
     # ---- DeepSpeed's mpu interface ---------------------------------------------------------------------------------
     def get_stage_id(self) -> int:
