@@ -59,7 +59,9 @@ class PipelineTrainer(Trainer):
 
     def __init__(self, *args, hf_zero_config: dict, **kwargs):
         super().__init__(*args, **kwargs)
-        if getattr(self.model, "grid", None) is None or not hasattr(self.model, "chunk_modules"):
+        from hf_zero.runtime.parallelize import is_pipeline_model
+
+        if not is_pipeline_model(self.model):  # by type: a pipeline layout, not whatever has a .grid
             raise TypeError("PipelineTrainer: model must be hf_zero.pipeline.wrap(model, num_stages) (or a "
                             "PipelineModule whose micro-batches are dicts)")
         if self.args.deepspeed:

@@ -15,11 +15,11 @@ from hf_zero.config.loader import read_config
 from hf_zero.config.errors import ConfigError
 from hf_zero.runtime.arguments import align_local_rank, config_from_args
 from hf_zero.config.status import ConfigKeyIgnored
-from hf_zero.runtime.engine import HfZeroEngine
-from hf_zero.runtime.mpu import mpu_tensor_mesh, read_mpu
+from hf_zero.runtime.mpu import read_mpu
 from hf_zero.runtime.optimizers import plan_from_client, plan_from_config
 from hf_zero.sequence_parallel import sequence_parallel_size
-from hf_zero.runtime.tp_setup import adopt_sharded_params, setup_tensor_parallel
+from hf_zero.runtime.parallelize import make_engine, parallelize, resolve_layout
+from hf_zero.runtime.tp_setup import adopt_sharded_params
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.tensor_parallel.config import parse_tp_config
 
@@ -62,38 +62,26 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     comm.init_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
     align_local_rank(args)
     mpu_groups = read_mpu(mpu) if mpu is not None else None
-    process_group = mpu_groups.dp_group if mpu_groups is not None else None
-    world_size = comm.get_world_size(process_group)
     _default_logging(comm.get_rank())
-    pipeline_grid = getattr(model, "grid", None) if hasattr(model, "chunk_modules") else None
     raw = read_config(_config_source(args, config, config_params))
-    # tensor parallelism first: it replaces the model's parameters, and the batch arithmetic counts data-parallel
-    # replicas (a TP group of ranks is one replica)
     tp_cfg = parse_tp_config(raw.get("tensor_parallel"))
-    tp_mesh = None
-    if mpu_groups is not None and pipeline_grid is not None and mpu_groups.tp_size > 1:
-        raise ValueError(f"hf_zero.initialize(mpu=...): the mpu has a tensor-parallel size of {mpu_groups.tp_size} "
-                         "and the model is a pipeline; a pipeline takes its groups from its topology "
-                         "(hf_zero.pipeline.wrap(model, num_stages, tp_size=N)), not from an mpu")
-    if mpu_groups is not None and pipeline_grid is None:  # the mpu's TP/DP groups, sizes checked against the config
-        tp_mesh = mpu_tensor_mesh(mpu_groups, tp_cfg, model)
-    tp = setup_tensor_parallel(model, tp_cfg, world_size=world_size, pipeline_grid=pipeline_grid, mesh=tp_mesh)
+    # the run's one device mesh, and every group hf_zero uses from it (runtime/parallelize.py); then the techniques
+    # in their fixed order: tensor parallelism first -- it replaces the model's parameters
+    layout = resolve_layout(model, tp_cfg, mpu_groups)
+    tp = parallelize(model, layout, tp_cfg)
     if model_parameters is not None:
         # Read once, here (it is used twice below): after tensor parallelism, so that `model.parameters()` -- a
         # generator, DeepSpeed's idiom -- yields the sharded parameters that replaced the model's, as DeepSpeed
         # reads it after AutoTP. A list taken before the sharding names the replaced ones: adopt_sharded_params
         # points it at their replacements, as DeepSpeed's AutoTP (which keeps the objects) effectively does.
         model_parameters = list(model_parameters)
-    data_rank = comm.get_rank(process_group)
-    if pipeline_grid is not None:  # batch sizes count data-parallel replicas, not every rank
-        world_size, data_rank = pipeline_grid.data_parallel_size, pipeline_grid.data_parallel_id
-    elif tp is not None:
-        world_size, data_rank = tp.dp_size, tp.dp_rank
+    # batch sizes count data-parallel replicas, not every rank
+    world_size, data_rank = layout.dp_size, layout.dp_rank
     # Ulysses: the ranks of one sequence-parallel group train one replica (hf_zero/sequence_parallel/setup.py)
     sp_size = sequence_parallel_size(raw.get("sequence_parallel_size"), getattr(mpu_groups, "sp_size", 1),
                                      model_parallel="tensor parallelism" if tp is not None else None)
     cfg = load_config(raw, world_size=world_size // sp_size, rank=data_rank)
-    if cfg.pipeline and pipeline_grid is None:
+    if cfg.pipeline and layout.pipeline is None:
         raise ConfigError("pipeline", "the config has a pipeline section but the model is not a pipeline model; "
                                       "pass hf_zero.pipe.PipelineModule(...) or hf_zero.pipeline.wrap(model, "
                                       "num_stages) to initialize(), or remove the section (accelerate and the "
@@ -121,20 +109,14 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     else:
         plan = None  # DeepSpeed builds an engine for evaluation: forward only (backward/step raise)
 
-    if pipeline_grid is not None:
-        from hf_zero.runtime.pipe_engine import PipelineEngine
-
-        engine = PipelineEngine(model, cfg, plan, lr_scheduler=lr_scheduler)
-    elif tp is not None:
-        engine = HfZeroEngine(model, cfg, plan, lr_scheduler=lr_scheduler, process_group=tp.dp_group,
-                              model_parallel_group=tp.tp_group)
-    else:
-        engine = HfZeroEngine(model, cfg, plan, lr_scheduler=lr_scheduler, process_group=process_group)
+    # last of the order: data parallelism / ZeRO over mesh["dp"], by the engine the layout asks for
+    engine = make_engine(model, layout, tp, cfg, plan, lr_scheduler)
+    engine.parallel_layout = layout  # the mesh every group of this engine comes from
     dataloader = None
     if training_data is not None:  # by data-parallel rank: the ranks of one TP group / pipeline read one batch
         dataloader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn, world_size,
                                  data_rank)
-        if pipeline_grid is not None:  # DeepSpeed: train_batch() without an iterator reads this loader forever
+        if layout.pipeline is not None:  # DeepSpeed: train_batch() without an iterator reads this loader forever
             from hf_zero.pipeline.data import RepeatingLoader
 
             engine.set_dataiterator(RepeatingLoader(dataloader))

@@ -2,6 +2,9 @@
 
     initialize(model=model, config=cfg, mpu=mpu)
 
+The run's one device mesh is built over the mpu's own group objects (``DeviceMesh.from_group``, see
+:func:`hf_zero.parallel.mesh_from_groups`), so every group hf_zero then uses is the mpu's or the mesh's.
+
 - Data parallelism only (every model-parallel size 1): ZeRO shards over ``mpu.get_data_parallel_group()``.
 - Tensor parallelism with ``tensor_parallel.autotp_size`` (DeepSpeed's AutoTP training example builds its own
   TP/DP groups and passes them): hf_zero shards the model over the mpu's TP groups and runs ZeRO over its DP
@@ -24,9 +27,8 @@ from torch import nn
 from hf_zero.config.errors import ConfigError
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.tensor_parallel.config import TPConfig
-from hf_zero.tensor_parallel.mesh import TPMesh, mesh_from_groups
 
-__all__ = ["MpuGroups", "read_mpu", "mpu_tensor_mesh"]
+__all__ = ["MpuGroups", "read_mpu", "check_mpu_tensor_parallel"]
 
 
 @dataclass(frozen=True)
@@ -82,12 +84,13 @@ def _read_sequence_parallel_mpu(mpu, sp_size: int) -> MpuGroups:
     return MpuGroups(mpu.get_sequence_data_parallel_group(), 1, None, type(mpu).__name__, sp_size=sp_size)
 
 
-def mpu_tensor_mesh(groups: MpuGroups, tp_cfg: TPConfig, model: nn.Module) -> TPMesh | None:
-    """The mesh over the mpu's groups that tensor parallelism runs on; None when the mpu is data-parallel only."""
+def check_mpu_tensor_parallel(groups: MpuGroups, tp_cfg: TPConfig, model: nn.Module) -> None:
+    """Refuse an mpu whose tensor-parallel size disagrees with the config's (or the sharded model's), before any
+    group is built; the run's mesh is then built over the mpu's groups (runtime/parallelize.py)."""
     info = tp_info(model)
     tp_size = tp_cfg.size if tp_cfg.enabled else (info.size if info is not None else 1)
     if groups.tp_size == 1 and tp_size == 1:
-        return None
+        return
     if groups.tp_size > 1 and tp_size == 1:
         raise ValueError(
             f"hf_zero.initialize(mpu=...): the mpu splits the model (tensor parallel size {groups.tp_size}) but "
@@ -103,4 +106,3 @@ def mpu_tensor_mesh(groups: MpuGroups, tp_cfg: TPConfig, model: nn.Module) -> TP
     if groups.tp_group is None:
         raise TypeError(f"hf_zero.initialize(mpu=...): {groups.kind} reports a tensor-parallel size of "
                         f"{groups.tp_size} but has no get_model_parallel_group() (or get_tensor_model_parallel_group())")
-    return mesh_from_groups(groups.dp_group, groups.tp_group)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hf_zero.config.errors import ConfigError
@@ -45,8 +44,9 @@ def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int
     """Shard ``model`` if the config asks and it is not yet; the layout, or None without tensor parallelism.
 
     ``pipeline_grid``: the model is a pipeline stage (3D); its (pp, dp, tp) device mesh decides the groups.
-    ``mesh``: the (dp, tp) mesh over the groups of the caller's ``mpu`` (runtime/mpu.py), its sizes checked
-    against the config already; without it the groups are built here, tensor parallel ranks consecutive.
+    ``mesh``: the run's mesh (runtime/parallelize.py decides it: the mesh the model was sharded on, one over the
+    groups of the caller's ``mpu``, or one built for the config); without it one is built here, tensor parallel
+    ranks consecutive.
     """
     if pipeline_grid is not None:
         return _setup_pipeline_stage(model, tp_cfg, pipeline_grid)
@@ -67,16 +67,7 @@ def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int
                                                                f"{info.sequence_parallel} (tp_model_init / apply_tp); "
                                                                "make them agree")
     check_adapters_sharded(model)
-    layout = info.layout
-    if mesh is not None and layout is not mesh:  # sharded before initialize(): its groups must be the mpu's
-        have = dist.get_process_group_ranks(info.mesh.get_group())
-        want = dist.get_process_group_ranks(mesh.tp_group)
-        if have != want:
-            raise ValueError(f"hf_zero.initialize(mpu=...): the model was sharded (tp_model_init / apply_tp) over "
-                             f"the tensor-parallel ranks {have}, the mpu's group of this rank is {want}; shard it "
-                             "over the mpu's groups (apply_tp(model, mesh_from_groups(dp_group, tp_group))) or "
-                             "leave it to tensor_parallel.autotp_size")
-        layout = mesh
+    layout = mesh if mesh is not None else info.layout
     if layout is None:
         if info.size != world_size:
             raise ValueError("hf_zero: the model was sharded with apply_tp over a 1-D mesh smaller than the world; "
@@ -119,7 +110,7 @@ def adopt_sharded_params(model: nn.Module, model_parameters, optimizer) -> list 
 
 
 def _setup_pipeline_stage(model: nn.Module, tp_cfg: TPConfig, grid) -> TPLayout | None:
-    """3D: shard this stage's modules over the tensor axis of the pipeline's (pp, dp, tp) mesh."""
+    """3D: shard this stage's modules over the tensor axis of the pipeline's (pp, dp, tp) mesh (the run's mesh)."""
     mp = grid.model_parallel_size
     if not tp_cfg.enabled:
         if mp > 1 and hasattr(model, "cross_entropy_sum"):
@@ -137,10 +128,6 @@ def _setup_pipeline_stage(model: nn.Module, tp_cfg: TPConfig, grid) -> TPLayout 
                                                          f"size {mp}; pass tp_size={tp_cfg.size} to "
                                                          "hf_zero.pipeline.wrap (ranks are laid out pipe x data x "
                                                          "tensor)")
-    if grid.device_mesh is None:
-        raise ConfigError("tensor_parallel.autotp_size", "the pipeline topology's axes are not (pipe, data, model); "
-                                                         "use wrap(model, num_stages, tp_size=N) or "
-                                                         "PipeModelDataParallelTopology")
     if tp_cfg.sequence_parallel:
         raise ConfigError("tensor_parallel.sequence_parallel", "sequence parallelism inside pipeline stages is not "
                                                                "supported (stages exchange the whole hidden state); "
