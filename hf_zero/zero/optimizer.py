@@ -129,6 +129,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The back-end when it is an optimizer offload (its masters and states out of the groups), else None."""
         return self.backend if self.backend.offloaded else None
 
+    @property
+    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
+        """DeepSpeed's ZeRO-1/2 optimizer attribute: this rank's fp32 master partition of each group (transformers'
+        DeepSpeed tests read it to check the masters stay fp32 under bf16). Under an optimizer offload, read back
+        whole from where the offload keeps them."""
+        if self.offload is not None:
+            return [self.offload.state_tensors(gi)["master"] for gi in range(len(self.groups))]
+        return [g.master for g in self.groups]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the model's gradients; the gradient shards are cleared by step() itself."""
         for g in self.groups:
