@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 
 from . import faults, shm_ring
+from .process_group import bookkeeping_device
 from .shm_collectives import bounce_all_gather, bounce_reduce_scatter, shm_all_gather
 
-__all__ = ["reduce_scatter_packed", "all_gather_packed", "all_reduce_", "Work", "DoneWork", "BoundedWork"]
+__all__ = ["reduce_scatter_packed", "all_gather_packed", "all_reduce_", "barrier", "Work", "DoneWork",
+           "BoundedWork"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -214,3 +216,11 @@ def all_reduce_(tensor: torch.Tensor, group=None, async_op: bool = False, op=dis
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return DoneWork()
     return _issue("all_reduce", dist.all_reduce, tensor, what, group, async_op, tensor, op=op)
+
+
+def barrier(group=None, what: str = "a barrier") -> None:
+    """``dist.barrier``, bounded by comms_timeout_s and checked like every hf_zero collective."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    # an all-reduce of one element is a barrier, and goes through the same check and bound
+    all_reduce_(torch.zeros(1, device=bookkeeping_device(group)), group=group, what=what)

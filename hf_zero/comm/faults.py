@@ -47,7 +47,9 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import shm_ring
+from . import context, shm_ring
+from .process_group import bookkeeping_device
+from .settings import DEFAULT_TIMEOUT_S, checks_enabled, configure, created_by_hf_zero, default_timeout_s, timeout_s
 
 __all__ = ["CommFault", "DivergenceError", "PeerFailure", "DEFAULT_TIMEOUT_S", "configure", "channel_for",
            "configure_from", "timeout_s", "default_timeout_s", "bounded_wait", "bounded", "check_collective",
@@ -55,7 +57,6 @@ __all__ = ["CommFault", "DivergenceError", "PeerFailure", "DEFAULT_TIMEOUT_S", "
 
 logger = logging.getLogger("hf_zero")
 
-DEFAULT_TIMEOUT_S = 300.0  # well under torch's 30-minute default; raised by comms_timeout_s for slow jobs
 _GRACE_MAX_S = 5.0
 
 
@@ -71,25 +72,8 @@ class PeerFailure(CommFault):
     """A rank stopped answering, died, or failed with an error of its own (named in the message)."""
 
 
-def default_timeout_s() -> float:
-    """``DEEPSPEED_TIMEOUT`` (minutes, DeepSpeed's variable) when set, else :data:`DEFAULT_TIMEOUT_S`."""
-    minutes = os.environ.get("DEEPSPEED_TIMEOUT")
-    return float(minutes) * 60.0 if minutes else DEFAULT_TIMEOUT_S
-
-
-_settings = {"timeout_s": None, "check": True}
-_channels: dict = {}
+# the channels live in their groups' contexts (context.py); this lock only serialises building one
 _lock = threading.Lock()
-
-
-def configure(*, timeout_s: float | None = None, divergence_check: bool | None = None) -> None:
-    """Set the bound on every hf_zero collective and the per-collective check (process-wide; live channels follow)."""
-    if timeout_s is not None:
-        if not timeout_s > 0:
-            raise ValueError(f"hf_zero: comms_timeout_s must be > 0, got {timeout_s!r}")
-        _settings["timeout_s"] = float(timeout_s)
-    if divergence_check is not None:
-        _settings["check"] = bool(divergence_check)
 
 
 def configure_from(config, group=None) -> None:
@@ -97,8 +81,6 @@ def configure_from(config, group=None) -> None:
     where hf_zero created the group; a group the application created keeps its timeout (it may bound the
     application's own long barriers), with a warning when that is longer -- hf_zero's collectives are bounded by
     the watchdog either way."""
-    from .process_group import created_by_hf_zero
-
     seconds = config.comms_timeout_s if config.comms_timeout_s is not None else timeout_s()
     configure(timeout_s=seconds, divergence_check=config.comms_divergence_check)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -111,8 +93,12 @@ def configure_from(config, group=None) -> None:
                            seconds, seconds)
 
 
-def timeout_s() -> float:
-    return _settings["timeout_s"] if _settings["timeout_s"] is not None else default_timeout_s()
+def bound_group(group) -> None:
+    """Give ``group`` (one hf_zero made: pipeline or TP groups) the comms timeout as its own, so the calls hf_zero
+    cannot wrap -- torch.distributed.pipelining's sends and receives, DTensor's collectives -- end within the same
+    bound and fail into the same diagnosis."""
+    if dist.is_available() and dist.is_initialized() and group is not None and dist.get_world_size(group) > 1:
+        _apply_pg_timeout(group, timeout_s())
 
 
 def _apply_pg_timeout(group, seconds: float) -> None:
@@ -124,22 +110,28 @@ def _apply_pg_timeout(group, seconds: float) -> None:
         setter(datetime.timedelta(seconds=seconds), group)
 
 
-def _group_key(group) -> tuple:
-    if group is None or group is dist.group.WORLD:
-        return ("world",)
-    return tuple(dist.get_process_group_ranks(group))
-
-
 def channel_for(group=None) -> "FaultChannel | None":
-    """The channel of ``group`` (None: the default group); None for a world of one (nothing can diverge)."""
+    """The channel of ``group`` (None: the default group), kept in the group's context (context.py); None for a
+    world of one (nothing can diverge)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return None
-    key = _group_key(group)
-    with _lock:
-        ch = _channels.get(key)
-        if ch is None:
-            ch = _channels[key] = FaultChannel(group, key)
+    ctx = context.get(group)
+    ch = ctx.channel
+    if ch is None:
+        with _lock:
+            if ctx.channel is None:
+                ctx.channel = FaultChannel(group, ctx)
+            ch = ctx.channel
     return ch
+
+
+def _existing(group) -> "FaultChannel | None":
+    ctx = context.lookup(group)
+    return ctx.channel if ctx is not None else None
+
+
+def _channels() -> list:
+    return [ctx.channel for ctx in context.contexts() if ctx.channel is not None]
 
 
 def bounded_wait(work, what: str, group=None, timeout: float | None = None, stream_ordered: bool = False) -> None:
@@ -170,7 +162,7 @@ def check_collective(kind: str, numel: int, dtype: torch.dtype, what: str, group
     """The header check before a payload collective (see the module docstring). Skipped when
     ``comms_divergence_check`` is off, unless ``force`` (stage 3 checks its first, recorded iteration always).
     Returns whether a check ran."""
-    if not (_settings["check"] or force):
+    if not (checks_enabled() or force):
         return False
     ch = channel_for(group)
     if ch is None:
@@ -186,7 +178,7 @@ def check_run(items, what: str, group=None, force: bool = False, defer: bool = F
     :func:`check_collective` calls that match the run, in order, are then free; one that does not match ends the
     run and is checked on its own. ``defer``: the header is all-gathered asynchronously and verified at the run's
     first collective (as :func:`check_deferred`). Returns whether a check ran."""
-    if not (_settings["check"] or force):
+    if not (checks_enabled() or force):
         return False
     ch = channel_for(group)
     if ch is None:
@@ -201,7 +193,7 @@ def check_deferred(kind: str, numel: int, dtype: torch.dtype, what: str, issue, 
     asynchronously, and ``issue()`` (which issues the payload) is called once it is verified, by :func:`settle` --
     which every later collective of the group and every wait on a result runs first. Returns False, having done
     nothing, where no check runs (the caller then issues the payload itself)."""
-    if not (_settings["check"] or force):
+    if not (checks_enabled() or force):
         return False
     ch = channel_for(group)
     if ch is None:
@@ -212,7 +204,7 @@ def check_deferred(kind: str, numel: int, dtype: torch.dtype, what: str, issue, 
 
 def settle(group=None) -> None:
     """Verify the deferred check of ``group`` (if any) and issue its payload; see :func:`check_deferred`."""
-    ch = _channels.get(_group_key(group)) if _channels else None
+    ch = _existing(group)
     if ch is not None and ch.deferred is not None:
         ch.settle()
 
@@ -220,13 +212,9 @@ def settle(group=None) -> None:
 def settle_if_ready(group=None) -> None:
     """:func:`settle` if the deferred header has already arrived (no wait): called at every module boundary of
     ZeRO-3, so a prefetch payload leaves as soon as it may rather than when it is needed."""
-    ch = _channels.get(_group_key(group)) if _channels else None
+    ch = _existing(group)
     if ch is not None and ch.deferred is not None and ch.deferred[0].is_completed():
         ch.settle()
-
-
-def checks_enabled() -> bool:
-    return bool(_settings["check"])
 
 
 def fail(exc: CommFault, group=None) -> CommFault:
@@ -263,17 +251,18 @@ def _proc_state(pid: int) -> str | None:
 class FaultChannel:
     """The per-group fault machinery: store clients, the collective sequence, the heartbeat/watchdog thread."""
 
-    def __init__(self, group, key: tuple) -> None:
+    def __init__(self, group, ctx) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.global_ranks = (list(range(self.world)) if key == ("world",) else list(key))
+        self.global_ranks = list(ctx.ranks)
         self.backend = dist.get_backend(group)
-        from .process_group import bookkeeping_device
-
         self.header_device = bookkeeping_device(group)
         generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.prefix = f"hf_zero/faults/{generation}/{'-'.join(map(str, key))}/"
+        # the incarnation: a world destroyed and created again in the same processes (the same store under
+        # torchrun's agent) must not read the faults or heartbeats of the one before
+        key = "world" if group is None or group is dist.group.WORLD else "-".join(map(str, ctx.ranks))
+        self.prefix = f"hf_zero/faults/{generation}/{key}/{ctx.incarnation}/"
         self.seq = 0
         self._run: list[tuple[str, int, str]] = []  # collectives still covered by the last check_run, in order
         self.deferred = None  # (work, rows, seq, what, issue) of a check_deferred not verified yet
@@ -282,6 +271,7 @@ class FaultChannel:
         self.in_wait: tuple[str, float, float] | None = None  # (what, start, timeout)
         self.suspended_s = 0.0
         self.hostname = socket.gethostname()
+        self._io_timeout_s = min(_GRACE_MAX_S, max(1.0, timeout_s() / 4))
         self._store = self._client()
         self._mon_store = self._client()  # the thread's own connection: a blocked call never holds the other
         self._store.set(self.prefix + f"proc/{self.rank}", f"{self.hostname} {os.getpid()}")
@@ -296,7 +286,7 @@ class FaultChannel:
         from torch.distributed import distributed_c10d as c10d
 
         root = _root_store(c10d._get_default_store())
-        io_timeout = datetime.timedelta(seconds=min(_GRACE_MAX_S, max(1.0, timeout_s() / 4)))
+        io_timeout = datetime.timedelta(seconds=self._io_timeout_s)
         if isinstance(root, dist.TCPStore):
             # Connecting gets the whole comms timeout: a channel is built the first time a group is used, when
             # every rank of a large job (8 processes x several groups on 2 cores) connects at once and the
@@ -542,6 +532,20 @@ class FaultChannel:
                 self.fail(exc)
                 _die(str(exc))
 
+    def close(self) -> None:
+        """Stop the monitor and wait for it (GroupComm.close): a daemon thread still inside a store call when the
+        interpreter finalizes is ended by pthread_exit as it takes the GIL back, and that unwinding through C++
+        frames aborts the process ('terminate called without an active exception'). The thread checks its stop
+        flag between store calls, each bounded by the store's I/O timeout, so the join is bounded too."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=3 * self._io_timeout_s + 2 * self._period)
+            if self._thread.is_alive():
+                logger.warning("hf_zero: the fault monitor of ranks %s did not stop within %.1fs (a store call "
+                               "blocked); the process may abort at exit", self.global_ranks,
+                               3 * self._io_timeout_s + 2 * self._period)
+        self.group = None
+
     def wait_for_peers_to_read(self) -> None:
         """Before this process exits: the store may live in it (rank 0); let the other ranks read the fault."""
         if self.fatal is None:
@@ -565,7 +569,8 @@ def _die(message: str) -> None:
         sys.stderr.flush()
         sys.stdout.flush()
     finally:
-        for ch in list(_channels.values()):
+        shm_ring.unlink_pending()  # a ring set-up this exit interrupts leaves no named file behind
+        for ch in _channels():
             ch.wait_for_peers_to_read()
         os._exit(1)
 
@@ -576,7 +581,8 @@ def _exit_now() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        for ch in list(_channels.values()):
+        shm_ring.unlink_pending()  # a ring set-up this exit interrupts leaves no named file behind
+        for ch in _channels():
             ch.wait_for_peers_to_read()
         os._exit(1)
 
@@ -588,23 +594,15 @@ def _arm_exit() -> None:
         atexit.register(_exit_now)
 
 
-def _stop_monitors() -> None:
-    """atexit (normal exit): stop the threads before the interpreter tears down the store clients under them."""
-    for ch in list(_channels.values()):
-        ch._stop.set()
-        ch._thread.join(timeout=2 * ch._period + 1.0)
-
-
 def _install_hooks() -> None:
     global _hooks_installed
     if _hooks_installed:
         return
     _hooks_installed = True
-    atexit.register(_stop_monitors)
     previous = sys.excepthook
 
     def hook(tp, value, tb):
-        for ch in list(_channels.values()):
+        for ch in _channels():
             ch.publish_exception(value)
         previous(tp, value, tb)
 

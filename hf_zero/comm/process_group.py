@@ -3,6 +3,9 @@
 hf_zero never invents a transport: this is torch.distributed, initialized from the variables torchrun and
 accelerate launch set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Without them, a plain
 ``python train.py`` gets a world of one, so the same script runs with and without a launcher.
+
+A leaf of comm: it reads settings.py (the default bound) and device.py (where this process trains) and nothing
+else; what hf_zero keeps per group is closed through :func:`before_destroy` hooks that context.py registers.
 """
 
 from __future__ import annotations
@@ -15,8 +18,12 @@ import socket
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_node_id", "barrier",
-           "default_backend", "bookkeeping_device", "free_port", "created_by_hf_zero", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
+from . import settings
+from .settings import created_by_hf_zero
+
+__all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_node_id",
+           "default_backend", "bookkeeping_device", "free_port", "created_by_hf_zero", "before_destroy",
+           "all_reduce", "broadcast", "all_gather", "ReduceOp"]
 
 ReduceOp = dist.ReduceOp
 
@@ -77,18 +84,26 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
         local_device()  # cuda:LOCAL_RANK made current before NCCL picks its device
         backend = NCCL_WITH_GLOO
-    from . import faults
-
     # hf_zero's bound (comms_timeout_s / DEEPSPEED_TIMEOUT, default 300 s), not torch's 30 minutes; the engine
     # re-applies the config's value once it is read
     kwargs = {"backend": backend, "rank": rank, "world_size": world_size,
-              "timeout": timeout if timeout is not None else datetime.timedelta(seconds=faults.timeout_s())}
+              "timeout": timeout if timeout is not None else datetime.timedelta(seconds=settings.timeout_s())}
     if init_method is not None:
         kwargs["init_method"] = init_method
     dist.init_process_group(**kwargs)
-    global _created_here
-    _created_here = True
+    settings.mark_created_by_hf_zero()
     atexit.register(_destroy_at_exit)
+
+
+_BEFORE_DESTROY: list = []
+
+
+def before_destroy(hook) -> None:
+    """``hook()`` runs before the exit handler destroys the group hf_zero created (context.py closes every group's
+    state there: the fault monitors joined, the rings and their group references dropped), whichever exit handler
+    was registered first."""
+    if hook not in _BEFORE_DESTROY:
+        _BEFORE_DESTROY.append(hook)
 
 
 def _destroy_at_exit() -> None:
@@ -96,19 +111,16 @@ def _destroy_at_exit() -> None:
     interpreter still runs. Left to interpreter teardown, a gloo group's threads can be destroyed while joinable and
     the process aborts ('terminate called without an active exception', exit -6) after training succeeded -- DeepSpeed
     scripts never call destroy_process_group themselves. A fault exit never gets here: it leaves with os._exit."""
+    for hook in _BEFORE_DESTROY:
+        try:
+            hook()
+        except Exception:  # exiting anyway; a failure here must not turn a finished run into an error
+            pass
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # exiting anyway; a failure here must not turn a finished run into an error
             pass
-
-
-_created_here = False
-
-
-def created_by_hf_zero() -> bool:
-    """Whether hf_zero created the default process group (then it owns its timeout)."""
-    return _created_here
 
 
 def is_initialized() -> bool:
@@ -133,16 +145,6 @@ def get_node_id() -> str:
     two nodes, as their private directories make them."""
     group_rank = os.environ.get("GROUP_RANK")
     return socket.gethostname() + (f"#{group_rank}" if group_rank is not None else "")
-
-
-def barrier(group=None, what: str = "a barrier") -> None:
-    """``dist.barrier``, bounded by comms_timeout_s and checked like every hf_zero collective."""
-    if not is_initialized() or dist.get_world_size(group) == 1:
-        return
-    from .collectives import all_reduce_
-
-    # an all-reduce of one element is a barrier, and goes through the same check and bound
-    all_reduce_(torch.zeros(1, device=bookkeeping_device(group)), group=group, what=what)
 
 
 def bookkeeping_device(group=None) -> torch.device:

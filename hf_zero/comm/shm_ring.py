@@ -6,10 +6,12 @@ step (the forward's and the backward's gathers) and its gradient once. Measured 
 gathering 16 MB: 7-9 ms wall and 5 ms CPU per rank with gloo, against 1-2 ms to copy the same 16 MB in memory.
 
 How: one shared memory file per process group (an anonymous memfd the other ranks open through rank 0's
-``/proc/<pid>/fd``, so a kill during set-up leaves nothing behind; where that is refused, a ``/dev/shm`` file
-unlinked once every rank has mapped it) holds a ring of buffers. A packed buffer (zero/layout.py) is *taken* from the ring, so what a rank writes there is already where the
-other ranks read it (shm_collectives.py: ZeRO-3's gathers pack straight into it; gradient buckets are copied in at
-the reduce-scatter). A collective is then only a flag per rank:
+``/proc/<pid>/fd``, so a kill during set-up leaves nothing behind; where that is refused, a ``/dev/shm`` file whose
+name every rank computes beforehand, unlinked once every rank has mapped it or by any rank whose set-up failed)
+holds a ring of buffers, kept in the group's context (context.py) and dropped when the group is closed. A packed
+buffer (zero/layout.py) is *taken* from the ring, so what a rank writes there is already where the other ranks read
+it (shm_collectives.py: ZeRO-3's gathers pack straight into it; gradient buckets are copied in at the
+reduce-scatter). A collective is then only a flag per rank:
 
 - all-gather: each rank writes its row of the shared ``(world, span)`` buffer and publishes it; the gather is
   complete once every rank has published (the caller unpacks straight from the shared rows);
@@ -36,16 +38,17 @@ stages 1-2).
 
 from __future__ import annotations
 
-import atexit
 import ctypes
+import hashlib
 import os
 import platform
 import secrets
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+
+from . import context
 
 __all__ = ["ShmRing", "ring_for", "existing", "give", "is_ring_memory", "enabled",
            "DEFAULT_RING_BYTES", "BOUNCE_RING_BYTES"]
@@ -111,6 +114,14 @@ class ShmRing:
         self._by_ptr: dict[int, _Region] = {}
         self.taken = 0      # statistics: buffers served from the ring, and requests it turned down
         self.refused = 0
+
+    def close(self) -> None:
+        """Drop this rank's mapping (GroupComm.close): the memory goes with the last view of it. The flags are
+        cleared first, so a use after close fails in Python instead of reading unmapped memory."""
+        self._flags = None
+        self._regions, self._by_ptr = [], {}
+        self.mem = self.data = None
+        self.group = None
 
     # ---- the ring ---------------------------------------------------------------------------------------------------
     def _take(self, nbytes: int, kind: str, what: str, timeout_s: float) -> _Region | None:
@@ -304,17 +315,8 @@ def _global(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
 
-# ---- one ring per process group ---------------------------------------------------------------------------------------
-_RINGS: dict = {}
-_PINNED: dict = {}
+# ---- one ring per process group, in the group's context (context.py) --------------------------------------------------
 _MAGIC = 0x6866_7A65_726F_5348  # "hfzeroSH"
-
-
-def _key(group) -> tuple:
-    # the group object itself too: a process group destroyed and created again in the same processes (tests, a
-    # second initialize) gets a fresh ring, not one whose buffers an aborted collective may have left half used
-    pg = dist.group.WORLD if group is None else group
-    return (id(pg), tuple(dist.get_process_group_ranks(pg)))
 
 
 def ring_for(group=None, nbytes: int = DEFAULT_RING_BYTES) -> ShmRing | None:
@@ -323,46 +325,53 @@ def ring_for(group=None, nbytes: int = DEFAULT_RING_BYTES) -> ShmRing | None:
     ``nbytes``: the ring's size if this call builds it (HF_ZERO_SHM_COMM_MIB overrides it)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    key = _key(group)
-    if key in _RINGS:
-        return _RINGS[key]
+    # a group destroyed and created again in the same processes (tests, a second initialize) is a new group object,
+    # so a new context and a fresh ring, never one whose buffers an aborted collective may have left half used
+    ctx = context.get(group)
+    if ctx.ring_decided:
+        return ctx.ring
     ring = None
     world = dist.get_world_size(group)
     if world > 1 and dist.get_backend(group) == "gloo":
         # every rank of the group takes part in the vote below, whatever it concludes locally
-        ring = _open(group, dist.get_rank(group), world, _ring_bytes(nbytes), usable=enabled() and _platform_ok())
-    if not _RINGS:
-        # registered after process_group's own atexit (init_distributed ran before), so it runs before it: the pins
-        # are dropped before the group is destroyed, and destroying it frees gloo's threads while the interpreter
-        # still runs (left to interpreter teardown they can be destroyed joinable: 'terminate called without an
-        # active exception')
-        atexit.register(close_all)
-    _RINGS[key] = ring
-    _PINNED[key] = group if group is not None else dist.group.WORLD  # keeps id() unique while the key is used
+        ring = _open(group, dist.get_rank(group), world, _ring_bytes(nbytes), usable=enabled() and _platform_ok(),
+                     name=_file_name(ctx.ranks, ctx.incarnation))
+    ctx.ring, ctx.ring_decided = ring, True
     return ring
-
-
-def close_all() -> None:
-    """Forget every ring and the process groups pinned for them (at exit, and whenever every group is torn down):
-    the rings' shared memory goes with the last mapping, the groups with their last reference."""
-    _RINGS.clear()
-    _PINNED.clear()
 
 
 def _platform_ok() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm") and os.path.isdir("/proc")
 
 
-def _open(group, rank: int, world: int, size: int, usable: bool) -> ShmRing | None:
+_KINDS = ("memfd", "file")  # tried in this order (a test narrows it to the fallback)
+_PENDING: set[str] = set()  # named files created or expected here and not unlinked yet (see unlink_pending)
+
+
+def _open(group, rank: int, world: int, size: int, usable: bool, name: str) -> ShmRing | None:
     # An anonymous memory file first (memfd): it has no name anywhere, so a rank killed during set-up leaves nothing
     # behind -- the memory goes when the last process holding it does. The other ranks open it through rank 0's
     # /proc/<pid>/fd/<n>, which needs the same user and /proc; where that fails (every rank learns it in the vote),
-    # a named /dev/shm file, unlinked once every rank has mapped it.
-    for kind in ("memfd", "file"):
-        ring = _open_as(kind, group, rank, world, size, usable)
+    # a named /dev/shm file, unlinked once every rank has mapped it -- and, if set-up fails on any rank (a peer
+    # killed, a fault exit), by every rank that can: its name is known to all of them before it exists.
+    for kind in _KINDS:
+        ring = _open_as(kind, group, rank, world, size, usable, name)
         if ring is not None:
             return ring
     return None
+
+
+def _file_name(ranks: tuple[int, ...], incarnation: int) -> str:
+    """The fallback file's path, computed alike on every rank of the group with no message: the rendezvous address
+    and port (no two live jobs of one host share them), torchrun's run id and restart count, the group's ranks and
+    how many earlier groups of the same ranks these processes had."""
+    parts = [os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                                             "TORCHELASTIC_RESTART_COUNT")]
+    digest = hashlib.sha1(repr((parts, ranks, incarnation)).encode()).hexdigest()[:20]
+    return f"/dev/shm/hf_zero_comm_{digest}"
+
+
+_next_name = ""  # the fallback file the set-up in progress creates (set just before _create; one set-up at a time)
 
 
 def _create(kind: str, size: int) -> tuple[int, str]:
@@ -371,58 +380,89 @@ def _create(kind: str, size: int) -> tuple[int, str]:
         fd = os.memfd_create("hf_zero_comm", os.MFD_CLOEXEC)
         path = f"/proc/{os.getpid()}/fd/{fd}"
     else:
-        fd, path = tempfile.mkstemp(prefix="hf_zero_comm_", dir="/dev/shm")
+        path = _next_name
+        _PENDING.add(path)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # left by an earlier job on this address and port that was killed: stale
+            os.unlink(path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
     except OSError:
         os.close(fd)
         if kind == "file":
-            os.unlink(path)
+            _unlink(path)
         raise
     return fd, path
 
 
-def _open_as(kind: str, group, rank: int, world: int, size: int, usable: bool) -> ShmRing | None:
+def _unlink(path: str) -> None:
+    _PENDING.discard(path)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def unlink_pending() -> None:
+    """Remove the named ring files a set-up of this process has not finished with (faults.py calls it before a fault
+    exit, which skips every ``finally``)."""
+    for path in list(_PENDING):
+        _unlink(path)
+
+
+def _open_as(kind: str, group, rank: int, world: int, size: int, usable: bool, name: str) -> ShmRing | None:
+    if kind == "file":
+        _PENDING.add(name)  # every rank: whichever survives a failed set-up removes it
+    try:
+        return _set_up(kind, group, rank, world, size, usable, name)
+    finally:
+        if kind == "file":
+            # mapped by every rank (the mappings keep the memory), or set-up failed: the name goes either way
+            _unlink(name)
+
+
+def _set_up(kind: str, group, rank: int, world: int, size: int, usable: bool, name: str) -> ShmRing | None:
+    global _next_name
     src = _global(group, 0)
     info = [None]
-    fd, path = None, None
+    fd = None
     if rank == 0 and usable and (kind == "file" or hasattr(os, "memfd_create")):
+        _next_name = name
         try:
             fd, path = _create(kind, size)
             info = [(path, secrets.randbits(62), size)]
         except OSError:
-            fd, path, info = None, None, [None]
-    dist.broadcast_object_list(info, src=src, group=group)
-    mem = None
-    if info[0] is not None and usable:
-        path_, nonce, size_ = info[0]
-        try:
-            # open it first without creating it: torch.from_file would create a file of zeros on another host
-            os.close(os.open(path_, os.O_RDWR))
-            mem = torch.from_file(path_, shared=True, size=size_, dtype=torch.uint8)
-            if rank == 0:
-                words = _header_words(world)
-                mem[:words * 8].view(torch.int64).fill_(-1)  # no buffer published or given back, no header yet
-                mem[:16].view(torch.int64).copy_(torch.tensor([_MAGIC, nonce]))
-        except (OSError, RuntimeError):
-            mem = None
-    # rank 0 wrote the nonce before this vote; a rank that sees another file of the same name (another host) fails
-    votes = [None] * world
-    dist.all_gather_object(votes, (os.getpid(), mem is not None), group=group)
-    ok = all(v[1] for v in votes)
-    if ok:
-        mine = mem[:16].view(torch.int64).tolist()
-        verdicts = [None] * world
-        dist.all_gather_object(verdicts, mine == [_MAGIC, info[0][1]], group=group)
-        ok = all(verdicts)
-    if rank == 0 and fd is not None:
-        # every rank that could map it has: the mappings keep the memory, nothing is left behind whatever happens
-        os.close(fd)
-        if kind == "file":
+            fd, info = None, [None]
+    try:
+        dist.broadcast_object_list(info, src=src, group=group)
+        mem = None
+        if info[0] is not None and usable:
+            path_, nonce, size_ = info[0]
             try:
-                os.unlink(path)
-            except OSError:
-                pass
+                # open it first without creating it: torch.from_file would create a file of zeros on another host
+                os.close(os.open(path_, os.O_RDWR))
+                mem = torch.from_file(path_, shared=True, size=size_, dtype=torch.uint8)
+                if rank == 0:
+                    words = _header_words(world)
+                    mem[:words * 8].view(torch.int64).fill_(-1)  # no buffer published or given back, no header yet
+                    mem[:16].view(torch.int64).copy_(torch.tensor([_MAGIC, nonce]))
+            except (OSError, RuntimeError):
+                mem = None
+        # rank 0 wrote the nonce before this vote; a rank that sees another file of that name (another host) fails
+        votes = [None] * world
+        dist.all_gather_object(votes, (os.getpid(), mem is not None), group=group)
+        ok = all(v[1] for v in votes)
+        if ok:
+            mine = mem[:16].view(torch.int64).tolist()
+            verdicts = [None] * world
+            dist.all_gather_object(verdicts, mine == [_MAGIC, info[0][1]], group=group)
+            ok = all(verdicts)
+    finally:
+        if fd is not None:
+            # every rank that could map it has (or set-up failed): the mappings keep the memory
+            os.close(fd)
     if not ok:
         return None
     return ShmRing(mem, group, rank, world, [v[0] for v in votes])
@@ -430,22 +470,24 @@ def _open_as(kind: str, group, rank: int, world: int, size: int, usable: bool) -
 
 def existing(group=None) -> ShmRing | None:
     """The ring of ``group`` if :func:`ring_for` built one (no collective)."""
-    if not _RINGS or not dist.is_initialized():
-        return None
-    return _RINGS.get(_key(group))
+    ctx = context.lookup(group)
+    return ctx.ring if ctx is not None else None
 
 
 def is_ring_memory(t: torch.Tensor) -> bool:
     """Whether ``t`` lives in any ring (such memory must never reach buffer_pool)."""
-    if not _RINGS or t.device.type != "cpu":
+    if t.device.type != "cpu":
+        return False
+    rings = [ctx.ring for ctx in context.contexts() if ctx.ring is not None]
+    if not rings:
         return False
     ptr = t.untyped_storage().data_ptr()
-    return any(ring is not None and ring.mem.untyped_storage().data_ptr() == ptr for ring in _RINGS.values())
+    return any(ring.mem.untyped_storage().data_ptr() == ptr for ring in rings)
 
 
 def give(t: torch.Tensor | None, group=None) -> bool:
     """Give back a ring buffer (True), or do nothing for any other tensor (False)."""
-    if t is None or not _RINGS:
+    if t is None:
         return False
-    ring = _RINGS.get(_key(group)) if dist.is_initialized() else None
+    ring = existing(group)
     return ring is not None and ring.give(t)

@@ -14,13 +14,12 @@ dropped, right after. The Gatherer also counts the bytes of full parameters aliv
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 
 import torch
 import torch.distributed as dist
 
-from hf_zero.comm import all_gather_packed, buffer_pool, faults, give_packed, shm_ring, take_gather_buffer
+from hf_zero.comm import all_gather_packed, buffer_pool, context, faults, give_packed, shm_ring, take_gather_buffer
 from hf_zero.comm.device import accelerator_device
 from hf_zero.offload.swapper import wait_all
 from hf_zero.profiling.timers import NO_TIMERS
@@ -196,18 +195,16 @@ class Gatherer:
         self.peak_live_bytes = self.live_bytes
 
 
-_GATHERERS: dict = {}
+_LONE: Gatherer | None = None  # no process group: a world of one has nothing to close
 
 
 def gatherer_for(group=None) -> Gatherer:
-    """The Gatherer of ``group`` (None: the default group). Created on first use -- a collective, so every rank of
-    the group must make that first call at the same point (partitioning a parameter does)."""
-    g = _GATHERERS.get(group)
-    if g is None or (dist.is_initialized() and g.world_size != dist.get_world_size(group)):
-        if not _GATHERERS:
-            # they hold their groups (the key, and Gatherer.group): let go of them at exit, before the process
-            # group hf_zero created is destroyed (its atexit was registered earlier, so runs later), so that
-            # destroying it frees gloo's threads while the interpreter still runs
-            atexit.register(_GATHERERS.clear)
-        g = _GATHERERS[group] = Gatherer(group)
-    return g
+    """The Gatherer of ``group`` (None: the default group), kept in the group's communication context (comm/context.py,
+    closed with the group). Created on first use -- a collective, so every rank of the group must make that first
+    call at the same point (partitioning a parameter does)."""
+    global _LONE
+    if not dist.is_initialized():
+        if _LONE is None:
+            _LONE = Gatherer(None)
+        return _LONE
+    return context.get(group).attachment("gatherer", lambda: Gatherer(group))
