@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from hf_zero.integrations.deepspeed_shim._finder import install
+
+install()  # as the start-up .pth line does in an installed hf_zero
+
 
 def test_compatible_ops_reports_the_aio_op_that_runs(tmp_path):
     """transformers' ``test_trainer_distributed_deepspeed.py`` decorates ``test_stage3_nvme_offload`` with
@@ -19,6 +23,7 @@ def test_compatible_ops_reports_the_aio_op_that_runs(tmp_path):
     import deepspeed
     from deepspeed.ops.aio import AsyncIOBuilder
 
+    assert hasattr(deepspeed.ops, "_hf_zero_forward"), "deepspeed is not hf_zero's compatibility layer"
     ops = deepspeed.ops.__compatible_ops__
     assert AsyncIOBuilder.NAME == "async_io"
     assert ops["async_io"] is True
