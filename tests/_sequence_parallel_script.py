@@ -144,8 +144,34 @@ def _hf_zero_checks(mpu) -> dict:
     return out
 
 
+def trainer_run(output_dir: str) -> dict:
+    """The same 4 samples through transformers' Trainer with ``parallelism_config`` (SP 2, ZeRO 2, SGD): the
+    Trainer's own ALST path (accelerate's adapter after prepare, transformers' deepspeed_sp_compute_loss)."""
+    import torch.distributed as dist
+    from accelerate.utils import ParallelismConfig
+    from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+    from transformers import Trainer, TrainingArguments
+
+    pc = ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=DeepSpeedSequenceParallelConfig(
+        sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
+    ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=1, max_steps=SAMPLES, learning_rate=LR,
+                             optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1,
+                             report_to=[], save_strategy="no", deepspeed=ds, parallelism_config=pc,
+                             train_sampling_strategy="sequential")  # samples 0, 1, 2, 3 as the reference
+    ids, labels = samples()
+    rows = [{"input_ids": ids[i], "labels": labels[i], "position_ids": torch.arange(SEQ)} for i in range(SAMPLES)]
+    trainer = Trainer(model=make_model(), args=args, train_dataset=rows)
+    trainer.train()
+    return {"rank": dist.get_rank(), "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+
+
 if __name__ == "__main__":
-    result = reference() if "--reference" in sys.argv else distributed()
+    if "--trainer" in sys.argv:
+        result = trainer_run(f"{sys.argv[1]}.trainer")
+    else:
+        result = reference() if "--reference" in sys.argv else distributed()
     rank = result.get("rank", 0)
     with open(f"{sys.argv[1]}.{rank}", "w") as f:
         json.dump(result, f)

@@ -45,15 +45,18 @@ def reference() -> dict:
     return sp_script.reference()
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sp") / "out.json"
+def _launch(out: Path, *flags: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(SCRIPT), str(out), "--hf-zero-checks"]
+           str(SCRIPT), str(out), *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("sp") / "out.json", "--hf-zero-checks")
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -165,3 +168,14 @@ def test_tiled_logits_loss_and_mlp_match_the_untiled_compute():
                                        output_reduction=None)
     assert per_token.shape == (2, 32, sp_script.VOCAB)  # tiles of 11, 11, 10 tokens reassembled
     assert (per_token - hidden @ model.lm_head.weight.T).abs().max().item() == 0.0
+
+
+def test_trainer_with_parallelism_config_trains_like_one_process(tmp_path):
+    """transformers' Trainer, ``parallelism_config`` SP 2 + ZeRO 2, sequential sampler: the reference's losses.
+    DeepSpeed 0.19.8 on the CPU: 4.568717, 3.597581, 4.558958, 5.489453 -- accelerate does not shard the data over
+    the 2 processes there (each sample is trained twice) and its ZeRO 2 gradient is doubled (module docstring)."""
+    ref = reference()["losses"]
+    for out in _launch(tmp_path / "trainer.json", "--trainer"):
+        assert len(out["losses"]) == 4
+        for got, want in zip(out["losses"], ref):
+            assert abs(got - want) <= TOL * want, out["losses"]
