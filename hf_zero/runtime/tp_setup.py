@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hf_zero.config.errors import ConfigError
-from hf_zero.tensor_parallel import apply_tp, build_mesh, tp_info
+from hf_zero.tensor_parallel import apply_tp, tp_info
 from hf_zero.tensor_parallel.apply import check_adapters_sharded, is_tp_sharded
 from hf_zero.tensor_parallel.config import TPConfig
 from hf_zero.tensor_parallel.loss import vocab_parallel_cross_entropy
@@ -39,22 +39,27 @@ class TPLayout:
     dp_group: object
 
 
-def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int,
+def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int | None = None,
                           pipeline_grid=None, mesh: TPMesh | None = None) -> TPLayout | None:
     """Shard ``model`` if the config asks and it is not yet; the layout, or None without tensor parallelism.
 
     ``pipeline_grid``: the model is a pipeline stage (3D); its (pp, dp, tp) device mesh decides the groups.
-    ``mesh``: the run's mesh (runtime/parallelize.py decides it: the mesh the model was sharded on, one over the
-    groups of the caller's ``mpu``, or one built for the config); without it one is built here, tensor parallel
-    ranks consecutive.
+    ``mesh``: otherwise, the run's mesh (runtime/parallelize.py decides it: the mesh the model was sharded on, one
+    over the groups of the caller's ``mpu``, or one built for the config). No mesh is built here.
+    ``world_size``: when given, the ranks ``mesh`` must span.
     """
     if pipeline_grid is not None:
         return _setup_pipeline_stage(model, tp_cfg, pipeline_grid)
+    if mesh is None:
+        raise TypeError("setup_tensor_parallel: pass the run's mesh (runtime/parallelize.resolve_layout) or the "
+                        "pipeline grid")
+    if world_size is not None and mesh.mesh.size() != world_size:
+        raise ValueError(f"setup_tensor_parallel: the mesh spans {mesh.mesh.size()} ranks, not the {world_size} "
+                         "of the world")
     info = tp_info(model)
     if info is None and not tp_cfg.enabled:
         return None
     if info is None:
-        mesh = mesh if mesh is not None else build_mesh(tp_cfg.size)
         apply_tp(model, mesh, vocab_parallel_head=tp_cfg.vocab_parallel_lm_head,
                  sequence_parallel=tp_cfg.sequence_parallel)
         info = tp_info(model)
@@ -67,16 +72,8 @@ def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int
                                                                f"{info.sequence_parallel} (tp_model_init / apply_tp); "
                                                                "make them agree")
     check_adapters_sharded(model)
-    layout = mesh if mesh is not None else info.layout
-    if layout is None:
-        if info.size != world_size:
-            raise ValueError("hf_zero: the model was sharded with apply_tp over a 1-D mesh smaller than the world; "
-                             "pass the TPMesh from hf_zero.tensor_parallel.build_mesh so the engine knows the "
-                             "data-parallel groups")
-        layout = build_mesh(info.size)  # the same ranks; gives the (size 1) data-parallel group
     # the dp group even when it holds one rank: None would mean the whole world to the engine
-    return TPLayout(layout.tp_size, layout.tp_rank, layout.tp_group, layout.dp_size, layout.dp_rank,
-                    layout.dp_group)
+    return TPLayout(mesh.tp_size, mesh.tp_rank, mesh.tp_group, mesh.dp_size, mesh.dp_rank, mesh.dp_group)
 
 
 def adopt_sharded_params(model: nn.Module, model_parameters, optimizer) -> list | None:
