@@ -53,7 +53,8 @@ from .settings import DEFAULT_TIMEOUT_S, checks_enabled, configure, created_by_h
 
 __all__ = ["CommFault", "DivergenceError", "PeerFailure", "DEFAULT_TIMEOUT_S", "configure", "channel_for",
            "configure_from", "timeout_s", "default_timeout_s", "bounded_wait", "bounded", "check_collective",
-           "check_run", "check_deferred", "settle", "settle_if_ready", "checks_enabled", "fail"]
+           "check_run", "check_deferred", "settle", "settle_if_ready", "checks_enabled", "fail", "bound_group",
+           "is_comm_error"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -217,6 +218,21 @@ def settle_if_ready(group=None) -> None:
         ch.settle()
 
 
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a collective that failed -- a peer gone, a timeout,
+    an aborted group -- rather than an error of the computation around it."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (CommFault, dist.DistError)):
+            return True
+        text = str(exc).lower()
+        if any(k in text for k in ("connection closed", "connection reset", "timed out", "aborted", "broken pipe")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def fail(exc: CommFault, group=None) -> CommFault:
     """Publish ``exc`` as this job's fault and mark the process for a non-zero exit; returns ``exc`` to raise."""
     ch = channel_for(group)
@@ -269,6 +285,10 @@ class FaultChannel:
         self.fatal: CommFault | None = None
         self.raised = False
         self.in_wait: tuple[str, float, float] | None = None  # (what, start, timeout)
+        # (what, interrupt, since): set by a caller whose blocking calls hf_zero does not issue (the pipeline's
+        # StageFailureGuard while a step runs; see watch())
+        self.watching: tuple[str, object, float] | None = None
+        self._interrupted: tuple[str, float] | None = None
         self.suspended_s = 0.0
         self.hostname = socket.gethostname()
         self._io_timeout_s = min(_GRACE_MAX_S, max(1.0, timeout_s() / 4))
@@ -515,6 +535,8 @@ class FaultChannel:
                 self.suspended_s += now - last - self._period
             last = now
             self._try(lambda s: s.set(self.prefix + f"hb/{self.rank}", repr(time.time())), store=self._mon_store)
+            if self._watch(now):
+                continue
             if self.raised:
                 continue
             inw = self.in_wait
@@ -531,6 +553,58 @@ class FaultChannel:
                 exc = self.diagnose(inw[0], inw[2], TimeoutError("the wait did not return"))
                 self.fail(exc)
                 _die(str(exc))
+
+    @contextlib.contextmanager
+    def watch(self, what: str, interrupt):
+        """Watch a span of code whose blocking calls hf_zero does not issue (torch.distributed.pipelining's sends
+        and receives): while it runs, a fault published by another rank, or a peer whose heartbeat is older than
+        comms_timeout_s (stopped, or hung), calls ``interrupt(message)`` from the monitor thread -- the caller ends
+        its blocked calls and raises -- and if the span has not ended ``grace`` seconds later, the process ends
+        here, printing the message, as for a wait that ignored its timeout."""
+        self.watching, self._interrupted = (what, interrupt, time.monotonic()), None
+        try:
+            yield
+        finally:
+            self.watching = None
+
+    def _watch(self, now: float) -> bool:
+        """The monitor's part of :meth:`watch`; True when it has dealt with this period."""
+        w = self.watching
+        if w is None:
+            return False
+        what, interrupt, since = w
+        if self._interrupted is not None:
+            message, at = self._interrupted
+            if now - at > self.grace():
+                _die(message)
+            return True
+        me = self.global_ranks[self.rank]
+        first = self.published(store=self._mon_store)
+        message = None
+        if first is not None and not first.startswith(f"rank {me}:"):
+            self._try(lambda s: s.add(self.prefix + "seen", 1), store=self._mon_store)
+            message = f"hf_zero: rank {me} stops because {first} (this rank was in {what})"
+            self.fail(PeerFailure(message))
+        elif self.fatal is None and now - since > timeout_s() and self._silent_peers():
+            exc = self.diagnose(what, timeout_s(), TimeoutError("no progress"))
+            message = str(exc)
+            self.fail(exc)
+        if message is None:
+            return True
+        self._interrupted = (message + self._suspended_note(), now)
+        interrupt(message)
+        return True
+
+    def _silent_peers(self) -> list[int]:
+        """Peers whose last heartbeat is older than comms_timeout_s (stopped, hung, or gone)."""
+        out = []
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            hb = self._try(lambda s: s.get(self.prefix + f"hb/{r}"), store=self._mon_store)
+            if hb is not None and time.time() - float(hb.decode()) > timeout_s():
+                out.append(r)
+        return out
 
     def close(self) -> None:
         """Stop the monitor and wait for it (GroupComm.close): a daemon thread still inside a store call when the

@@ -8,14 +8,17 @@ computing; the first stage then has the total as soon as its own backward is don
 first stage's last backward only that broadcast remains, where an all-reduce (plus its divergence check) and a
 separate loss broadcast were three collectives on the step's critical path.
 
-Waits are bounded by the pipeline's StageFailureGuard: a stage that fails aborts the pipeline group, which ends
-these receives on every other stage.
+Each send, receive and the broadcast is bounded and diagnosed like every hf_zero collective (comm/faults.py, on the
+pipeline group's channel): a stage that died or stopped is named within comms_timeout_s. A stage that fails
+elsewhere aborts the pipeline group (pipeline/failure.py), which ends these waits on every other stage.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from hf_zero.comm import faults
 
 __all__ = ["sum_over_stages"]
 
@@ -29,9 +32,12 @@ def sum_over_stages(values: torch.Tensor, grid) -> torch.Tensor:
     total = values.clone()
     if stage < stages - 1:
         tail = torch.empty_like(total)
-        dist.recv(tail, src=grid.stage_to_global(stage + 1), group=group, tag=_TAG)
+        with faults.bounded(f"the step's sums: the receive from stage {stage + 1}", group):
+            dist.recv(tail, src=grid.stage_to_global(stage + 1), group=group, tag=_TAG)
         total += tail
     if stage > 0:
-        dist.send(total, dst=grid.stage_to_global(stage - 1), group=group, tag=_TAG)
-    dist.broadcast(total, src=grid.stage_to_global(0), group=group)
+        with faults.bounded(f"the step's sums: the send to stage {stage - 1}", group):
+            dist.send(total, dst=grid.stage_to_global(stage - 1), group=group, tag=_TAG)
+    with faults.bounded("the step's sums: the broadcast from stage 0", group):
+        dist.broadcast(total, src=grid.stage_to_global(0), group=group)
     return total

@@ -4,7 +4,8 @@ Rank ``r`` of the TP group holds logits ``(N, V_r)`` for its vocabulary slice ``
 softmax denominator and the target's logit are sums over the vocabulary, so each is a local partial sum plus one
 all-reduce; the global max (for a stable exp) is a MAX all-reduce. The backward needs no communication: the
 gradient of the local logits is ``softmax_local - onehot_local`` (the one-hot is zero outside this rank's slice).
-Per token that is two collectives of ``N`` floats instead of gathering ``N x V`` logits.
+Per token that is two collectives of ``N`` floats instead of gathering ``N x V`` logits, each through hf_zero's
+bounded, checked layer (comm/collectives.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+
+from hf_zero.comm import all_reduce_
 
 __all__ = ["vocab_parallel_cross_entropy", "VocabParallelCausalLMLoss"]
 
@@ -23,7 +26,9 @@ class _VocabParallelCE(torch.autograd.Function):
         # logits (N, V_r) fp32, this rank's vocabulary slice; target (N,) global token ids
         width = logits.shape[-1]
         row_max = logits.detach().amax(dim=-1)
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        # bounded and checked like every hf_zero collective (comm/collectives.py): a TP rank that died or stopped
+        # is named within comms_timeout_s
+        all_reduce_(row_max, group=group, op=dist.ReduceOp.MAX, what="the vocabulary-parallel loss's row maxima")
         shifted = logits - row_max.unsqueeze(-1)
         valid = target != ignore_index
         local = target - vocab_start
@@ -31,7 +36,8 @@ class _VocabParallelCE(torch.autograd.Function):
         local = torch.where(mine, local, torch.zeros_like(local))
         exp = shifted.exp()
         sums = torch.stack([exp.sum(dim=-1), shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine])
-        dist.all_reduce(sums, group=group)  # (2, N): softmax denominator, target logit
+        # (2, N): softmax denominator, target logit
+        all_reduce_(sums, group=group, what="the vocabulary-parallel loss's sums")
         loss = torch.where(valid, sums[0].log() - sums[1], torch.zeros_like(sums[0]))
         exp.div_(sums[0].unsqueeze(-1))  # softmax over the full vocabulary, this rank's columns
         ctx.save_for_backward(exp, local, mine, valid)
