@@ -20,7 +20,7 @@ from hf_zero.config.errors import ConfigError
 from hf_zero.parallel import ParallelDims
 
 
-# ---- ParallelDims on its own ------------------------------------------------------------------------------------------
+# ---- ParallelDims on its own ---------------------------------------------------------------------------------------
 def test_dims_are_frozen_and_multiply_to_the_world():
     dims = ParallelDims(dp=2, pp=2, tp=2)
     assert (dims.dp, dims.pp, dims.tp, dims.world_size) == (2, 2, 2, 8)
@@ -48,7 +48,8 @@ def test_product_other_than_the_world_is_refused_naming_keys_and_values():
     keys = ("the topology's 'data' axis", "the topology's 'pipe' axis (num_stages)", "wrap(tp_size)")
     with pytest.raises(ConfigError) as err:
         ParallelDims(1, 2, 2, keys=keys).check_world(8)
-    assert str(err.value).startswith("wrap(tp_size): ") and "the topology's 'pipe' axis (num_stages) 2" in str(err.value)
+    assert str(err.value).startswith("wrap(tp_size): ")
+    assert "the topology's 'pipe' axis (num_stages) 2" in str(err.value)
 
 
 @pytest.mark.parametrize("sizes, key", [((0, 1, 1), "data-parallel size"), ((1, -2, 1), "pipeline stages"),
@@ -59,7 +60,7 @@ def test_sizes_must_be_positive_integers(sizes, key):
     assert str(err.value).startswith(key) and "must be an integer >= 1" in str(err.value)
 
 
-# ---- the groups of a run ----------------------------------------------------------------------------------------------
+# ---- the groups of a run -------------------------------------------------------------------------------------------
 def _ranks(group) -> list[int]:
     import torch.distributed as dist
 

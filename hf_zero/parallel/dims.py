@@ -18,6 +18,7 @@ the program, with the same sizes.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,9 @@ from hf_zero.config.errors import ConfigError
 __all__ = ["MESH_DIMS", "ParallelDims", "mesh_from_groups"]
 
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first
+
+# (device type, rank grid) -> (the default group it was built under, the mesh): see ParallelDims.build_mesh
+_BUILT: dict[tuple, tuple[weakref.ref, DeviceMesh]] = {}
 
 
 @dataclass(frozen=True)
@@ -108,27 +112,39 @@ class ParallelDims:
         if tuple(grid.shape) != shape or sorted(grid.flatten().tolist()) != list(range(world)):
             raise ValueError(f"hf_zero: the rank grid of {self} must have shape {shape} and hold every rank once, "
                              f"got {grid.tolist()}")
-        # one (backend, options) per dimension: with a backend named, even a dimension spanning every rank gets a
-        # group of its own
-        override = None if share_world_group else ((dist.get_backend(), None),) * 3
-        return DeviceMesh(device_type or accelerator_type(), grid, mesh_dim_names=MESH_DIMS,
-                          backend_override=override)
+        device_type = device_type or accelerator_type()
+        if not share_world_group:
+            # one (backend, options) per dimension: with a backend named, even a dimension spanning every rank gets
+            # a group of its own. Never reused: its owner (a pipeline) may abort these groups
+            return DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS,
+                              backend_override=((dist.get_backend(), None),) * 3)
+        # One mesh per layout for the life of the default group: a process that calls initialize again (an
+        # evaluation engine beside the training one, a test) reuses it instead of creating 2 or more groups each
+        # time, which c10d keeps until the default group is destroyed.
+        key = (device_type, tuple(grid.flatten().tolist()), grid.shape)
+        world_ref, mesh = _BUILT.get(key, (None, None))
+        if mesh is None or world_ref() is not dist.group.WORLD:
+            mesh = DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS)
+            _BUILT[key] = (weakref.ref(dist.group.WORLD), mesh)  # a new default group (re-initialised) misses
+        return mesh
 
 
-def mesh_from_groups(dp_group, tp_group=None, *, device_type: str | None = None, source: str = "mpu") -> DeviceMesh:
+def mesh_from_groups(dp_group=None, tp_group=None, *, device_type: str | None = None,
+                     source: str = "mpu") -> DeviceMesh:
     """The ``(pp, dp, tp)`` mesh (``pp`` 1) over process groups the caller built (DeepSpeed's ``mpu``), keeping those
     very group objects as its ``dp`` and ``tp`` groups (``DeviceMesh.from_group``).
 
-    ``tp_group`` None: no tensor parallelism, each rank its own TP group. Collective: every rank contributes its two
-    groups' ranks. The TP groups become the grid's rows; each rank's data-parallel group must then be its column, in
-    order (rank i of the dp group holds the i-th row), or the groups do not form a grid and are refused, naming a
-    rank whose groups disagree (``source`` says whose). The size-1 dimensions get one single-rank group per rank,
-    created on every rank in rank order.
+    ``tp_group`` None: no tensor parallelism, each rank its own TP group; ``dp_group`` None: no data parallelism.
+    Collective: every rank contributes its two groups' ranks. The TP groups become the grid's rows; each rank's
+    data-parallel group must then be its column, in order (rank i of the dp group holds the i-th row), or the groups
+    do not form a grid and are refused, naming a rank whose groups disagree (``source`` says whose). The size-1
+    dimensions get one single-rank group per rank, created on every rank in rank order.
     """
     world, me = dist.get_world_size(), dist.get_rank()
     tp_ranks = dist.get_process_group_ranks(tp_group) if tp_group is not None else [me]
     every: list = [None] * world
-    dist.all_gather_object(every, (tp_ranks, dist.get_process_group_ranks(dp_group)))
+    dp_ranks = dist.get_process_group_ranks(dp_group) if dp_group is not None else [me]
+    dist.all_gather_object(every, (tp_ranks, dp_ranks))
     rows = sorted({tuple(tp) for tp, _ in every})
     if len({len(r) for r in rows}) != 1 or sorted(r for row in rows for r in row) != list(range(world)):
         raise ValueError(f"hf_zero: the {source}'s tensor-parallel groups {[list(r) for r in rows]} do not split the "
@@ -139,7 +155,10 @@ def mesh_from_groups(dp_group, tp_group=None, *, device_type: str | None = None,
             raise ValueError(f"hf_zero: the {source}'s groups do not form a (data, tensor) grid: rank {rank} has "
                              f"tensor-parallel group {list(tp)} and data-parallel group {list(dp)}, where the grid "
                              f"of its tensor-parallel groups {[list(r) for r in rows]} gives {column}")
+    # the size-1 dimensions, always in this order on every rank: pp, then dp, then tp
     pp_group = _own_singleton_groups()
+    if dp_group is None:
+        dp_group = _own_singleton_groups()
     if tp_group is None:
         tp_group = _own_singleton_groups()
     return DeviceMesh.from_group([pp_group, dp_group, tp_group], device_type or accelerator_type(),
