@@ -184,6 +184,18 @@ def _mpu_worker():
     mesh = engine.parallel_layout.mesh
     out["tp_is_mpus"] = (mesh.get_group("tp") is tp_group, mesh.get_group("dp") is dp_groups[rank])
     engine.destroy()
+    # a model sharded with apply_tp over a bare 1-D mesh of the world: its group becomes the mesh's tp dimension
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_zero.tensor_parallel import apply_tp
+
+    line = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = apply_tp(make_model("llama"), line)
+    engine, *_ = hf_zero.initialize(model=model, config=_config(tensor_parallel={"autotp_size": 2}))
+    out["line_loss"] = _train_step(engine)
+    out["line"] = _report(engine)
+    out["line_is_users"] = engine.parallel_layout.mesh.get_group("tp") is line.get_group()
+    engine.destroy()
     dist.barrier()
     return out
 
@@ -293,6 +305,10 @@ def test_mpu_groups_are_the_meshs_and_the_mpus_own():
         assert out["tp"]["used"]["norm_model_parallel"] == ("tp", [0, 1])
         assert out["tp_is_mpus"] == (True, True)
         assert 4.0 < out["dp_loss"] < 6.0 and 4.0 < out["tp_loss"] < 6.0
+        _check_all_of_mesh(out["line"], rank)
+        assert out["line"]["shape"] == (1, 1, 2) and out["line_is_users"] is True
+        assert out["line"]["used"]["zero_dp"] == ("dp", [rank]) and out["line"]["used"]["tp_dtensor"] == ("tp", [0, 1])
+        assert 4.0 < out["line_loss"] < 6.0
 
 
 def test_dp_by_tp_groups_are_the_meshs():
