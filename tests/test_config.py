@@ -265,7 +265,7 @@ def test_deepspeed_defaults():
     assert (cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.intra_op_parallelism) == (1_048_576, 8, 1)
     assert cfg.aio.overlap_events is True and cfg.aio.single_submit is False and cfg.aio.use_gds is False
     assert (cfg.fp16.initial_scale_power, cfg.fp16.loss_scale_window, cfg.fp16.hysteresis) == (16, 1000, 2)
-    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10 and cfg.gradient_predivide_factor == 1.0
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 10 and cfg.gradient_predivide_factor == 1.0
     assert cfg.zero_force_ds_cpu_optimizer is True and cfg.zero_allow_untested_optimizer is False
     assert cfg.optimizer is None and cfg.scheduler is None
     assert cfg.raw == {"zero_optimization": {"stage": 0}, "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
@@ -599,10 +599,12 @@ def test_config_table_lists_not_implemented():
 
 
 def test_table_is_logged_on_rank_zero_only(caplog):
+    # gradient_clipping stated: without it rank 0 also logs, once per process, that DeepSpeed's default 1.0 applies
+    config = {**json.loads(ZERO1.read_text()), "gradient_clipping": 1.0}
     with caplog.at_level(logging.INFO, logger="hf_zero"):
-        load_config(ZERO1, world_size=2, rank=1)
+        load_config(config, world_size=2, rank=1)
         assert caplog.records == []
-        cfg = load_config(ZERO1, world_size=2, rank=0)
+        cfg = load_config(config, world_size=2, rank=0)
     assert [r.getMessage() for r in caplog.records] == [format_config_table(cfg)]
     assert caplog.records[0].name == "hf_zero" and caplog.records[0].levelno == logging.INFO
 

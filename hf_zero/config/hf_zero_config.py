@@ -68,7 +68,10 @@ class HfZeroConfig:
         None, auto=True, help="Samples per rank per forward/backward.")
     gradient_accumulation_steps: int | None | Auto = spec(
         None, auto=True, help="Micro batches accumulated before each optimizer step.")
-    gradient_clipping: float | Auto = spec(0.0, auto=True, help="Clip the global gradient norm to this; 0 is off.")
+    # 1.0 when absent, as DeepSpeed (GRADIENT_CLIPPING_DEFAULT, runtime/constants.py): a DeepSpeed config without
+    # the key clips there, so it must clip here too (load_config logs it once).
+    gradient_clipping: float | Auto = spec(
+        1.0, auto=True, help="Clip the global gradient norm to this; 0 is off. Absent: 1.0, as in DeepSpeed.")
     steps_per_print: int | None = spec(10, help="Log progress every this many steps; null or Infinity never.")
     wall_clock_breakdown: bool = spec(False, help="Time forward, backward and step, and log the breakdown.")
     memory_breakdown: bool = spec(False, help="Log accelerator memory at each stage of a step.")

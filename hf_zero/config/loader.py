@@ -8,7 +8,8 @@ Order matters for the error a user sees first:
 5. batch arithmetic for ``world_size``;
 6. build ``cfg.raw``: the user's dict with typed values, autos filled, batch keys and
    ``zero_optimization.stage`` present (transformers and accelerate read ``engine.config`` from it);
-7. keys hf_zero does not honour (:mod:`.status`): an error for a refused one, a warning for the others.
+7. keys hf_zero does not honour (:mod:`.status`): an error for a refused one, a warning for the others;
+8. on rank 0, the startup table, and once per process a note when ``gradient_clipping`` is absent (it clips at 1.0).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import base64
 import binascii
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -110,7 +112,17 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
     cfg = dataclasses.replace(cfg, not_implemented=enforce(cfg, warn=rank == 0))
     if log and rank == 0:
         logger.info("%s", format_config_table(cfg))
+        if "gradient_clipping" not in resolved:
+            _note_default_clipping(cfg.gradient_clipping)
     return cfg
+
+
+@functools.cache
+def _note_default_clipping(max_norm: float) -> None:
+    """Once per process: a config without ``gradient_clipping`` clips, as in DeepSpeed, which surprises users of
+    DeepSpeed releases or trainers where an absent key meant no clipping."""
+    logger.info("gradient_clipping is not set: clipping the global gradient norm at %s, DeepSpeed's default "
+                "(GRADIENT_CLIPPING_DEFAULT). Set \"gradient_clipping\": 0.0 to train without clipping.", max_norm)
 
 
 _KEEP_AUTO = ("optimizer.params.", "scheduler.params.")
