@@ -321,7 +321,8 @@ def write_model_card(directory, source: Any, state=None) -> Path:
         "micro_batch": config.get("train_micro_batch_size_per_gpu", "?"),
         "grad_accum": config.get("gradient_accumulation_steps", "?"),
         "global_batch": config.get("train_batch_size", "?"),
-        "gradient_clipping": config.get("gradient_clipping", "none") or "none",
+        # an absent key clips at 1.0 (hf_zero's and DeepSpeed's default); 0 is off
+        "gradient_clipping": config.get("gradient_clipping", 1.0 if zero_run else "none") or "none",
         "global_step": getattr(state, "global_step", "?"),
         "last_loss": f"{losses[-1]:.4f}" if losses else "n/a",
         "hardware": _hardware(),
