@@ -1,6 +1,7 @@
 """Tensor parallelism vs ZeRO-3, plain data parallelism and DeepSpeed AutoTP on 2 CPU processes, in one run.
 
-    python benchmarks/bench_tp.py --ds-python /work/venvs/ds/bin/python     # every runner, interleaved rounds
+    python benchmarks/bench_tp.py --ds-python /work/dsvenv/bin/python     # every runner, interleaved rounds
+    python benchmarks/bench_tp.py --ds-python /work/dsvenv/bin/python --runners tp2,ds_tp2 --size 5m,32m
     python benchmarks/bench_tp.py --steps 10 --rounds 5 --runners tp2,ddp
 
 Runners (all hf_zero.initialize, fp32, AdamW, the same Llama built from config, the same global batch):
@@ -8,6 +9,7 @@ Runners (all hf_zero.initialize, fp32, AdamW, the same Llama built from config, 
     zero3  ZeRO stage 3 over 2 data-parallel ranks
     tp2    tensor_parallel.autotp_size 2 (one replica, the model split over the 2 ranks), ZeRO stage 0
     tp2_sp tp2 with tensor_parallel.sequence_parallel (norms and residual stream split along the sequence)
+    tp2_base  tp2 with hf_zero imported from --base-src (a copy of hf_zero/ at another commit: before / after)
     ds_tp2 DeepSpeed's AutoTP (deepspeed.tp_model_init + initialize with tensor_parallel.autotp_size 2, ZeRO 0, its
            CPU FusedAdam), run by a python with a real DeepSpeed (--ds-python; DS_ACCELERATOR=cpu is set)
 
@@ -34,8 +36,12 @@ import time
 from pathlib import Path
 
 RUNNERS = ["ddp", "zero3", "tp2", "tp2_sp", "ds_tp2"]
-MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=128)
+SIZES = {  # "32m" is benchmarks/bench_zero.py's 32M Llama
+    "5m": dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=4, max_position_embeddings=128),
+    "32m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, max_position_embeddings=128),
+}
 MICRO, SEQ = 4, 128
 
 
@@ -43,7 +49,7 @@ def _rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _worker(runner: str, steps: int, out: str) -> None:
+def _worker(runner: str, size: str, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -53,14 +59,14 @@ def _worker(runner: str, steps: int, out: str) -> None:
 
     base_rss = _rss_now()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL))
+    model = LlamaForCausalLM(LlamaConfig(**SIZES[size]))
     full = {n: p.numel() for n, p in model.named_parameters()}  # unsplit sizes, by name
 
     stage = 3 if runner == "zero3" else 0
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage},
            "steps_per_print": 10 ** 9}
-    tp = runner in ("tp2", "tp2_sp", "ds_tp2")
+    tp = runner in ("tp2", "tp2_base", "tp2_sp", "ds_tp2")
     if tp:
         cfg["tensor_parallel"] = {"autotp_size": 2, **({"sequence_parallel": True} if runner == "tp2_sp" else {})}
         model = deepspeed.tp_model_init(model, tp_size=2, dtype=torch.float32, config=cfg)
@@ -68,7 +74,7 @@ def _worker(runner: str, steps: int, out: str) -> None:
     rank = dist.get_rank()
     dp = 1 if tp else 2
     g = torch.Generator().manual_seed(1)
-    data = torch.randint(0, MODEL["vocab_size"], (steps + 2, dp, MICRO, SEQ), generator=g)
+    data = torch.randint(0, SIZES[size]["vocab_size"], (steps + 2, dp, MICRO, SEQ), generator=g)
     times, losses = [], []
     for s in range(steps + 2):  # two warm-up steps
         ids = data[s, 0 if tp else rank]
@@ -80,7 +86,8 @@ def _worker(runner: str, steps: int, out: str) -> None:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     param_bytes, expected, split = _param_bytes(runner, engine.module, full)
-    result = {"step_s": statistics.median(times), "peak_rss": _rss_bytes(), "rss_growth": _rss_bytes() - base_rss,
+    result = {"step_s": statistics.median(times), "hf_zero": sys.modules["hf_zero"].__file__ if "hf_zero" in
+              sys.modules else None, "peak_rss": _rss_bytes(), "rss_growth": _rss_bytes() - base_rss,
               "param_bytes": param_bytes, "expected_param_bytes": expected, "split_params": split,
               "first_loss": losses[0]}
     Path(f"{out}.{rank}.json").write_text(json.dumps(result))
@@ -98,7 +105,7 @@ def _param_bytes(runner: str, module, full: dict[str, int]) -> tuple[int, int | 
             None, None
     if runner == "ddp":
         return sum(p.numel() * p.element_size() for p in module.parameters()), None, None
-    if runner in ("tp2", "tp2_sp"):
+    if runner in ("tp2", "tp2_base", "tp2_sp"):
         from hf_zero.tensor_parallel.apply import is_tp_sharded
         from hf_zero.zero.local import local_tensor
 
@@ -115,15 +122,23 @@ def _param_bytes(runner: str, module, full: dict[str, int]) -> tuple[int, int | 
     return sum(local.values()), int(expected), len(split)
 
 
-def _launch(python: str, runner: str, steps: int, tmp: str, env: dict) -> list[dict] | None:
-    out = os.path.join(tmp, runner)
-    cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__, "--worker", runner,
-           "--steps", str(steps), "--out", out]
+def _launch(python: str, runner: str, size: str, steps: int, tmp: str, env: dict) -> list[dict] | None:
+    out = os.path.join(tmp, f"{runner}.{size}")
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, "--worker", runner,
+           "--size", size, "--steps", str(steps), "--out", out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         print(f"{runner}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
         return None
     return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+
+
+def _env(env: dict, runner: str, base_src: str | None) -> dict:
+    if runner == "ds_tp2":  # the real DeepSpeed, not hf_zero's shim of it
+        return dict(env, HF_ZERO_DISABLE_DEEPSPEED_SHIM="1")
+    if runner == "tp2_base":
+        return dict(env, PYTHONPATH=os.pathsep.join(p for p in (base_src, env.get("PYTHONPATH")) if p))
+    return env
 
 
 def _loadavg() -> str:
@@ -134,33 +149,43 @@ def _loadavg() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runners", default=",".join(RUNNERS))
+    ap.add_argument("--size", default="5m", help="comma-separated model sizes, each launched in every round: "
+                    + ", ".join(SIZES))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ds-python", default=None, help="python of a virtual environment with a real DeepSpeed")
+    ap.add_argument("--base-src", default=None, help="directory holding another hf_zero/ package: adds the runner "
+                    "tp2_base, tp2 run with it first on PYTHONPATH")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.worker:
-        _worker(args.worker, args.steps, args.out)
+        _worker(args.worker, args.size, args.steps, args.out)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     runners = args.runners.split(",")
+    if args.base_src and "tp2_base" not in runners:
+        runners.append("tp2_base")
     if "ds_tp2" in runners and args.ds_python is None:
         print("ds_tp2: skipped (no --ds-python with a real DeepSpeed)")
         runners.remove("ds_tp2")
-    runs: dict[str, list[list[dict]]] = {r: [] for r in runners}
+    sizes = args.size.split(",")
+    runs: dict[str, dict[str, list[list[dict]]]] = {z: {r: [] for r in runners} for z in sizes}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
-            for runner in order:
-                python = args.ds_python if runner == "ds_tp2" else sys.executable
-                t0 = time.time()
-                res = _launch(python, runner, args.steps, tmp, env)
-                print(f"round {rnd} {runner:7} {'failed' if res is None else 'ok'} in {time.time() - t0:.0f} s, "
-                      f"load {_loadavg()}", flush=True)
-                if res is not None:
-                    runs[runner].append(res)
-    _report({r: v for r, v in runs.items() if v}, args)
+            for size in sizes:
+                for runner in order:
+                    python = args.ds_python if runner == "ds_tp2" else sys.executable
+                    t0 = time.time()
+                    res = _launch(python, runner, size, args.steps, tmp, _env(env, runner, args.base_src))
+                    print(f"round {rnd} {size:4} {runner:7} {'failed' if res is None else 'ok'} in "
+                          f"{time.time() - t0:.0f} s, load {_loadavg()}", flush=True)
+                    if res is not None:
+                        runs[size][runner].append(res)
+    for size in sizes:
+        print(f"\n== {size} Llama ({SIZES[size]})")
+        _report({r: v for r, v in runs[size].items() if v}, args)
 
 
 def _report(runs: dict[str, list[list[dict]]], args) -> None:
@@ -188,8 +213,17 @@ def _report(runs: dict[str, list[list[dict]]], args) -> None:
             ratio = v[0][0]["param_bytes"] / exp
             print(f"{r}: parameter bytes per rank / (split / TP + whole) = {ratio:.4f} "
                   f"({'within' if abs(ratio - 1) <= 0.05 else 'OUTSIDE'} 5%)")
+    print("hf_zero imported from: " + ", ".join(f"{r} {v[0][0].get('hf_zero')}" for r, v in runs.items()))
     print("first-step loss (same model and data): " + ", ".join(f"{r} {v[0][0]['first_loss']:.4f}"
                                                                for r, v in runs.items()))
+    for r in ("tp2", "tp2_base", "tp2_sp"):  # the issue-27 figure; per round: both launched in the same round
+        if r in runs and "ds_tp2" in runs:
+            pairs = [max(a[k]["step_s"] for k in range(2)) / max(b[k]["step_s"] for k in range(2))
+                     for a, b in zip(runs[r], runs["ds_tp2"])]
+            print(f"{r} / ds_tp2 step: {max(step[r]) / max(step['ds_tp2']):.2f} (per round "
+                  + ", ".join(f"{x:.2f}" for x in pairs) + "); peak RSS "
+                  + f"{max(med(x[k]['peak_rss'] for x in runs[r]) for k in range(2)) / mib:.0f} vs "
+                  + f"{max(med(x[k]['peak_rss'] for x in runs['ds_tp2']) for k in range(2)) / mib:.0f} MiB")
 
 
 if __name__ == "__main__":

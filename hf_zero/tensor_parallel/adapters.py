@@ -4,12 +4,12 @@ PEFT's LoRA layer computes ``base_layer(x) + lora_B(lora_A(dropout(x))) * scalin
 the adapter pair must produce the same layout as the base layer's output from the same (local) input:
 
   column parallel base (x whole on every rank, output = this rank's columns):
-      lora_A replicated (r x in, small), lora_B split along its output like the base weight (ColwiseParallel).
-      lora_B's input conversion all-reduces the gradient flowing back into ``lora_A(x)``, so lora_A's gradient is
-      the full one on every TP rank (a replicated parameter, counted once by the gradient norm).
+      lora_A replicated (r x in, small), lora_B split along its output like the base weight (layers.py's
+      LocalColwise). lora_B's input copy all-reduces the gradient flowing back into ``lora_A(x)``, so lora_A's
+      gradient is the full one on every TP rank (a replicated parameter, counted once by the gradient norm).
   row parallel base (x = this rank's slice of the features, output summed over the TP ranks):
       lora_A split along its input like the base weight, its partial products summed over the TP group
-      (RowwiseParallel: an all-reduce of an r-wide activation), lora_B replicated. With sequence parallelism the
+      (LocalRowwise: an all-reduce of an r-wide activation), lora_B replicated. With sequence parallelism the
       base output is reduce-scattered to sequence shards, so lora_A's partial products are too (r-wide) and lora_B
       runs on this rank's tokens (SequenceParallel: whole weight, gradient summed over the TP group).
   fused [q | k | v] column parallel base (GPT-2's c_attn): lora_B's rows are permuted into the base weight's
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
+from hf_zero.tensor_parallel.layers import LocalColwise, LocalRowwise
 from hf_zero.tensor_parallel.styles import fused_to_rank_major
 
 __all__ = ["is_lora_layer", "parallelize_lora_layer", "peft_base_model"]
@@ -68,18 +68,18 @@ def parallelize_lora_layer(name: str, module: nn.Module, style: str, mesh: Devic
     for adapter in module.lora_A:
         lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
         if style == "colwise":
-            parallelize_module(lora_b, mesh, ColwiseParallel())
+            parallelize_module(lora_b, mesh, LocalColwise())
         elif style == "rowwise" and sequence_parallel:
-            parallelize_module(lora_a, mesh, RowwiseParallel(output_layouts=Shard(1)))
+            parallelize_module(lora_a, mesh, LocalRowwise(sequence_parallel=True))
             parallelize_module(lora_b, mesh, SequenceParallel(use_local_output=True))
         elif style == "rowwise":
-            parallelize_module(lora_a, mesh, RowwiseParallel())
+            parallelize_module(lora_a, mesh, LocalRowwise())
         elif style == "fused_qkv_colwise":
             tp = mesh.size()
             for pname, param in lora_b.named_parameters(recurse=False):
                 param.data = fused_to_rank_major(param.data, 3, tp, 0)  # (out, r) / (out,): rows in base order
                 fused[f"{name}.lora_B.{adapter}.{pname}"] = (3, 0)
-            parallelize_module(lora_b, mesh, ColwiseParallel())
+            parallelize_module(lora_b, mesh, LocalColwise())
         else:
             raise ValueError(f"hf_zero: module {name!r} carries LoRA adapters on a {style!r} tensor-parallel layer; "
                              "adapters are supported on colwise, rowwise and fused_qkv_colwise layers")

@@ -4,8 +4,8 @@ The parameters are DTensors exactly as torch's ``ColwiseParallel`` / ``RowwisePa
 ``full_state_dict``, checkpoints, ZeRO and the gradient norm read them as before), but the forward runs plain
 ``F.linear`` / ``F.embedding`` on ``param.to_local()`` with the collectives of regions.py, instead of DTensor
 operations: a DTensor op pays a sharding propagation and a Python dispatch per call, forward and backward, which
-on a CPU step of a small model costs more than the matmuls (issue #27's profile). ``to_local()`` hands each
-parameter's gradient back as a DTensor with the parameter's placement, so ``param.grad`` is what it was.
+on a CPU step of a small model costs more than the matmuls (issue #27's profile). Each parameter's gradient goes
+back as a DTensor with the parameter's placement (``_LocalOf``), so ``param.grad`` is what it was.
 
     colwise      weight (out/tp, in)  Shard(0)   x whole  ── copy_to_tp ──> x @ W_r^T + b_r     (this rank's columns)
     rowwise      weight (out, in/tp)  Shard(1)   x_r      ── x_r @ W_r^T ── reduce_from_tp ──> + b  (whole)
@@ -20,12 +20,14 @@ Each layer's ``forward`` is replaced on the instance (the module keeps its class
 
 from __future__ import annotations
 
+import copy
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hf_zero.tensor_parallel.regions import SharedCopy, copy_to_tp, reduce_from_tp
@@ -45,10 +47,34 @@ class _TPLayer:
         self.sequence_parallel = sequence_parallel
 
 
+class _LocalOf(torch.autograd.Function):
+    """``param.to_local()`` whose backward wraps the local gradient in the parameter's own spec (or ``grad_spec``)
+    directly: ``to_local``'s backward goes through ``DTensor.from_local`` and a spec rebuild on every call (its
+    placements check compares a list with a tuple), a millisecond per parameter per step under load."""
+
+    @staticmethod
+    def forward(ctx, param, grad_spec):
+        ctx.grad_spec = grad_spec if grad_spec is not None else param._spec
+        local = param._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # a copy of the spec: sharding propagation may cache or modify the one it is given
+        return DTensor(grad.contiguous(), copy.copy(ctx.grad_spec), requires_grad=False), None
+
+
 def _local(p: torch.Tensor | None, grad_placements=None) -> torch.Tensor | None:
-    if p is None:
-        return None
-    return p.to_local(grad_placements=grad_placements) if isinstance(p, DTensor) else p
+    """This rank's shard of parameter ``p`` (a DTensor) for the local compute, its gradient going back as a DTensor
+    laid out like ``p`` (``grad_placements``: a Partial gradient, summed where the engine reads it)."""
+    if not isinstance(p, DTensor):
+        return p
+    if not (torch.is_grad_enabled() and p.requires_grad):
+        return p._local_tensor
+    spec = None
+    if grad_placements is not None:
+        spec = DTensorSpec(p.device_mesh, tuple(grad_placements), tensor_meta=p._spec.tensor_meta)
+    return _LocalOf.apply(p, spec)
 
 
 class _LocalStyle(ParallelStyle):
