@@ -68,7 +68,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     # the run's one device mesh, and every group hf_zero uses from it (runtime/parallelize.py); then the techniques
     # in their fixed order: tensor parallelism first -- it replaces the model's parameters
     layout = resolve_layout(model, tp_cfg, mpu_groups)
-    tp = parallelize(model, layout, tp_cfg)
+    tp = parallelize(model, layout, tp_cfg, raw.get("pipeline"))
     if model_parameters is not None:
         # Read once, here (it is used twice below): after tensor parallelism, so that `model.parameters()` -- a
         # generator, DeepSpeed's idiom -- yields the sharded parameters that replaced the model's, as DeepSpeed

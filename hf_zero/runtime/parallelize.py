@@ -15,13 +15,15 @@ layout (a pipeline layout runs the pipeline engine), never from attributes of th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hf_zero.config.errors import ConfigError
 from hf_zero.parallel import ParallelDims, mesh_from_groups
+from hf_zero.pipeline.config import parse_pipeline_config
 from hf_zero.runtime.mpu import MpuGroups, check_mpu_tensor_parallel
 from hf_zero.runtime.tp_setup import TPLayout, setup_tensor_parallel
 from hf_zero.tensor_parallel import tp_info
@@ -107,7 +109,8 @@ def _sharded_model_layout(info, mpu: MpuGroups | None) -> RunLayout:
     return RunLayout(ParallelDims.of(mesh), mesh, "model")
 
 
-def parallelize(model: nn.Module, layout: RunLayout, tp_cfg: TPConfig) -> TPLayout | None:
+def parallelize(model: nn.Module, layout: RunLayout, tp_cfg: TPConfig,
+                pipeline_section: Mapping[str, Any] | None = None) -> TPLayout | None:
     """Apply the parallel techniques to ``model`` on ``layout.mesh``, always in this order:
 
     1. Tensor parallelism (``mesh["tp"]``): split parameters become DTensors. First, because everything after
@@ -115,16 +118,25 @@ def parallelize(model: nn.Module, layout: RunLayout, tp_cfg: TPConfig) -> TPLayo
        data-parallel replicas (the ranks of one TP group are one replica).
     2. The pipeline cut (``mesh["pp"]``): a pipeline model was cut into stages when it was built (its layers per
        stage are fixed before any weights exist); step 1 then shards each stage's modules (3D).
-    3. Activation checkpointing: the pipeline section's ``activation_checkpoint_interval`` is set on the stages by
-       the pipeline engine before step 4 (it recomputes whole stage layers, whatever their sharding); other
-       models checkpoint through their own ``gradient_checkpointing_enable()``.
+    3. Activation checkpointing: the config's ``pipeline.activation_checkpoint_interval`` (``pipeline_section``)
+       is set on a PipelineModule's stages, which recompute whole layers whatever step 1 did to them; other models
+       checkpoint through their own ``gradient_checkpointing_enable()`` (the ``activation_checkpointing`` section
+       is DeepSpeed's API for Megatron models: config/status.py).
     4. Data parallelism and ZeRO (``mesh["dp"]``): the engine (:func:`make_engine`) shards optimizer state,
        gradients and, at stage 3, parameters over the data-parallel group -- last, over what steps 1-3 left.
 
     Returns the tensor-parallel layout, or None without tensor parallelism.
     """
-    return setup_tensor_parallel(model, tp_cfg, world_size=dist.get_world_size(), pipeline_grid=layout.pipeline,
-                                 mesh=None if layout.pipeline is not None else TPMesh(layout.mesh))
+    tp = setup_tensor_parallel(model, tp_cfg, world_size=dist.get_world_size(), pipeline_grid=layout.pipeline,
+                               mesh=None if layout.pipeline is not None else TPMesh(layout.mesh))  # steps 1, 2
+    if layout.pipeline is not None:  # step 3
+        pcfg = parse_pipeline_config(pipeline_section, model_parallel_size=layout.dims.tp)
+        if pcfg.activation_checkpoint_interval is not None:
+            if not hasattr(model, "activation_checkpoint_interval"):
+                raise ConfigError("pipeline.activation_checkpoint_interval", "this model type has no layer list to "
+                                                                             "checkpoint")
+            model.activation_checkpoint_interval = pcfg.activation_checkpoint_interval
+    return tp  # step 4 is the engine's (make_engine)
 
 
 def make_engine(model: nn.Module, layout: RunLayout, tp: TPLayout | None, cfg, plan, lr_scheduler):

@@ -117,11 +117,7 @@ class PipelineEngine(HfZeroEngine):
             raise ConfigError("pipeline.virtual_stages", f"is {pcfg.virtual_stages} but the model was built with "
                                                          f"{module.virtual_stages} chunks per rank; pass "
                                                          f"virtual_stages={pcfg.virtual_stages} to the model")
-        if pcfg.activation_checkpoint_interval is not None:
-            if not hasattr(module, "activation_checkpoint_interval"):
-                raise ConfigError("pipeline.activation_checkpoint_interval", "this model type has no layer list to "
-                                                                             "checkpoint")
-            module.activation_checkpoint_interval = pcfg.activation_checkpoint_interval
+        # pipeline.activation_checkpoint_interval is applied before the engine: runtime/parallelize.py, step 3
 
     # ---- DeepSpeed's pipeline-engine API ------------------------------------------------------------------------
     def is_first_stage(self) -> bool:
