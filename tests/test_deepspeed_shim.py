@@ -120,7 +120,7 @@ except AttributeError as e:
 # Names whose hf_zero targets other engineers are writing: each must be the target itself, or fail naming it.
 pending = {}
 for shim_mod, name, target_mod, target_name in [
-    ("deepspeed", "initialize", "hf_zero", "initialize"),
+    ("deepspeed", "initialize", "hf_zero.integrations.compat", "initialize"),  # wraps hf_zero.initialize
     ("deepspeed", "DeepSpeedEngine", "hf_zero.runtime.engine", "HfZeroEngine"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "hf_zero.runtime.engine", "HfZeroEngine"),
     ("deepspeed.zero", "Init", "hf_zero.zero", "Init"),

@@ -73,3 +73,41 @@ def test_single_partition_of_fp32_groups_are_the_fp32_masters():
         assert set(dtypes) == {torch.float32}, (stage, offload)
         assert numel == 19 and param_dtypes == {torch.bfloat16}, (stage, offload, numel, param_dtypes)
         assert published, (stage, offload)
+
+
+def test_initialize_logs_deepspeed_info_line_on_deepspeed_logger():
+    """transformers' DeepSpeed Trainer tests (``test_basic_training`` and 8 more) capture ``deepspeed.utils.logger``
+    around ``trainer.train()`` and assert "DeepSpeed info" is in it: the sign that the DeepSpeed engine was built.
+    DeepSpeed 0.19.8 logs ``DeepSpeed info: version=0.19.8, git-hash=unknown, git-branch=unknown`` once per engine
+    on rank 0. The shim's ``deepspeed.initialize`` logs the same prefix with its own version and says which engine
+    answered; ``hf_zero.initialize`` called directly does not."""
+    import io
+    import logging
+
+    import deepspeed
+    import deepspeed.utils
+
+    import hf_zero
+
+    def captured(init) -> str:
+        stream = io.StringIO()
+        handler = logging.StreamHandler(stream)
+        log = deepspeed.utils.logger
+        old_level = log.level
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        try:
+            model = torch.nn.Linear(4, 2)
+            init(model=model, model_parameters=model.parameters(),
+                 config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        finally:
+            log.removeHandler(handler)
+            log.setLevel(old_level)
+        return stream.getvalue()
+
+    shim_log = captured(deepspeed.initialize)
+    lines = [line for line in shim_log.splitlines() if line.startswith("DeepSpeed info: version=")]
+    assert len(lines) == 1, shim_log
+    assert deepspeed.__version__ in lines[0] and "hf_zero" in lines[0]
+    assert "DeepSpeed info" not in captured(hf_zero.initialize)
+    assert deepspeed.initialize.__wrapped__ is hf_zero.initialize

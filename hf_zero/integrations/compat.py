@@ -1,16 +1,18 @@
 """Module-level names DeepSpeed exposes that hf_zero keeps under the same meaning for DeepSpeed-style code.
 
 ``deepspeed.utils.logger``, ``deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME`` and
-``deepspeed.ops.__compatible_ops__`` forward here.
+``deepspeed.ops.__compatible_ops__`` forward here, and ``deepspeed.initialize``: hf_zero's, announcing itself on
+DeepSpeed's logger as DeepSpeed does.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from hf_zero.launcher.envfile import DEEPSPEED_ENVIRONMENT_NAME
 
-__all__ = ["logger", "DEEPSPEED_ENVIRONMENT_NAME", "compatible_ops"]
+__all__ = ["logger", "DEEPSPEED_ENVIRONMENT_NAME", "compatible_ops", "initialize"]
 
 # hf_zero's one logger. transformers sets its level from TrainingArguments.log_level through
 # ``deepspeed.utils.logger.setLevel``, which is what it does to DeepSpeed's logger.
@@ -29,3 +31,27 @@ compatible_ops: dict[str, bool] = {
     "cpu_lion": True,
     "fused_adam": True,
 }
+
+
+def _initialize():
+    from hf_zero import initialize as hf_zero_initialize
+
+    @functools.wraps(hf_zero_initialize)
+    def initialize(*args, **kwargs):
+        result = hf_zero_initialize(*args, **kwargs)
+        # DeepSpeed logs "DeepSpeed info: version=..." on rank 0 when an engine is built; tools and test suites
+        # (transformers' DeepSpeed Trainer tests) read it off ``deepspeed.utils.logger`` as the sign that the
+        # engine is in use. Say the same, and say which engine answered.
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            from hf_zero.integrations.deepspeed_shim._finder import shim_version
+
+            logger.info("DeepSpeed info: version=%s (hf_zero answering `import deepspeed`; DeepSpeed itself is not "
+                        "installed)", shim_version())
+        return result
+
+    return initialize
+
+
+initialize = _initialize()

@@ -9,7 +9,7 @@ from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 __version__ = _shim_version()
 
 _forward(__name__, {
-    "initialize": "hf_zero:initialize",
+    "initialize": "hf_zero.integrations.compat:initialize",  # hf_zero's, logging DeepSpeed's info line
     "add_config_arguments": "hf_zero.runtime.arguments:add_config_arguments",
     "init_distributed": "hf_zero.comm:init_distributed",
     "DeepSpeedEngine": "hf_zero.runtime.engine:HfZeroEngine",
