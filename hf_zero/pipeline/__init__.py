@@ -8,8 +8,8 @@
 
 Names are imported on first use (``import hf_zero`` stays cheap).
 
-Owns the split of a model into stages, the schedules and the pipeline's tied weights. May import zero, offload,
-profiling, comm, ops and config; never runtime, integrations, or its peers compression and tensor_parallel (the
+Owns the split of a model into stages, the schedules and the pipeline's tied weights; its grid lays a topology out
+on the run's mesh (hf_zero.parallel). May import zero, offload, profiling, parallel, comm, ops and config; never runtime, integrations, or its peers compression and tensor_parallel (the
 layer table is ``LAYERS`` in ``tests/test_layering.py``).
 """
 
