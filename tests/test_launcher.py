@@ -33,7 +33,7 @@ from hf_zero.testing import free_port
 STEPS = 3
 LR = 0.05
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
-          "zero_optimization": {"stage": 2},
+          "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
           "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0}}}
 
 TRAIN = textwrap.dedent("""

@@ -136,7 +136,7 @@ def _ranks(stages):
         model = Net()
         groups = split({"params": list(model.parameters()), "name": "params"})
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config={
-            "train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage},
+            "train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
             "optimizer": {"type": "Adam", "params": {"lr": LR}}, "steps_per_print": 1000})
         losses = []
         for s in range(STEPS):

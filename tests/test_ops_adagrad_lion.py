@@ -140,7 +140,8 @@ def _train(cls_name: str, stage: int):
     opt = (DeepSpeedCPUAdagrad(model.parameters(), lr=0.05) if cls_name == "adagrad"
            else DeepSpeedCPULion(model.parameters(), lr=0.01, weight_decay=0.1))
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config={
-        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}, "steps_per_print": 1000})
+        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+        "steps_per_print": 1000})
     rank = torch.distributed.get_rank()
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
