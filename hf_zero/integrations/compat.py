@@ -34,7 +34,7 @@ compatible_ops: dict[str, bool] = {
 
 
 def _initialize():
-    from hf_zero import initialize as hf_zero_initialize
+    from hf_zero.runtime.initialize import initialize as hf_zero_initialize
 
     @functools.wraps(hf_zero_initialize)
     def initialize(*args, **kwargs):
@@ -45,7 +45,7 @@ def _initialize():
         import torch.distributed as dist
 
         if not dist.is_initialized() or dist.get_rank() == 0:
-            from hf_zero.integrations.deepspeed_shim._finder import shim_version
+            from hf_zero.integrations.deepspeed_shim import shim_version
 
             logger.info("DeepSpeed info: version=%s (hf_zero answering `import deepspeed`; DeepSpeed itself is not "
                         "installed)", shim_version())
