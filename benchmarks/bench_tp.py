@@ -15,7 +15,9 @@ Runners (all hf_zero.initialize, fp32, AdamW, the same Llama built from config, 
 
 Each round launches every runner once (torchrun, 2 ranks), the order rotated from round to round so that load
 drifts on the shared machine fall on all runners alike; each launch times ``--steps`` steps after 2 warm-up steps.
-Reported per runner and rank: step time (median over rounds of each launch's median), peak RSS (the process's
+Reported per runner and rank: step time (median over rounds of each launch's median; for the TP ratios also the
+process CPU time per step, which a loaded machine inflates less than wall time: a rank that waits for a
+descheduled peer spends wall time, not CPU time), peak RSS (the process's
 high-water mark) and its growth over the RSS after the imports, and parameter bytes. For the TP runners the
 parameter bytes are compared with 1/TP of the parameters their tensor-parallel layers split (hf_zero: the DTensor
 shards of its plan; DeepSpeed: the parameters of the modules AutoTP replaced) plus the whole of the others, which
@@ -75,18 +77,19 @@ def _worker(runner: str, size: str, steps: int, out: str) -> None:
     dp = 1 if tp else 2
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, SIZES[size]["vocab_size"], (steps + 2, dp, MICRO, SEQ), generator=g)
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for s in range(steps + 2):  # two warm-up steps
         ids = data[s, 0 if tp else rank]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         if s >= 2:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         losses.append(float(loss))
     param_bytes, expected, split = _param_bytes(runner, engine.module, full)
-    result = {"step_s": statistics.median(times), "hf_zero": sys.modules["hf_zero"].__file__ if "hf_zero" in
+    result = {"step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "hf_zero": sys.modules["hf_zero"].__file__ if "hf_zero" in
               sys.modules else None, "peak_rss": _rss_bytes(), "rss_growth": _rss_bytes() - base_rss,
               "param_bytes": param_bytes, "expected_param_bytes": expected, "split_params": split,
               "first_loss": losses[0]}
@@ -220,8 +223,10 @@ def _report(runs: dict[str, list[list[dict]]], args) -> None:
         if r in runs and "ds_tp2" in runs:
             pairs = [max(a[k]["step_s"] for k in range(2)) / max(b[k]["step_s"] for k in range(2))
                      for a, b in zip(runs[r], runs["ds_tp2"])]
+            cpu = {q: max(med(x[k]["cpu_s"] for x in runs[q]) for k in range(2)) for q in (r, "ds_tp2")}
             print(f"{r} / ds_tp2 step: {max(step[r]) / max(step['ds_tp2']):.2f} (per round "
-                  + ", ".join(f"{x:.2f}" for x in pairs) + "); peak RSS "
+                  + ", ".join(f"{x:.2f}" for x in pairs) + f"); CPU time per step {cpu[r] / cpu['ds_tp2']:.2f} "
+                  + f"({cpu[r]:.3f} / {cpu['ds_tp2']:.3f} s); peak RSS "
                   + f"{max(med(x[k]['peak_rss'] for x in runs[r]) for k in range(2)) / mib:.0f} vs "
                   + f"{max(med(x[k]['peak_rss'] for x in runs['ds_tp2']) for k in range(2)) / mib:.0f} MiB")
 
