@@ -4,12 +4,12 @@ DeepSpeed changed ``GRADIENT_CLIPPING_DEFAULT`` from 0 (off) to 1.0 in v0.19.3 (
 written without the key therefore trains clipped there, and must train the same here.
 
 The case: ``Linear(4, 2)`` seeded 0, the batch ``arange(8).reshape(2, 4)``, loss ``(out * 100).sum()`` (gradient
-norm 2097.6), SGD lr 0.1, one step, micro batch 2, 1 process. DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``, gloo)
-gives, with the key absent, at ZeRO stages 0, 1, 2 and 3 in fp32 exactly :data:`CLIPPED` (the torch reference with
-``clip_grad_norm_(1.0)``), and the unclipped update (weight[0] -40.0037, -59.7318, ...) with
-``"gradient_clipping": 0.0``; in bf16 it gives the same to bf16 rounding (weight[0][0] -0.0228271484375 clipped,
--40.0 unclipped). Its get_global_grad_norm() is 2097.6177 (None at stage 0 in fp32). DeepSpeed clips on every path: stage 0
-fp32 in the engine (``clip_fp32_gradients``), bf16 and ZeRO 1-3 in their optimizer wrappers (``clip_grad``).
+norm 2097.6), SGD lr 0.1, one step, micro batch 2, 1 process. DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``) gives, with
+the key absent, at ZeRO stages 0, 1, 2 and 3 in fp32 exactly :data:`CLIPPED` (the torch reference with
+``clip_grad_norm_(1.0)``), and exactly :data:`UNCLIPPED` (weight[0] -40.0037, -59.7318, ...) with
+``"gradient_clipping": 0.0``; in bf16 the same to bf16 rounding (weight[0][0] -0.0228271484375 clipped, -40.0
+unclipped). Its ``get_global_grad_norm()`` is 2097.6177 (None at stage 0 in fp32). DeepSpeed clips on every path:
+stage 0 fp32 in the engine (``clip_fp32_gradients``), bf16 and ZeRO 1-3 in their optimizer wrappers (``clip_grad``).
 """
 
 import logging
