@@ -69,7 +69,7 @@ def _sp_train(stage: int, mpu) -> dict:
     model = make_model()
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
               "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": stage},
-              "gradient_clipping": 0.0}  # DeepSpeed 0.19.8 clips at 1.0 by default, hf_zero does not
+              "gradient_clipping": 0.0}  # absent, both DeepSpeed 0.19.8 and hf_zero clip at 1.0
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config, mpu=mpu)
     rank = dist.get_rank()
