@@ -13,7 +13,7 @@ DeepSpeed 0.19.8 running the same script on the CPU (``HF_ZERO_DISABLE_DEEPSPEED
 - ZeRO 2: losses 4.568717, 4.512176, 4.580519, 4.734810; norms 3.544100, 3.783090, 7.433500, 3.056403: the
   gradient is twice the reference's (its stage 2 divides the sum over the SP x DP group by the DP size only, and
   every SP rank backpropagates the same aggregated loss); the losses are exactly the reference's with lr doubled.
-- Without ``gradient_clipping`` in the config DeepSpeed 0.19.8 clips at 1.0 (its default; hf_zero's is off), which
+- Without ``gradient_clipping`` in the config DeepSpeed 0.19.8 clips at 1.0 (its default, and hf_zero's), which
   hides the factor above; the script sets 0.0 for both.
 hf_zero gives the reference at both stages (the engine averages over every rank, which divides out the SP ranks'
 identical seeds: hf_zero/sequence_parallel/loss.py).
