@@ -3,7 +3,9 @@
 Order of work (the model's code is never edited; only its parameters, hooks and a few size attributes change):
   1. resolve the plan (plans.py) and check the sizes it splits (attention heads, key/value heads, vocabulary);
   2. ``parallelize_module`` every planned module with its style: parameters become DTensors sharded over the TP
-     mesh, inputs / outputs are converted at the module boundary by the style's hooks;
+     mesh; ``nn.Linear`` / ``nn.Embedding`` then compute on their local shards with explicit collectives
+     (layers.py), the other styles (GPT-2's ``Conv1D``, sequence parallelism's norms) convert inputs / outputs to
+     DTensors at the module boundary;
   3. re-tie an LM head that shared its weight with the input embedding (both are sharded on the vocabulary);
   4. set the per-rank sizes modules read from attributes (GPT-2's ``split_size``), and install the
      vocabulary-parallel loss as ``model.loss_function`` when the head is vocabulary parallel.
