@@ -29,6 +29,9 @@ def _exchange(sub: bool):
         members = [1, 3]
         group = dist.new_group(members)
         if rank not in members:
+            # Stay until the members are done: rank 0 hosts the store their fault channel connects to on first
+            # use, and a host that already exited leaves them retrying that connection for comms_timeout_s.
+            dist.barrier()
             return None
     r, w = members.index(rank), len(members)
     ring = shm_ring.ring_for(group)
@@ -66,6 +69,8 @@ def _exchange(sub: bool):
             for kind, buf, *_ in reversed(in_flight):
                 give_packed(buf, group)
             in_flight = []
+    if sub:
+        dist.barrier()  # the world's, with the ranks outside the subgroup (above)
     return {"bad": bad, "taken": ring.taken if ring else 0, "refused": ring.refused if ring else 0,
             "ring": ring is not None, "size": ring.size if ring else 0}
 
