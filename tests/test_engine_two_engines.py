@@ -6,6 +6,15 @@ it passed in, not the engines -- then ``engineD.backward(errD)``; the generator'
 pass. DeepSpeed 0.19.8 trains it at stages 0-2 (2 CPU ranks); hf_zero refused it before ("a backward pass the
 engine did not see"). Here: 2 ranks at stages 0 and 2 against one process running the same loop with torch's AdamW
 on the whole batch.
+
+DeepSpeed 0.19.8's run of this test's worker (``scripts/ds_same_test.py tests/test_engine_two_engines.py _engines
+[stage]``, 2 CPU ranks, gloo): stages 0 and 1 train it, losses (D, G) 1.413538/0.772967, 1.600744/0.751046,
+1.483653/0.740341, 1.393251/0.728974 -- the reference's within 2.4e-7, parameters within 1.8e-7. Stage 2 fails at
+D's second backward: "AssertionError: The parameter 2.bias has already been reduced. Gradient computed twice for this
+partition" -- G's backward through netD fired D's stage-2 reduce hooks, marking D's last layer reduced, and D's own
+backward then reduces it again. hf_zero's stage 2 trains it and matches the reference (the test below): the gradient
+G's backward leaves in netD's ``.grad`` is cleared by ``netD.zero_grad()`` before D's pass, so D's reduced gradient
+is exactly torch's. DeepSpeedExamples' DCGAN config runs ZeRO stage 0, where both agree.
 """
 
 from __future__ import annotations
