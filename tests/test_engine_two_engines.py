@@ -3,7 +3,7 @@
 Generator and discriminator are each ``initialize``d; the loop calls ``netD(real)`` / ``netG(noise)`` -- the modules
 it passed in, not the engines -- then ``engineD.backward(errD)``; the generator's loss back-propagates through
 ``netD`` into the discriminator's parameters too, which the script clears with ``netD.zero_grad()`` before D's next
-pass. DeepSpeed 0.19.8 trains it at stages 0-2 (2 CPU ranks); hf_zero refused it before ("a backward pass the
+pass. DeepSpeed 0.19.8 trains it (2 CPU ranks; see below for stage 2); hf_zero refused it before ("a backward pass the
 engine did not see"). Here: 2 ranks at stages 0 and 2 against one process running the same loop with torch's AdamW
 on the whole batch.
 
@@ -14,7 +14,7 @@ D's second backward: "AssertionError: The parameter 2.bias has already been redu
 partition" -- G's backward through netD fired D's stage-2 reduce hooks, marking D's last layer reduced, and D's own
 backward then reduces it again. hf_zero's stage 2 trains it and matches the reference (the test below): the gradient
 G's backward leaves in netD's ``.grad`` is cleared by ``netD.zero_grad()`` before D's pass, so D's reduced gradient
-is exactly torch's. DeepSpeedExamples' DCGAN config runs ZeRO stage 0, where both agree.
+is exactly torch's. (The issue's "DeepSpeed trains it at stages 0-2" holds for this test at 0 and 1 only.)
 """
 
 from __future__ import annotations
