@@ -44,10 +44,10 @@ def main() -> None:
     assert "site-packages" in deepspeed.__file__, deepspeed.__file__
     hf_zero.initialize = deepspeed.initialize
     sys.modules["hf_zero.pipe"] = deepspeed.pipe
-    dist.init_process_group("gloo")
+    deepspeed.init_distributed("gloo")  # DeepSpeed's comm backend too (PipelineModule reads it)
     torch.set_num_threads(1)
-    tests_dir = os.path.dirname(os.path.abspath(test_file))
-    sys.path.insert(0, tests_dir)  # the tests' own helper modules (_parity, _tp_spawns)
+    # the tests' own helper modules (_parity, _pipe_util) and test modules a DeepSpeed-side worker reuses
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     spec = importlib.util.spec_from_file_location("ds_same_test_module", test_file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -267,6 +267,14 @@ def _tag_validation(save_dir):
 
 
 def test_tag_validation_fail_refuses_warn_and_ignore_save_under_rank_0s_tag(tmp_path):
+    """checkpoint.tag_validation (#26 item 7) with rank r saving tag f"t{r}", 2 CPU ranks.
+
+    DeepSpeed 0.19.8's run of the same worker (scripts/ds_pattern_workers.py::tag_validation): Fail raises
+    AssertionError "[rank=0] The checkpoint tag name 't0' is not consistent across all ranks ..." before writing
+    anything (listing empty, as here: hf_zero raises ValueError naming both ranks' tags); Warn logs that message and
+    Ignore says nothing, and both save each rank under its own tag -- directories t0 and t1, ``latest`` = t0 -- so the
+    checkpoint ``latest`` names lacks rank 1's shard. hf_zero's Warn/Ignore save every rank under rank 0's tag
+    (one loadable t0): the same warning, a checkpoint that loads."""
     for rank, out in enumerate(run_distributed(_tag_validation, 2, args=(str(tmp_path),))):
         error, listing, latest, warned = out["fail"]
         assert "ranks passed different tags (rank 0: 't0'; rank 1: 't1')" in error, error

@@ -5,6 +5,14 @@ back exactly; one of them alone is refused naming the missing shards.
 
 DeepSpeed 0.19.8 on the same pattern (DeepSpeedExamples' script on 2 CPU ranks): every rank writes its
 ``zero_pp_rank_R`` files into its own directory, rank 0 also the model states; the run completes.
+DeepSpeed's run of this test (scripts/ds_pattern_workers.py::per_rank_dirs, same model, config and steps, 2 CPU
+ranks): run-0/t holds mp_rank_00_model_states.pt and zero_pp_rank_0's optimizer states, run-0 also ``latest`` and the
+zero_to_fp32.py script; run-1/t holds only zero_pp_rank_1's optimizer states and run-1 no ``latest``. Loading back:
+rank 0 restores its directory exactly (2 steps), rank 1 loads nothing ("Unable to find latest file at .../run-1/latest",
+load_checkpoint returns None, global_steps 0); loading run-0 on rank 1 raises FileNotFoundError for
+zero_pp_rank_1_mp_rank_00_optim_states.pt. hf_zero writes the same per-rank files and also finalizes each directory
+(meta.json, latest), so both ranks load their own back exactly and the rank-0-only load is refused by name: the save
+is DeepSpeed's, the load is what a user of these directories needs.
 """
 
 from __future__ import annotations

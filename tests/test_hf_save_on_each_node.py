@@ -1,7 +1,9 @@
 """``TrainingArguments(save_on_each_node=True)`` reaches the engine as ``checkpoint.use_node_local_storage`` (#26
 item 7): transformers' DeepSpeed integration writes the key into the config it hands to ``deepspeed.initialize``,
 which hf_zero answers, so every node then keeps its own complete checkpoint copy (tests/test_checkpoint_node_local.py
-covers what the key does). DeepSpeed 0.19.8 reads the same key from the same config."""
+covers what the key does). DeepSpeed 0.19.8 reads the same key from the same config: its run of ``_both`` (1 CPU
+rank, transformers' Trainer building the real DeepSpeed engine, scripts/ds_same_test.py) gives ``[True, False]``, the
+value asserted here."""
 
 from __future__ import annotations
 

@@ -167,6 +167,12 @@ def test_matches_deepspeed_sequence(case):
 
 
 def test_warmup_formulas_at_chosen_steps():
+    """The warmup formulas, and warmup_num_steps 0 (#26 item 9).
+
+    DeepSpeed 0.19.8 on the same warmup_num_steps=0 calls (WarmupLR, WarmupDecayLR from deepspeed.runtime.
+    lr_schedules, run directly): ValueError "warmup_num_steps must be a positive integer, got 0" -- its constructor
+    refuses 0 before its max(2, n). hf_zero accepts 0 and runs max(2, 0) = 2 warm-up steps (the schedule DeepSpeed gives
+    n=1 and n=2): more permissive than DeepSpeed, never a different schedule for a value DeepSpeed accepts."""
     # WarmupLR log: lr = min + (max - min) * log(step + 1) / log(warmup_num_steps)
     sched = L.WarmupLR(_optimizer(), warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=100)
     sched.step(49)

@@ -7,6 +7,15 @@ leaf Variable that requires grad is being used in an in-place operation". DeepSp
 leaf's ``.grad`` back, the gradient passing through the clone. hf_zero does the same (PipelineModule.run_chunk);
 here 2 stages on 2 CPU ranks match one process training the same layers, loss by loss and parameter by parameter
 (stage 0's parameters are right only if the gradient sent back through the in-place ReLU is).
+
+DeepSpeed 0.19.8's run of this test (``scripts/ds_pattern_workers.py::pipeline_inplace``: the same layers, seeds,
+data and config on its PipelineEngine, 2 CPU ranks, gloo): it trains, cut [0, 3, 6], losses 0.945940, 1.134867,
+1.045106, eval 0.916075 -- and bit-identical numbers with an out-of-place ReLU, so the in-place layer changes nothing
+there either. They are not the reference's (0.945940, 1.148873, 1.041914) because of gradient_clipping (0.04), not
+the ReLU: with clipping off DeepSpeed's losses equal the unclipped one-process run (1.0722589 vs 1.0722588,
+1.0849319); its clipped step is neither the whole model's clip_grad_norm_ (the reference, and hf_zero) nor a
+per-stage one (1.147035). hf_zero's numbers are torch's clip_grad_norm_ over every parameter, which is what
+gradient_clipping means; the DeepSpeed pipeline clip difference is outside this pattern and left open.
 """
 
 from __future__ import annotations

@@ -179,7 +179,13 @@ def _parameter_counting():
 
 def test_parameter_counting_builds_specs_on_the_cpu_without_moving_the_rng():
     """partition_method="parameters" counts by building each LayerSpec on the CPU (DeepSpeed's way): a constructor
-    that caches a weight keeps a real tensor for the real build (on the meta device it kept a meta one)."""
+    that caches a weight keeps a real tensor for the real build (on the meta device it kept a meta one).
+
+    DeepSpeed 0.19.8's run of the same worker (scripts/ds_pattern_workers.py::layerspec_counting, 2 CPU ranks; its
+    forward_funcs holds only the stage's own layers): the cached layer's weight is on cpu, all 0.5, parts [0, 2, 4]
+    -- as here. One difference, kept on purpose: DeepSpeed's counting build draws from the global RNG, so the same
+    seed gives different weights under partition_method="parameters" than under "uniform" (its ``same`` is False);
+    hf_zero restores the RNG state after counting, so the weights do not depend on how the layers were cut."""
     for out in run_distributed(_parameter_counting, 2, timeout_s=120):
         assert out["device"] == "cpu" and out["value"] == [[0.5] * 4] * 4
         assert out["parts"] == [0, 2, 4] and out["same"]

@@ -5,10 +5,14 @@ group -- into exactly the engine's full parameters (fp32 masters: bitwise), buff
 The model has what a consolidator can get wrong: uneven shards (every size prime-ish), a frozen layer, a tied weight
 (two names, one tensor), BatchNorm buffers (floating statistics and an int64 counter).
 
-DeepSpeed's behaviour for the same calls, from its source (deepspeed/utils/zero_to_fp32.py at DeepSpeed master,
-August 2026; not run here, no DeepSpeed install): it reads its own layout (``mp_rank_00_model_states.pt``,
-``*_optim_states.pt``), returns the fp32 masters for trainable parameters, the frozen parameters as saved, every
-buffer cast to float (the int64 ``num_batches_tracked`` too: hf_zero keeps it int64), tied names sharing one tensor;
+DeepSpeed 0.19.8's run of this test's training and save (scripts/ds_pattern_workers.py::zero_to_fp32, the same
+Tiny model, config and batches, 2 CPU ranks), then its own ``get_fp32_state_dict_from_zero_checkpoint`` on rank 0:
+stages 2 and 3 give every key of the engine's state dict, each equal to the engine's tensor (torch.equal),
+``num_batches_tracked`` int64 (as here), head/embed one tensor; stage 1 drops the frozen layer (frozen.weight,
+frozen.bias missing); stage 0 fails (TypeError: 'NoneType' object is not iterable: no ZeRO files). hf_zero returns the
+full set at every stage 0-3. From DeepSpeed's source: it reads its own layout (``mp_rank_00_model_states.pt``,
+``*_optim_states.pt``), returns the fp32 masters for trainable parameters, the frozen parameters as saved, tied names
+sharing one tensor;
 ``tag=None`` without ``latest`` is a ValueError, a missing tag directory a FileNotFoundError (the same types here);
 ``convert_zero_checkpoint_to_fp32_state_dict(dir, out, max_shard_size, safe_serialization)`` writes
 ``pytorch_model.bin`` / ``model.safetensors`` shards with transformers' index file, as here. A stage-0 fp32 DeepSpeed
