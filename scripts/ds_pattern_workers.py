@@ -210,3 +210,43 @@ def zero_to_fp32(save_root: str):
                           tied=sd.get("head.weight") is not None
                           and sd["head.weight"].data_ptr() == sd["embed.weight"].data_ptr())
     return out
+
+
+def mpu_autotp():
+    """tests/test_tp_mpu.py::_worker on DeepSpeed: the AutoTP example's mpu (TP over both ranks, DP groups of one)
+    with tensor_parallel.autotp_size 2, then the mismatched mpu (TP 1) with autotp_size 2."""
+    import deepspeed
+
+    import test_tp_mpu as t
+    from _tp_util import make_model, token_data
+
+    rank = dist.get_rank()
+    tp_group = dist.new_group([0, 1])
+    dp_groups = [dist.new_group([0]), dist.new_group([1])]
+    mpu = t.ModelParallelUnit(tp_group, dp_groups[rank], 2)
+    model = make_model("llama")
+    engine, *_ = deepspeed.initialize(model=model, config=t._config(autotp_size=2), mpu=mpu,
+                                      model_parameters=model.parameters())
+    data = token_data(t.STEPS, batch=2)
+    losses, norms = [], []
+    for s in range(t.STEPS):
+        loss = engine(input_ids=data[s], labels=data[s]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm()))
+    ref_losses, ref_norms, _ = t._reference()
+    out = dict(losses=losses, norms=norms, ref_losses=ref_losses, ref_norms=ref_norms)
+    try:
+        model = make_model("llama")
+        e2, *_ = deepspeed.initialize(model=model, config=t._config(autotp_size=2),
+                                      mpu=t.ModelParallelUnit(dist.group.WORLD, dist.group.WORLD, 1),
+                                      model_parameters=model.parameters())
+        batch = data[0]
+        loss = e2(input_ids=batch, labels=batch).loss
+        e2.backward(loss)
+        e2.step()
+        out["mismatch"] = f"accepted, first loss {loss.item():.6f}"
+    except Exception as exc:  # noqa: BLE001 -- recording what DeepSpeed says
+        out["mismatch"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out

@@ -7,6 +7,12 @@ states``) replaces the mpu by its own ``groups`` module under AutoTP and builds 
 the example's groups when they are laid out the same, silently different otherwise, and it never compares the
 mpu's size with autotp_size. hf_zero refuses that mismatch, naming both values; an mpu that splits the model
 without autotp_size stays refused (a model split by hand, whose split parameters the engine cannot know).
+
+DeepSpeed 0.19.8's run of ``_worker`` (scripts/ds_pattern_workers.py::mpu_autotp, 2 CPU ranks, the same mpu, model,
+batches and config): losses 4.890985, 4.864984, 4.857522, grad norms 2.455078, 2.502896, 2.716094 -- the one-process
+reference's (losses equal, norms within 3e-7), which this test holds hf_zero to within 1e-5. The mismatched mpu (TP
+size 1) with autotp_size 2 is accepted and trains as TP 2 (first loss 4.890985): DeepSpeed drops the mpu. hf_zero
+refuses it (test_mpu_size_mismatch_is_refused_naming_both): stricter than DeepSpeed, for a contradictory setting.
 """
 
 from __future__ import annotations
