@@ -13,9 +13,12 @@ data and config on its PipelineEngine, 2 CPU ranks, gloo): it trains, cut [0, 3,
 1.045106, eval 0.916075 -- and bit-identical numbers with an out-of-place ReLU, so the in-place layer changes nothing
 there either. They are not the reference's (0.945940, 1.148873, 1.041914) because of gradient_clipping (0.04), not
 the ReLU: with clipping off DeepSpeed's losses equal the unclipped one-process run (1.0722589 vs 1.0722588,
-1.0849319); its clipped step is neither the whole model's clip_grad_norm_ (the reference, and hf_zero) nor a
-per-stage one (1.147035). hf_zero's numbers are torch's clip_grad_norm_ over every parameter, which is what
-gradient_clipping means; the DeepSpeed pipeline clip difference is outside this pattern and left open.
+1.0849319), and its clipped run equals the reference clipped by stage 0's gradient norm alone (1.1348673,
+1.0451057, eval 0.9160746): DeepSpeed's clip_grad_norm_ with the pipeline grid as mpu counts a parameter only where
+``mpu.get_model_parallel_rank() == 0``, and the grid answers the rank in its pipe x tensor group, so stage 1's
+gradients never enter the norm. hf_zero's numbers are torch's clip_grad_norm_ over every parameter, which is what
+gradient_clipping means: DeepSpeed's pipeline clip is the wrong one (outside this pattern; its DP-only engine clips
+right).
 """
 
 from __future__ import annotations
