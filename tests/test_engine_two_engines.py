@@ -14,7 +14,9 @@ D's second backward: "AssertionError: The parameter 2.bias has already been redu
 partition" -- G's backward through netD fired D's stage-2 reduce hooks, marking D's last layer reduced, and D's own
 backward then reduces it again. hf_zero's stage 2 trains it and matches the reference (the test below): the gradient
 G's backward leaves in netD's ``.grad`` is cleared by ``netD.zero_grad()`` before D's pass, so D's reduced gradient
-is exactly torch's. (The issue's "DeepSpeed trains it at stages 0-2" holds for this test at 0 and 1 only.)
+is exactly torch's. Stage 3 fails too, in ``__reduce_and_partition_ipg_grads`` (a bare AssertionError: one parameter
+twice in a reduce bucket); hf_zero refuses stage 3 naming the pattern. (The issue's "DeepSpeed trains it at stages
+0-2" holds for this test at 0 and 1 only.)
 """
 
 from __future__ import annotations
