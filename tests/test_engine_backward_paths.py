@@ -89,7 +89,9 @@ def _fp16_paths_and_bypass():
 def test_fp16_needs_engine_scale_and_a_backward_the_engine_did_not_run():
     """Stages 0-2: a gradient from a backward the engine did not run (a GAN's generator loss through the
     discriminator; a loss from engine.module(...)) stays in .grad, unreduced, with one warning -- DeepSpeed's
-    behaviour (DeepSpeed 0.19.8 runs DeepSpeedExamples' DCGAN at stages 0-2 this way). Stage 3 refuses it."""
+    behaviour at stages 0-1 (DeepSpeed 0.19.8 on tests/test_engine_two_engines.py's DCGAN loop trains at stages 0 and
+    1 and asserts "gradient computed twice" at stage 2, a bare AssertionError at stage 3; see that file). Stage 3
+    refuses it, naming engine.module(...) and engine.backward(loss)."""
     results = run_distributed(_fp16_paths_and_bypass, 2)
     for r in results:
         assert r["scaled"][0] == r["engine"][0]
