@@ -154,14 +154,15 @@ def write_recut(out: Path, groups, parts: list[list[Path]], *, cut: TPCut, parts
                                       f"{str(parts_root)!r}")
             s, gj, j = where[saved_name]
             ranks = sources[s]
-            piece = cut.for_param(name, saved_name, int(g.layout.numels[i]), parts_root) if cut.active else None
+            cut_piece = cut.for_param(name, saved_name, int(g.layout.numels[i]), parts_root) if cut.active \
+                else None
             metas = [m for _, m, _ in ranks]
             layouts = [ShardLayout(tuple(m["groups"][gj]["numels"]), m["shard_world_size"]) for m in metas]
             keys = [k.split(".", 1)[1] for k in ranks[0][2][0].keys() if k.startswith(f"group{gj}.")]
             for key in keys:
                 pieces = [full_param_from_shards(h, f"group{gj}.{key}", layouts[r], j)
                           for r, (_, _, h) in enumerate(ranks)]
-                fulls.setdefault(key, []).append(piece(pieces) if piece is not None else pieces[0])
+                fulls.setdefault(key, []).append(cut_piece(pieces) if cut_piece is not None else pieces[0])
             if i == 0:
                 state_src = (metas[0], gj)
         for key, pieces in fulls.items():

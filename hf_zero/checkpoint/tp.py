@@ -14,7 +14,9 @@ every rank reported its part written, ``latest`` moved last; a failure on any TP
 Same TP size: each TP rank loads its own directory. Another TP size: each rank assembles a one-rank checkpoint
 of exactly its current shards -- every parameter's full master / moments rebuilt from the saved TP ranks' pieces
 (concatenated along the sharded dim, the fused q|k|v column order undone for the saved size and redone for the
-current one) -- and loads it through the ordinary loader, which re-cuts it for the current data-parallel group.
+current one: reshard.write_recut, the pipeline's re-stage's too) -- with its manifest, in a private temporary
+directory, and loads it through the ordinary loader, which verifies it like any checkpoint and re-cuts it for the
+current data-parallel group. Nothing is written into the checkpoint being read.
 """
 
 from __future__ import annotations
