@@ -48,10 +48,11 @@ class GroupComm:
     ``channel`` (faults.FaultChannel or None), ``ring`` (shm_ring.ShmRing, or None where the group has none; the
     slot is absent until the ring was decided, see ``ring_decided``), and named ``attachments`` (the gatherer)."""
 
-    def __init__(self, pg, ranks: tuple[int, ...], incarnation: int) -> None:
+    def __init__(self, pg, ranks: tuple[int, ...], incarnation: int, key: str = "") -> None:
         self.pg = pg                    # the ProcessGroup object (the default group's, for None)
         self.ranks = ranks              # global ranks, in group order
-        self.incarnation = incarnation  # how many earlier contexts had these ranks (a re-created world): the fault
+        self.key = key or "-".join(map(str, ranks))  # names this group alike on every rank (see group_key)
+        self.incarnation = incarnation  # how many earlier contexts had this key (a re-created world): the fault
         #                                 channel's store keys include it, so a new world never reads an old fault
         self.channel = None
         self.ring = None
@@ -98,7 +99,7 @@ class GroupComm:
 
 
 _CONTEXTS: dict = {}        # ProcessGroup -> GroupComm
-_INCARNATIONS: dict = {}    # ranks -> contexts created for them so far
+_INCARNATIONS: dict = {}    # group_key -> contexts created for it so far
 _lock = threading.RLock()
 _hooks_installed = False
 
@@ -139,10 +140,24 @@ def get(group=None) -> GroupComm:
         _close_stale()
         _install_hooks()
         ranks = tuple(dist.get_process_group_ranks(pg))
-        incarnation = _INCARNATIONS.get(ranks, 0)
-        _INCARNATIONS[ranks] = incarnation + 1
-        ctx = _CONTEXTS[pg] = GroupComm(pg, ranks, incarnation)
+        key = group_key(pg, ranks)
+        incarnation = _INCARNATIONS.get(key, 0)
+        _INCARNATIONS[key] = incarnation + 1
+        ctx = _CONTEXTS[pg] = GroupComm(pg, ranks, incarnation, key)
         return ctx
+
+
+def group_key(pg, ranks: tuple[int, ...]) -> str:
+    """A name for ``pg`` that every rank of it computes alike, whatever order each rank first used its groups in.
+    Not the ranks alone: two groups can have the same ranks (a 2-stage pipeline's own group and the default group,
+    or the pipeline group and a tied-weight group), and counting incarnations per rank list then depended on which
+    a rank touched first -- rank 0 and rank 1 wrote heartbeats under different keys and a stopped peer was never
+    seen. torch's group name is given in creation order, which is the same on every rank (new_group is collective),
+    and restarts with a re-created world (hence the incarnation)."""
+    if pg is dist.group.WORLD:
+        return "world"
+    name = getattr(pg, "group_name", None)
+    return f"{name}:" + "-".join(map(str, ranks)) if name else "-".join(map(str, ranks))
 
 
 def contexts() -> list[GroupComm]:

@@ -277,8 +277,7 @@ class FaultChannel:
         generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         # the incarnation: a world destroyed and created again in the same processes (the same store under
         # torchrun's agent) must not read the faults or heartbeats of the one before
-        key = "world" if group is None or group is dist.group.WORLD else "-".join(map(str, ctx.ranks))
-        self.prefix = f"hf_zero/faults/{generation}/{key}/{ctx.incarnation}/"
+        self.prefix = f"hf_zero/faults/{generation}/{ctx.key}/{ctx.incarnation}/"
         self.seq = 0
         self._run: list[tuple[str, int, str]] = []  # collectives still covered by the last check_run, in order
         self.deferred = None  # (work, rows, seq, what, issue) of a check_deferred not verified yet
@@ -601,7 +600,15 @@ class FaultChannel:
         for r in range(self.world):
             if r == self.rank:
                 continue
-            hb = self._try(lambda s: s.get(self.prefix + f"hb/{r}"), store=self._mon_store)
+            key = self.prefix + f"hb/{r}"
+            # check first: a get of a key nobody wrote blocks for the store's whole I/O timeout, every period, and
+            # a peer that never heartbeated here (stopped before its channel's first beat, or never using this
+            # group) has nothing to show it is alive -- the caller asks only once it has waited comms_timeout_s,
+            # and diagnose() then names what the peer's process really is doing
+            if not self._try(lambda s: s.check([key]), store=self._mon_store, default=False):
+                out.append(r)
+                continue
+            hb = self._try(lambda s: s.get(key), store=self._mon_store)
             if hb is not None and time.time() - float(hb.decode()) > timeout_s():
                 out.append(r)
         return out

@@ -335,7 +335,7 @@ def ring_for(group=None, nbytes: int = DEFAULT_RING_BYTES) -> ShmRing | None:
     if world > 1 and dist.get_backend(group) == "gloo":
         # every rank of the group takes part in the vote below, whatever it concludes locally
         ring = _open(group, dist.get_rank(group), world, _ring_bytes(nbytes), usable=enabled() and _platform_ok(),
-                     name=_file_name(ctx.ranks, ctx.incarnation))
+                     name=_file_name(ctx.key, ctx.incarnation))
     ctx.ring, ctx.ring_decided = ring, True
     return ring
 
@@ -361,13 +361,13 @@ def _open(group, rank: int, world: int, size: int, usable: bool, name: str) -> S
     return None
 
 
-def _file_name(ranks: tuple[int, ...], incarnation: int) -> str:
+def _file_name(key: str, incarnation: int) -> str:
     """The fallback file's path, computed alike on every rank of the group with no message: the rendezvous address
-    and port (no two live jobs of one host share them), torchrun's run id and restart count, the group's ranks and
-    how many earlier groups of the same ranks these processes had."""
+    and port (no two live jobs of one host share them), torchrun's run id and restart count, the group's key
+    (context.group_key) and how many earlier groups of that key these processes had."""
     parts = [os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                                              "TORCHELASTIC_RESTART_COUNT")]
-    digest = hashlib.sha1(repr((parts, ranks, incarnation)).encode()).hexdigest()[:20]
+    digest = hashlib.sha1(repr((parts, key, incarnation)).encode()).hexdigest()[:20]
     return f"/dev/shm/hf_zero_comm_{digest}"
 
 
