@@ -13,6 +13,7 @@ import ast
 from pathlib import Path
 
 import hf_zero
+from _import_graph import find_cycle
 
 COMM = Path(hf_zero.__file__).resolve().parent / "comm"
 
@@ -43,33 +44,6 @@ def _siblings(path: Path, names: set[str]) -> set[str]:
 def comm_graph() -> dict[str, set[str]]:
     files = {p.stem: p for p in COMM.glob("*.py") if p.stem != "__init__"}
     return {name: _siblings(path, set(files)) for name, path in files.items()}
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle as ``[a, b, ..., a]``, or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: finished
-    path: list[str] = []
-
-    def visit(n: str) -> list[str] | None:
-        state[n] = 1
-        path.append(n)
-        for m in sorted(graph[n]):
-            if state.get(m) == 1:
-                return path[path.index(m):] + [m]
-            if m not in state:
-                found = visit(m)
-                if found:
-                    return found
-        path.pop()
-        state[n] = 2
-        return None
-
-    for n in sorted(graph):
-        if n not in state:
-            found = visit(n)
-            if found:
-                return found
-    return None
 
 
 def test_the_walk_sees_lazy_imports():

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import hf_zero
+from _import_graph import find_cycle
 
 # Higher imports lower. Same number: peers that may not import each other.
 LAYERS = {
@@ -142,24 +143,9 @@ def test_no_package_cycle():
     for src, dst, where in _edges():
         if _file_and_target(where) not in KNOWN_BACK_EDGES:
             graph.setdefault(src, set()).add(dst)
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
-            if nxt not in state and (cycle := visit(nxt)):
-                return cycle
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)):
-            raise AssertionError("package cycle: " + " -> ".join(cycle))
+    cycle = find_cycle(graph)
+    if cycle:
+        raise AssertionError("package cycle: " + " -> ".join(cycle))
 
 
 def test_walk_sees_function_level_relative_and_string_imports(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ import ast
 from pathlib import Path
 
 import hf_zero
+from _import_graph import find_cycle
 
 ROOT = Path(hf_zero.__file__).resolve().parent
 
@@ -117,28 +118,6 @@ def _file_graph(package: str, root: Path = ROOT) -> dict[str, set[str]]:
             if target != src and target != pkg:  # the package's __init__ re-exports; it is not a peer file
                 edges.add(target)
     return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
-            if nxt not in state and (cycle := visit(nxt)):
-                return cycle
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
 
 
 def test_no_import_cycle_between_files_of_comm_or_checkpoint():
