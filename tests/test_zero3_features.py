@@ -30,7 +30,7 @@ def _build_partitioned(cfg, ref):
 
 
 def _train(model, rt, data, rank, world):
-    persistent_numel = sum(sp.numel for sp in rt.sharded_params() if sp.persistent)
+    persistent_numel = sum(sp.numel for sp in rt.sharded_params() if sp.persist_planned)
     losses = []
     for batch in data:
         x = local_rows(batch, rank, world)
@@ -88,7 +88,7 @@ def _check_prefetch_reuse_and_limits(cfg, rank, world):
     rt, _, _ = _run_plain(cfg, rank, world, 2, prefetch_bucket_size=100_000, max_reuse_distance=100_000,
                           max_live_parameters=limit, param_persistence_threshold=persistent)
     largest = max(g.numel for g in rt._groups.values())
-    persistent_numel = sum(sp.numel for sp in rt.sharded_params() if sp.persistent)
+    persistent_numel = sum(sp.numel for sp in rt.sharded_params() if sp.persist_planned)
     assert rt.gatherer.peak_live_bytes // 4 <= limit + largest + persistent_numel
     rt.remove()
 
@@ -211,7 +211,7 @@ def _check_eval_generate_and_state_dict(cfg, rank, world, tmp_dir):
     x = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         assert_close(model(input_ids=x).logits, ref(input_ids=x).logits, 1e-5, "eval logits")
-    assert rt.gatherer.live_numel == sum(sp.numel for sp in rt.sharded_params() if sp.persistent)
+    assert rt.gatherer.live_numel == sum(sp.numel for sp in rt.sharded_params() if sp.persist_planned)
     # generate(synced_gpus=True): prompt lengths and max_new_tokens differ per rank
     prompt = torch.randint(3, 64, (1, 3 + 2 * rank), generator=torch.Generator().manual_seed(50 + rank))
     new = 3 + 4 * rank

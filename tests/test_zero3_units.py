@@ -88,7 +88,10 @@ def test_engine_contract_world_1_bf16():
                        overlap_comm=True)
     sps = rt.sharded_params()
     assert [sp.name for sp in sps] == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    assert [sp.persistent for sp in sps] == [False, False, False, True]  # 2.bias has 4 elements
+    # 2.bias has 4 elements: decided persistent now (ds_persist, as DeepSpeed marks it), gathered at the first forward
+    assert [sp.persist_planned for sp in sps] == [False, False, False, True]
+    assert [sp.param.ds_persist for sp in sps] == [False, False, False, True]
+    assert [sp.persistent for sp in sps] == [False] * 4 and model[2].bias.shape == (0,)
     for sp in sps:
         assert torch.equal(sp.initial_fp32_shard()[:sp.numel], originals[sp.name].reshape(-1))
         assert sp.local_shard.dtype == torch.bfloat16
@@ -106,6 +109,7 @@ def test_engine_contract_world_1_bf16():
     ref.load_state_dict({n: v.bfloat16() for n, v in originals.items()})
     for _ in range(2):  # two micro-steps accumulate
         model(x.bfloat16()).float().square().mean().backward()
+        assert [sp.persistent for sp in sps] == [False, False, False, True]
     rt.finish_backward()
     for _ in range(2):
         ref(x.bfloat16()).float().square().mean().backward()

@@ -108,6 +108,9 @@ class ShardedParam:
         self.layout = ShardLayout((self.numel,), world_size)
         self.ds_id = next(_next_ds_id)
         self.persistent = False
+        # decided persistent at start-up (numel <= the threshold, or ZeRO-3 alone in a world of one), gathered at
+        # the first forward: `persistent` turns True then (see Stage3Runtime._publish_persistent)
+        self.persist_planned = False
         self.state = ParamState.AVAILABLE
         self._holds = {reason: 0 for reason in HoldReason}  # uses currently needing the full data, by reason
         self.pending: PendingGather | None = None
@@ -342,6 +345,12 @@ class ShardedParam:
     def release_persistence(self) -> None:
         self.persistent = False
 
+    def plan_persistence(self) -> None:
+        """Decided persistent while still PARTITIONED (``ds_persist`` is True from here, as DeepSpeed marks it at
+        initialize); :meth:`make_persistent` follows once it is gathered."""
+        self.persist_planned = True
+        self._publish_compat()
+
     # ------------------------------------------------------------------ helpers
     @property
     def full_flat(self) -> torch.Tensor:
@@ -375,7 +384,7 @@ class ShardedParam:
         p.ds_numel = self.numel
         p.ds_tensor = self.local_shard
         p.ds_status = _DS_STATUS[self.state]
-        p.ds_persist = self.persistent
+        p.ds_persist = self.persistent or self.persist_planned
 
     def __repr__(self) -> str:
         return (f"ShardedParam({self.name!r}, shape={tuple(self.shape)}, shard_numel={self.shard_numel}, "

@@ -164,11 +164,45 @@ class Stage3Runtime:
             for sp in sps:
                 if sp.numel > self.persistence_threshold:
                     sp.to_swapped(self.swapper)
-        if persistent:
-            self.gatherer.gather(persistent, "persistent parameters", header_check=True)
-            for sp in persistent:
-                sp.make_persistent()
+        # Decided now, gathered at the first forward (_publish_persistent): until then every parameter is a (0,)
+        # placeholder, as under DeepSpeed -- code run between initialize and the first forward (peft's
+        # save_pretrained checking for un-gathered adapters, a script reading ds_shape) sees what it sees there.
+        for sp in persistent:
+            sp.plan_persistence()
+        self._unpublished = persistent
+        self._publish_handles = []
         return sps
+
+    def _publish_persistent(self) -> None:
+        """Gather the parameters decided persistent at start-up, once: at the first forward of any module (every
+        rank runs it, so the collective matches), or before anything that needs them whole."""
+        todo, self._unpublished = self._unpublished, []
+        handles, self._publish_handles = self._publish_handles, []
+        for h in handles:  # pre-hooks only: removing them inside a forward leaves no call half-tracked
+            h.remove()
+        if not todo:
+            return
+        for sp in todo:
+            self.gatherer.wait_available(sp)  # a GatheredParameters block may hold some of them
+        need = [sp for sp in todo if sp.state is ParamState.PARTITIONED]
+        if need:
+            self.gatherer.gather(need, "persistent parameters", header_check=True)
+        for sp in todo:
+            sp.make_persistent()
+
+    def _publish_hook(self, module, args):
+        self._publish_persistent()
+        return None
+
+    def _install_publish_hooks(self) -> None:
+        # The root and every module owning a parameter to publish: a forward that starts at a sub-module (a direct
+        # call) publishes too. Removed at the first publish.
+        if not self._unpublished:
+            return
+        planned = {id(sp.param) for sp in self._unpublished}
+        for mod in self.module.modules():
+            if mod is self.module or any(id(p) in planned for p in mod._parameters.values() if p is not None):
+                self._publish_handles.append(mod.register_forward_pre_hook(self._publish_hook, prepend=True))
 
     def _build_groups(self) -> None:
         self._groups.clear()
@@ -188,7 +222,7 @@ class Stage3Runtime:
                 sp = sharded_param_of(p) if p is not None else None
                 if sp is not None and leaf:
                     p.ds_z3_leaf_module = mod
-                if sp is not None and not sp.persistent and sp not in members:
+                if sp is not None and not sp.persist_planned and sp not in members:
                     members.append(sp)
             if members:
                 g = _Group(len(self._groups), fqn or "<root>", members)
@@ -202,7 +236,8 @@ class Stage3Runtime:
     def _install_hooks(self) -> None:
         # Registered after the root's group hooks: the iteration boundary runs before the root's own gather
         # (prepend) and after its release (append). These and the gradient hooks live as long as the runtime.
-        if self.whole:  # nothing is ever partitioned: no hook has anything to do
+        self._install_publish_hooks()
+        if self.whole:  # nothing is partitioned after the first forward: no other hook has anything to do
             return
         self._sync_module_hooks()
         self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
@@ -225,7 +260,7 @@ class Stage3Runtime:
             # modules without a group but with partitioned parameters below them only record that their forward
             # runs: the innermost module in forward is then known for error messages and attribute reads
             if mod not in wanted and not any(mod is not leaf and _is_within(mod, leaf) for leaf in leaves) and \
-                    any((sp := sharded_param_of(p)) is not None and not sp.persistent for p in mod.parameters()):
+                    any((sp := sharded_param_of(p)) is not None and not sp.persist_planned for p in mod.parameters()):
                 wanted[mod] = "track"
         for mod in [m for m, (kind, _) in self._module_handles.items() if wanted.get(m) != kind]:
             for h in self._module_handles.pop(mod)[1]:
@@ -287,7 +322,12 @@ class Stage3Runtime:
         self.reducer.accumulate_alone(items)
 
     def after_step(self) -> None:
-        """After the optimizer updated the shards: gathered copies are stale; persistent params are re-gathered."""
+        """After the optimizer updated the shards: gathered copies are stale; persistent params are re-gathered.
+        Also the end of a checkpoint load: one before the first forward publishes the persistent params with the
+        loaded values (DeepSpeed's load_checkpoint leaves them whole too)."""
+        if self._unpublished:
+            self._reset_gathered()
+            self._publish_persistent()
         if self.whole:  # the parameters are views of the shards the optimizer wrote
             if not self._stepped:
                 self._stepped = True
@@ -509,6 +549,9 @@ class Stage3Runtime:
         sp = sharded_param_of(param)
         innermost = self.states.innermost()
         if sp is None or sp.persistent or sp.state is ParamState.AVAILABLE or innermost is None:
+            return
+        if sp.persist_planned:  # read inside a forward before any publishing hook ran
+            self._publish_persistent()
             return
         grouped = self.states.innermost_with_group()
         if grouped is not None:
