@@ -134,10 +134,14 @@ def _hf_zero_checks(mpu) -> dict:
     engine, *_ = deepspeed.initialize(model=make_model(), config={**base, "sequence_parallel_size": 2})
     out["config_key"] = [engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
                          engine.gradient_accumulation_steps()]
+    # Ulysses splits the sequence over the data-parallel ranks; a pipeline splits the model over the same ranks
+    pipe = deepspeed.pipe.PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2,
+                                         loss_fn=torch.nn.MSELoss())
     for name, kwargs in (("mismatch", {"config": {**base, "sequence_parallel_size": 1}, "mpu": mpu}),
-                         ("batch", {"config": {**base, "train_batch_size": 2, "gradient_accumulation_steps": 1}, "mpu": mpu})):
+                         ("batch", {"config": {**base, "train_batch_size": 2, "gradient_accumulation_steps": 1}, "mpu": mpu}),
+                         ("pipeline", {"config": {**base, "sequence_parallel_size": 2}, "model": pipe})):
         try:
-            deepspeed.initialize(model=make_model(), **kwargs)
+            deepspeed.initialize(**{"model": make_model(), **kwargs})
             out[name] = None
         except (ConfigError, ValueError) as e:
             out[name] = str(e)

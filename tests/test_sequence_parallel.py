@@ -102,6 +102,8 @@ def test_config_key_and_refusals(ranks):
                                       "sequence-parallel size of 2")
     assert out["batch"].startswith("train_batch_size: train_batch_size 2 != train_micro_batch_size_per_gpu 1 * "
                                    "gradient_accumulation_steps 1 * world_size 1")
+    assert out["pipeline"] == ("sequence_parallel_size: 2 together with a pipeline: hf_zero runs Ulysses sequence "
+                               "parallelism over data parallelism only")
 
 
 def test_eager_and_mismatched_attention_are_refused():

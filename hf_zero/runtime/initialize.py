@@ -79,7 +79,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     world_size, data_rank = layout.dp_size, layout.dp_rank
     # Ulysses: the ranks of one sequence-parallel group train one replica (hf_zero/sequence_parallel/setup.py)
     sp_size = sequence_parallel_size(raw.get("sequence_parallel_size"), getattr(mpu_groups, "sp_size", 1),
-                                     model_parallel="tensor parallelism" if tp is not None else None)
+                                     model_parallel=("tensor parallelism" if tp is not None else
+                                                     "a pipeline" if layout.pipeline is not None else None))
     cfg = load_config(raw, world_size=world_size // sp_size, rank=data_rank)
     if cfg.pipeline and layout.pipeline is None:
         raise ConfigError("pipeline", "the config has a pipeline section but the model is not a pipeline model; "
