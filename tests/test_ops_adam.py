@@ -178,9 +178,9 @@ def cpu_isa():
     torch.ops.hf_zero.adam_cpu_isa("auto")
 
 
-# Lengths around the vector widths (8, 16), the prefetch distance (512 + a vector) and
+# Lengths around the vector widths (8, 16), the prefetch distances (512 and 2048, + a vector) and
 # the threads' block (131072: 262147 is two blocks and a tail).
-SIMD_NUMELS = [1, 7, 8, 9, 15, 16, 17, 63, 65, 527, 528, 529, 1057, 4099, 100_003, 262_147]
+SIMD_NUMELS = [1, 7, 8, 9, 15, 16, 17, 63, 65, 527, 528, 529, 1057, 2063, 2064, 2065, 4099, 100_003, 262_147]
 SIMD_CASES = [  # (grad dtype, out16 dtype, adamw_mode, weight_decay, bias_correction, grad_scale)
     (torch.float32, None, True, 0.1, True, 1.0),
     (torch.float32, None, False, 0.1, True, 1.0),

@@ -11,11 +11,15 @@
 //           the reference the SIMD paths are tested against, bit for bit
 //
 // What the SIMD paths add over the compiler's loop (measured against DeepSpeedCPUAdam, benchmarks/bench_cpu_adam.py):
-// * software prefetch kPrefetchElems ahead on the four input streams. The hardware stream prefetcher stops at every
-//   4 KiB page, so a plain loop stalls on a cache miss at each page of each of its four arrays; prefetching ahead
-//   keeps the loads in flight across those boundaries. This is where the time goes: with it, the update runs as
-//   fast as a loop that only loads and stores the same bytes (DeepSpeed's kernel, 16-wide with FMA but without
-//   prefetching, runs 10-15% slower than that loop).
+// * software prefetch on the four input streams, at two distances: into L1 kPrefetchElems ahead and into L2
+//   kPrefetchL2Elems ahead. The hardware stream prefetcher stops at every 4 KiB page, so a plain loop stalls on a
+//   cache miss at each page of each of its four arrays; prefetching ahead keeps the loads in flight across those
+//   boundaries. One core's bandwidth is bounded by how many misses it keeps in flight: the L1 prefetches alone are
+//   capped by the L1's fill buffers, the L2 ones add requests beyond them (measured on the Xeon of RESULTS.md,
+//   1 thread: the L1 prefetch alone 1.13-1.19x a loop without prefetch, both 1.18-1.29x; the same loop reading
+//   the four arrays and writing none is only ~6% faster, so this is the core's read ceiling, not the arithmetic).
+// * at one thread the whole tensor is one chunk, so the prefetch streams run across what would be block boundaries
+//   instead of restarting cold at each (1-3% at 1 thread).
 // * bf16 <-> fp32 by 16-bit shifts and integer round-to-nearest-even, fp16 by F16C, all in vector registers.
 // * threads pull fixed blocks from a shared counter (a thread that is slowed or descheduled hands its share to the
 //   others) instead of one static slice each, as DeepSpeed's `omp parallel for` and at::parallel_for do.
@@ -55,6 +59,10 @@ constexpr int64_t kBlockElems = 1 << 17;
 // Prefetch distance in elements: 2 KiB of fp32 ahead, half a page (measured at 1 and 2 threads: 256..1024 within
 // noise of each other, 2048 and beyond slower; with no prefetch the loop stalls at every page).
 constexpr int64_t kPrefetchElems = 512;
+// L2 prefetch distance: 8 KiB of fp32 ahead, two pages, beyond what the L1 fill buffers can keep in flight
+// (1024..4096 measured within noise of each other at 1 and 2 threads, fp32 and bf16; any of them 3-8% faster
+// than the L1 prefetch alone at 1 thread).
+constexpr int64_t kPrefetchL2Elems = 2048;
 
 // The parameter needs no 16-bit copy.
 struct NoCopy {};
@@ -126,20 +134,30 @@ void vector_tail(P* param, const G* grad, float* exp_avg, float* exp_avg_sq, O* 
 // always_inline: these have no target attribute, GCC may decline to inline them into the target-attributed chunks,
 // and a call to a function that only prefetches has no visible effect, so it is deleted: the prefetches would
 // silently vanish (they did, and the kernel fell to 0.91-0.99x DeepSpeed's).
-template <typename T>
+// kHint: _MM_HINT_T0 or _MM_HINT_T1 (an enum in GCC's headers, an int in clang's: hence auto).
+template <auto kHint, typename T>
 __attribute__((always_inline)) inline void prefetch(const T* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p), kHint);
 }
 
-// The four input streams' prefetches for element i; only called while i + kPrefetchElems is inside the chunk.
-template <typename G, typename P>
+// The four input streams' prefetches `distance` elements past element i, into the cache level kHint names
+// (_MM_HINT_T0: L1, _MM_HINT_T1: L2); only called while i + distance is inside the chunk.
+template <int64_t kDistance, auto kHint, typename G, typename P>
 __attribute__((always_inline)) inline void prefetch_streams(const P* param, const G* grad, const float* exp_avg,
                                                             const float* exp_avg_sq, int64_t i) {
-  const int64_t j = i + kPrefetchElems;
-  prefetch(param + j);
-  prefetch(grad + j);
-  prefetch(exp_avg + j);
-  prefetch(exp_avg_sq + j);
+  const int64_t j = i + kDistance;
+  prefetch<kHint>(param + j);
+  prefetch<kHint>(grad + j);
+  prefetch<kHint>(exp_avg + j);
+  prefetch<kHint>(exp_avg_sq + j);
+}
+
+// Both prefetches for element i.
+template <typename G, typename P>
+__attribute__((always_inline)) inline void prefetch_l1_l2(const P* param, const G* grad, const float* exp_avg,
+                                                          const float* exp_avg_sq, int64_t i) {
+  prefetch_streams<kPrefetchL2Elems, _MM_HINT_T1>(param, grad, exp_avg, exp_avg_sq, i);
+  prefetch_streams<kPrefetchElems, _MM_HINT_T0>(param, grad, exp_avg, exp_avg_sq, i);
 }
 
 // ---------------------------------------------------------------- AVX-512F path (16 lanes)
@@ -204,9 +222,14 @@ HF_ZERO_TARGET_AVX512 void adam_chunk(P* __restrict param, const G* __restrict g
                  _mm512_set1_ps(c.one_minus_beta1), _mm512_set1_ps(c.beta2), _mm512_set1_ps(c.one_minus_beta2),
                  _mm512_set1_ps(c.inv_bc2_sqrt), _mm512_set1_ps(c.eps), _mm512_set1_ps(c.step_size)};
   int64_t i = 0;
-  // Prefetched loop, then the last kPrefetchElems without prefetching (no address past the arrays).
+  // Both prefetches, then the L1 one alone for the last kPrefetchL2Elems, then none for the last kPrefetchElems
+  // (no address past the arrays).
+  for (; i + kWidth + kPrefetchL2Elems <= count; i += kWidth) {
+    prefetch_l1_l2(param, grad, exp_avg, exp_avg_sq, i);
+    update(param + i, grad + i, exp_avg + i, exp_avg_sq + i, kHasCopy<O> ? out16 + i : out16, k);
+  }
   for (; i + kWidth + kPrefetchElems <= count; i += kWidth) {
-    prefetch_streams(param, grad, exp_avg, exp_avg_sq, i);
+    prefetch_streams<kPrefetchElems, _MM_HINT_T0>(param, grad, exp_avg, exp_avg_sq, i);
     update(param + i, grad + i, exp_avg + i, exp_avg_sq + i, kHasCopy<O> ? out16 + i : out16, k);
   }
   for (; i + kWidth <= count; i += kWidth) {
@@ -281,8 +304,12 @@ HF_ZERO_TARGET_AVX2 void adam_chunk(P* __restrict param, const G* __restrict gra
                  _mm256_set1_ps(c.one_minus_beta1), _mm256_set1_ps(c.beta2), _mm256_set1_ps(c.one_minus_beta2),
                  _mm256_set1_ps(c.inv_bc2_sqrt), _mm256_set1_ps(c.eps), _mm256_set1_ps(c.step_size)};
   int64_t i = 0;
+  for (; i + kWidth + kPrefetchL2Elems <= count; i += kWidth) {
+    prefetch_l1_l2(param, grad, exp_avg, exp_avg_sq, i);
+    update(param + i, grad + i, exp_avg + i, exp_avg_sq + i, kHasCopy<O> ? out16 + i : out16, k);
+  }
   for (; i + kWidth + kPrefetchElems <= count; i += kWidth) {
-    prefetch_streams(param, grad, exp_avg, exp_avg_sq, i);
+    prefetch_streams<kPrefetchElems, _MM_HINT_T0>(param, grad, exp_avg, exp_avg_sq, i);
     update(param + i, grad + i, exp_avg + i, exp_avg_sq + i, kHasCopy<O> ? out16 + i : out16, k);
   }
   for (; i + kWidth <= count; i += kWidth) {
@@ -377,6 +404,12 @@ void adam_kernel(P* param, const G* grad, float* exp_avg, float* exp_avg_sq, O* 
   // blocks instead of waiting for it: a static split waits for its slowest slice.
   const int64_t blocks = (numel + kBlockElems - 1) / kBlockElems;
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), blocks);
+  if (workers <= 1) {
+    // One thread walks the blocks in order anyway: one chunk keeps its prefetch streams running to the end of
+    // the tensor instead of draining and restarting at every block boundary. Same per-element arithmetic.
+    chunk(param, grad, exp_avg, exp_avg_sq, out16, numel, c);
+    return;
+  }
   std::atomic<int64_t> next_block{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t b = next_block.fetch_add(1, std::memory_order_relaxed); b < blocks;
