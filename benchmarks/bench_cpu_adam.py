@@ -1,7 +1,7 @@
 """CPU Adam: hf_zero's adam_step_ against DeepSpeedCPUAdam, same tensor sizes, same threads, one process.
 
     HF_ZERO_DISABLE_DEEPSPEED_SHIM=1 DS_ACCELERATOR=cpu /work/dsvenv/bin/python benchmarks/bench_cpu_adam.py \
-        [--mparams 16] [--threads 1 2] [--repeat 40]
+        [--mparams 16] [--threads 1 2] [--repeat 40] [--states hf_zero|torch]
 
 Each thread count runs in a child process of its own (OMP_NUM_THREADS set before either OpenMP runtime starts:
 DeepSpeed's op links the system libgomp, torch its bundled one, and torch.set_num_threads reaches only the
@@ -18,6 +18,10 @@ bytes moved per parameter in brackets:
           engine does it [30 / 36]
   out16v  adam_step_'s out16 pass again / DeepSpeed's bf16 case: different jobs (DeepSpeed keeps no fp32 master,
           so it moves fewer bytes); printed because it is the pairing a user choosing "bf16" may compare [30 / 22]
+Optimizer states: each optimizer's own. DeepSpeedCPUAdam allocates its exp_avg/exp_avg_sq itself (torch.zeros_like);
+hf_zero's arm takes them from hf_zero.ops.adam.zeros_state, as CPUAdam does: 2 MiB-aligned memory advised for
+transparent huge pages (a product difference, not a bench setting; `--states torch` gives hf_zero's arm torch.zeros
+states instead, to see the kernel alone). Parameters and gradients are plain torch tensors of the same sizes in both.
 Without DeepSpeed importable the hf_zero rows are printed alone.
 """
 
@@ -57,12 +61,12 @@ def _isa() -> str:
     return torch.ops.hf_zero.adam_cpu_isa() if hasattr(torch.ops.hf_zero, "adam_cpu_isa") else "(before adam_cpu_isa)"
 
 
-def _child(numel: int, threads: int, repeat: int, cases: list[str], isa: str) -> dict:
+def _child(numel: int, threads: int, repeat: int, cases: list[str], isa: str, states: str) -> dict:
     sys.path.insert(0, str(REPO))
     import torch
 
     torch.set_num_threads(threads)
-    from hf_zero.ops.adam import adam_step_
+    from hf_zero.ops.adam import adam_step_, zeros_state
 
     if isa:
         torch.ops.hf_zero.adam_cpu_isa(isa)
@@ -74,7 +78,8 @@ def _child(numel: int, threads: int, repeat: int, cases: list[str], isa: str) ->
         fns = {}
         p = torch.randn(numel) if case != "bf16" else torch.randn(numel).bfloat16()
         g = torch.randn(numel) if case == "fp32" else torch.randn(numel).bfloat16()
-        m, v = torch.zeros(numel), torch.zeros(numel)
+        zeros = zeros_state if states == "hf_zero" else torch.zeros
+        m, v = zeros((numel,)), zeros((numel,))
         out16 = torch.empty(numel, dtype=torch.bfloat16) if case.startswith("out16") else None
         step = [0]
 
@@ -121,11 +126,15 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--isa", default="", choices=["", "avx512", "avx2", "scalar"],
                         help="hf_zero's CPU Adam path (default: the widest this CPU has)")
+    parser.add_argument("--states", default="hf_zero", choices=["hf_zero", "torch"],
+                        help="hf_zero's optimizer states: from zeros_state, as CPUAdam allocates them (default), or "
+                             "torch.zeros")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     numel = int(args.mparams * 1e6)
     if args.child:
-        print("RESULT " + json.dumps(_child(numel, args.threads[0], args.repeat, args.cases, args.isa)))
+        print("RESULT " + json.dumps(_child(numel, args.threads[0], args.repeat, args.cases, args.isa,
+                                            args.states)))
         return
 
     has_ds = _deepspeed_adam() is not None
@@ -135,7 +144,7 @@ def main() -> None:
     if not has_ds:
         print("DeepSpeed not importable (or its shim active): hf_zero alone. Run with DeepSpeed's interpreter and "
               "HF_ZERO_DISABLE_DEEPSPEED_SHIM=1 DS_ACCELERATOR=cpu to compare.")
-    print(f"hf_zero CPU Adam path: {args.isa or _isa()}")
+    print(f"hf_zero CPU Adam path: {args.isa or _isa()}; hf_zero's states: {args.states}")
     print(f"{'case':<7}{'threads':>8}{'hf_zero ms':>12}{'Mparam/s':>10}{'DeepSpeed ms':>14}{'Mparam/s':>10}"
           f"{'speed-up':>10}")
     for threads in args.threads:
@@ -144,7 +153,8 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE",
                "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--mparams", str(args.mparams),
-               "--threads", str(threads), "--repeat", str(args.repeat), "--cases", *args.cases, "--isa", args.isa]
+               "--threads", str(threads), "--repeat", str(args.repeat), "--cases", *args.cases, "--isa", args.isa,
+               "--states", args.states]
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/tmp", timeout=3600)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         if not lines:
