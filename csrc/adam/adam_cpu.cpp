@@ -17,9 +17,9 @@
 //   boundaries. One core's bandwidth is bounded by how many misses it keeps in flight: the L1 prefetches alone are
 //   capped by the L1's fill buffers, the L2 ones add requests beyond them (measured on the Xeon of RESULTS.md,
 //   1 thread: the L1 prefetch alone 1.13-1.19x a loop without prefetch, both 1.18-1.29x; the same loop reading
-//   the four arrays and writing none is only ~6% faster, so this is the core's read ceiling, not the arithmetic).
+//   the four arrays and writing none is 6-14% faster, so this is near the core's read ceiling, not the arithmetic).
 // * at one thread the whole tensor is one chunk, so the prefetch streams run across what would be block boundaries
-//   instead of restarting cold at each (1-3% at 1 thread).
+//   instead of restarting cold at each (1-5% at 1 thread).
 // * bf16 <-> fp32 by 16-bit shifts and integer round-to-nearest-even, fp16 by F16C, all in vector registers.
 // * threads pull fixed blocks from a shared counter (a thread that is slowed or descheduled hands its share to the
 //   others) instead of one static slice each, as DeepSpeed's `omp parallel for` and at::parallel_for do.

@@ -4,10 +4,11 @@
 // Why: the CPU Adam step streams its four arrays once per step and is bound by how many cache misses one core keeps
 // in flight (adam_cpu.cpp). On 4 KiB pages each array crosses a page every 1024 fp32 elements, and each crossing
 // costs a TLB miss and a page walk (two-dimensional under a hypervisor). With the two state arrays on 2 MiB pages the
-// fp32 step at 1 thread ran 5-8% faster (benchmarks/bench_cpu_adam.py --states torch against the default, same
-// process; benchmarks/RESULTS.md). Linux's common default THP mode, "madvise", backs only regions that ask for it,
-// so torch's allocator (which does not ask unless THP_MEM_ALLOC_ENABLE=1 is set for the whole process) gets 4 KiB
-// pages. In mode "never" the advice is ignored and the tensor is an ordinary zero-filled one.
+// fp32 step at 1 thread ran 2-8% faster than on torch.zeros states, both stepped in one process, interleaved
+// (benchmarks/RESULTS.md; `bench_cpu_adam.py --states torch` shows the kernel without them). Linux's common default
+// THP mode, "madvise", backs only regions that ask for it, so torch's allocator (which does not ask unless
+// THP_MEM_ALLOC_ENABLE=1 is set for the whole process) gets 4 KiB pages. In mode "never" the advice is ignored and
+// the tensor is an ordinary zero-filled one.
 //
 // The mapping is exactly the tensor's bytes rounded up to the page size (the alignment slack is unmapped again), so
 // memory use is that of torch.zeros; the pages come zero-filled from the kernel and are faulted in on first touch.

@@ -39,7 +39,7 @@ def zeros_state(shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.
     On CPU with the compiled extension loaded it lives on 2 MiB-aligned memory advised for transparent huge pages
     (``torch.ops.hf_zero.zeros_hugepage``; tensors under 2 MiB, and systems without THP, get ordinary pages): the
     CPU Adam step reads and writes every state element once per step, and on 4 KiB pages it pays a TLB miss per page
-    and array (fp32 step 5-8% faster at 1 thread, benchmarks/RESULTS.md). Elsewhere ``torch.zeros``.
+    and array (fp32 step 2-8% faster at 1 thread, benchmarks/RESULTS.md). Elsewhere ``torch.zeros``.
     """
     device = torch.device(device)
     # hasattr: an extension built before the op existed (a stale build) still loads; it gets torch.zeros.
