@@ -65,6 +65,34 @@ def engine_steps(engine, batches) -> tuple[list[float], list[float]]:
     return losses, norms
 
 
+def clipped_adamw_reference(kind: str, steps: int, *, lr: float, clip: float) -> list[float]:
+    """The checkpoint tests' single-process run: AdamW (weight decay 0.01), the global gradient norm clipped at
+    ``clip``, one step per :func:`token_data` batch; the losses."""
+    model = make_model(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    data, losses = token_data(steps), []
+    for s in range(steps):
+        loss = model(input_ids=data[s], labels=data[s]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def engine_range(engine, steps: int, start: int, stop: int) -> list[float]:
+    """Engine steps ``start`` to ``stop`` over the batches of :func:`token_data` (``steps``): the same data as
+    :func:`clipped_adamw_reference`, so a run resumed at ``start`` continues its curve."""
+    data, losses = token_data(steps), []
+    for s in range(start, stop):
+        loss = engine(input_ids=data[s], labels=data[s]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative error of ``a`` against the reference ``b`` (norm-wise)."""
     denom = b.float().norm().item()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from hf_zero.testing import run_distributed
 
 from _pipe_util import ADAM, data, ds_config, layer_list, reference_run
-from _tp_util import make_model, token_data
+from _tp_util import clipped_adamw_reference, engine_range, make_model
 
 TP_STEPS, TP_SAVED_AT, CLIP, LR = 3, 2, 0.5, 1e-3
 
@@ -47,27 +47,11 @@ def _tp_config(tp: int) -> dict:
 
 
 def _tp_reference() -> list[float]:
-    model = make_model("llama")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    batches, losses = token_data(TP_STEPS), []
-    for s in range(TP_STEPS):
-        loss = model(input_ids=batches[s], labels=batches[s]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return clipped_adamw_reference("llama", TP_STEPS, lr=LR, clip=CLIP)
 
 
 def _tp_steps(engine, start: int, stop: int) -> list[float]:
-    batches, losses = token_data(TP_STEPS), []
-    for s in range(start, stop):
-        loss = engine(input_ids=batches[s], labels=batches[s]).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return engine_range(engine, TP_STEPS, start, stop)
 
 
 def _tp_save(root: str) -> list[float]:

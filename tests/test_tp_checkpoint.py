@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _tp_spawns import SHARED_DIR, case, register
-from _tp_util import make_model, token_data
+from _tp_util import clipped_adamw_reference, engine_range, make_model
 
 STEPS, SAVED_AT, CLIP, LR = 4, 2, 0.5, 1e-3
 KINDS = ("llama", "gpt2", "llama-sp")
@@ -33,27 +33,11 @@ def _config(tp: int, kind: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def reference(kind: str) -> list[float]:
-    model = make_model(kind.removesuffix("-sp"))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    data, losses = token_data(STEPS), []
-    for s in range(STEPS):
-        loss = model(input_ids=data[s], labels=data[s]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return clipped_adamw_reference(kind.removesuffix("-sp"), STEPS, lr=LR, clip=CLIP)
 
 
 def _steps(engine, start: int, stop: int) -> list[float]:
-    data, losses = token_data(STEPS), []
-    for s in range(start, stop):
-        loss = engine(input_ids=data[s], labels=data[s]).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return engine_range(engine, STEPS, start, stop)
 
 
 def _digests(path: str) -> dict[str, str]:
