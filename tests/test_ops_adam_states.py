@@ -124,3 +124,41 @@ def test_one_thread_whole_tensor_matches_two_thread_blocks(isa):
     for a, b in zip(results[1], results[2]):
         assert torch.equal(a, b)
     assert not torch.equal(results[1][0], inputs[0])  # the step did move the parameter
+
+
+def _engine_states(tmp: str) -> dict:
+    import hf_zero
+
+    def engine():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1))  # 4 MiB fp32 shard
+        cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+               "zero_optimization": {"stage": 2}}
+        return hf_zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+    def states(e):
+        return [(e.optimizer.state[g.master]["exp_avg"], e.optimizer.state[g.master]["exp_avg_sq"])
+                for g in e.optimizer.groups]
+
+    first = engine()
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        first.backward(first(x).square().mean())
+        first.step()
+    first.save_checkpoint(tmp, tag="t")
+    fresh = engine()
+    fresh.load_checkpoint(tmp, tag="t")
+    return {"aligned": [t.data_ptr() % HUGE_PAGE == 0 for e in (first, fresh) for pair in states(e) for t in pair],
+            "equal": all(torch.equal(a, b) for p, q in zip(states(first), states(fresh)) for a, b in zip(p, q)),
+            "nonzero": all(torch.count_nonzero(t).item() > 0 for pair in states(first) for t in pair)}
+
+
+@requires_native
+def test_zero_engine_states_on_hugepages_after_steps_and_after_load(tmp_path):
+    """The ZeRO engine's fused-Adam states (zero/optimizer_backend.py) come from zeros_state too, and so do the
+    states a fresh engine builds from a checkpoint (zero/optimizer.py), with the saved values."""
+    from hf_zero.testing import run_distributed
+
+    out = run_distributed(_engine_states, 1, args=(str(tmp_path),))[0]
+    assert out["aligned"] == [True] * 4 and out["equal"] and out["nonzero"]

@@ -25,7 +25,7 @@ import torch
 
 from hf_zero.comm import all_reduce_
 from hf_zero.offload.swapper import wait_all
-from hf_zero.ops.adam import AdamHyper
+from hf_zero.ops.adam import AdamHyper, zeros_state
 from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import ShardLayout
 from hf_zero.zero.loss_scaler import LossScaler
@@ -264,7 +264,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         state[key].copy_(t)
                     else:  # a fresh optimizer: the configured state dtype (fp32, or bf16 states), whatever was saved
                         dtype = self.state_dtype if self.fused_adam else g.master.dtype
-                        state[key] = t.to(device=g.master.device, dtype=dtype, copy=True)
+                        state[key] = zeros_state(t.shape, dtype, g.master.device)  # as the backend allocates
+                        state[key].copy_(t)
             wait_all(g.write_param16(0, g.shard_numel, g.master))
 
     def load_scalar_state(self, saved: dict) -> None:

@@ -27,7 +27,7 @@ from typing import Protocol, Sequence
 import torch
 
 from hf_zero.offload.swapper import wait_all
-from hf_zero.ops.adam import AdamHyper, adam_step_
+from hf_zero.ops.adam import AdamHyper, adam_step_, zeros_state
 from hf_zero.profiling.timers import NO_TIMERS
 
 __all__ = ["OptimizerBackend", "FusedAdamBackend", "TorchOptimizerBackend"]
@@ -60,8 +60,9 @@ class FusedAdamBackend:
     def step(self, states, hyper, divisor: float) -> None:
         for g, state, h in zip(self.groups, states, hyper):
             if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(g.master, dtype=self.state_dtype)
-                state["exp_avg_sq"] = torch.zeros_like(g.master, dtype=self.state_dtype)
+                # on huge pages where the states are host memory (zeros_state): the step streams every element
+                state["exp_avg"] = zeros_state(g.master.shape, self.state_dtype, g.master.device)
+                state["exp_avg_sq"] = zeros_state(g.master.shape, self.state_dtype, g.master.device)
             # The 16-bit weights are written in the same pass: into param16, or (swapped ZeRO-3 shards,
             # param16 None) into a scratch buffer that write_param16 then sends to the swap files.
             out16 = g.param16
