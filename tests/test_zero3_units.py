@@ -310,3 +310,18 @@ def test_world_1_gathers_are_views_of_the_shards():
             w.fill_(3.0)
     assert torch.equal(sharded_param_of(w).local_shard, torch.full((128,), 3.0))  # kept
     rt.remove()
+
+
+def test_remove_before_the_first_forward_leaves_no_publishing_hook():
+    """engine.destroy() before any forward: the persistent parameters' publishing pre-hooks go with the others, and
+    the model computes as an ordinary module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    rt = Stage3Runtime(model, param_persistence_threshold=4)
+    assert model[2].bias.shape == (0,)
+    rt.remove()
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    x = torch.randn(3, 8)
+    assert torch.equal(model(x), ref(x))

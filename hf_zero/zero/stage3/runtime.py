@@ -393,8 +393,9 @@ class Stage3Runtime:
                 f"{available} bytes ({available / 2**30:.2f} GiB) are available. Save it instead with "
                 "engine.save_16bit_model() or save_checkpoint() (both stream module by module); the swap files are "
                 "removed when the process exits")
-        for h in self._handles + [h for _, hs in self._module_handles.values() for h in hs]:
+        for h in self._handles + self._publish_handles + [h for _, hs in self._module_handles.values() for h in hs]:
             h.remove()
+        self._publish_handles, self._unpublished = [], []  # gathered below with the rest; nothing left to publish
         self._handles.clear()
         self._module_handles.clear()
         _unwatch(self.module)
