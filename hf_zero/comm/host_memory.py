@@ -13,7 +13,7 @@ import os
 import psutil
 import torch
 
-__all__ = ["rss_bytes", "peak_rss_bytes", "reset_peak_rss", "tune_host_malloc", "zero_and_release",
+__all__ = ["rss_bytes", "peak_rss_bytes", "reset_peak_rss", "tune_host_malloc", "mmap_threshold", "zero_and_release",
            "MALLOC_MMAP_THRESHOLD", "MALLOC_MMAP_THRESHOLD_STAGE3"]
 
 _sampled_peak = 0
@@ -125,6 +125,11 @@ def tune_host_malloc(threshold: int = MALLOC_MMAP_THRESHOLD, *, stage3_heap_top:
     if done and stage3_heap_top:
         _tune_heap_top()
     return done
+
+
+def mmap_threshold() -> int | None:
+    """The threshold :func:`tune_host_malloc` set: None before any call, 0 where it left glibc's (or the user's)."""
+    return _tuned
 
 
 _heap_top_tuned = False

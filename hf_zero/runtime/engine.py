@@ -85,9 +85,9 @@ class HfZeroEngine(nn.Module):
         # every hf_zero collective from here on is bounded and checked (hf_zero/comm/faults.py)
         comm.faults.configure_from(config, process_group)
         if self.device.type == "cpu":  # host memory is the training memory: keep glibc from hoarding freed tensors
-            from hf_zero.comm.host_memory import tune_host_malloc
+            from hf_zero.zero.host_memory import tune_cpu_training_memory
 
-            tune_host_malloc()
+            tune_cpu_training_memory(stage3=False)
         self._backward = BackwardSessions(
             begin=self._begin_backward, end=self._end_backward, gas=self.gradient_accumulation_steps,
             loss_scale=lambda: self.loss_scaler.scale if self.loss_scaler is not None else None,

@@ -228,9 +228,9 @@ class Init:
         from hf_zero.comm.device import accelerator_type
 
         if accelerator_type() == "cpu":  # CPU training: host memory is the training memory (comm/host_memory.py)
-            from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD_STAGE3, tune_host_malloc
+            from hf_zero.zero.host_memory import tune_cpu_training_memory
 
-            tune_host_malloc(MALLOC_MMAP_THRESHOLD_STAGE3, stage3_heap_top=True)
+            tune_cpu_training_memory(stage3=True)
         # Looked up at enter time, as transformers expects (it may have swapped it in); see the module docstring
         # for why it is not installed anywhere.
         self._fp_constructor_wrapper = globals()["zero_wrapper_for_fp_tensor_constructor"]

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hf_zero.comm import buffer_pool, faults, get_rank, get_world_size, shm_ring
-from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD_STAGE3, tune_host_malloc
+from hf_zero.zero.host_memory import tune_cpu_training_memory
 from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import capped_bucket_numel
 from hf_zero.zero.leaf import z3_leaf_module
@@ -72,8 +72,8 @@ class Stage3Runtime:
                  keep_whole_alone: bool = False) -> None:
         self.module = module
         self.group = group
-        if not torch.cuda.is_available():  # CPU training: stage 3's mmap threshold (comm/host_memory.py)
-            tune_host_malloc(MALLOC_MMAP_THRESHOLD_STAGE3, stage3_heap_top=True)
+        if not torch.cuda.is_available():  # CPU training: stage 3's host memory policy (zero/host_memory.py)
+            tune_cpu_training_memory(stage3=True)
             # gathered parameters and packed gradients are pooled too (param.py, _on_grad_accumulated) -- unless
             # the ranks share a host: the gathers' packed buffers then live in the shared ring (comm/shm_ring.py),
             # which takes that room, and the pool keeps the default cap
