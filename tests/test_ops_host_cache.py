@@ -41,8 +41,13 @@ def big(mib, fill=None):
 
 def _run(body: str, env: dict | None = None) -> dict:
     code = _PRELUDE + textwrap.dedent(body)
+    from hf_zero.comm.process_group import free_port
+
+    # a world of one of its own: the port of a test that ran before in this process may still be taken
+    dist_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **dist_env, **(env or {})})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -233,3 +238,64 @@ def test_cap_env_zero_turns_it_off_and_bad_value_names_the_variable():
                            "hm.tune_cpu_training_memory(stage3=False)"], capture_output=True, text=True,
                           env={**os.environ, "HF_ZERO_HOST_CACHE_BYTES": "lots"}, timeout=120)
     assert proc.returncode != 0 and "HF_ZERO_HOST_CACHE_BYTES='lots'" in proc.stderr
+
+
+def test_trim_unmaps_blocks_idle_for_a_whole_interval():
+    out = _run("""
+        hc.enable(MiB, 64 * MiB)
+        a, b = big(2), big(3)
+        del a; del b
+        hc.trim(); s1 = st()                 # both freed in the interval before: kept for one more
+        c = big(3); del c                    # the 3 MiB block is used again in this interval
+        hc.trim(); s2 = st()                 # the 2 MiB block stayed idle a whole interval: unmapped
+        hc.trim(); s3 = st()                 # and now the 3 MiB one
+        print(json.dumps(dict(s1=s1, s2=s2, s3=s3)))
+    """)
+    assert out["s1"]["cached_bytes"] == 5 * MiB and out["s1"]["evictions"] == 0
+    assert out["s2"]["cached_bytes"] == 3 * MiB and out["s2"]["evictions"] == 1
+    assert out["s3"]["cached_bytes"] == 0 and out["s3"]["evictions"] == 2
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "absent"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def test_huge_page_blocks_are_aligned_and_backed_by_huge_pages():
+    out = _run("""
+        hc.enable(MiB, 64 * MiB)
+        t = big(6, fill=1)
+        start = t.data_ptr()
+        huge_kb = 0
+        lines = open("/proc/self/smaps").read().splitlines()
+        for i, line in enumerate(lines):
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= start < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                huge_kb = int(line.split()[1])
+        print(json.dumps(dict(aligned=start % (2 * MiB) == 0, huge_kb=huge_kb)))
+    """)
+    assert out["aligned"]
+    if _thp_mode() in ("madvise", "always"):
+        assert out["huge_kb"] >= 2048, out  # at least one 2 MiB page in the 6 MiB block
+
+
+def test_engine_leaves_the_cache_empty_after_initialize():
+    out = _run("""
+        import hf_zero
+        hc.enable(MiB, 256 * MiB)
+        junk = [big(4) for _ in range(4)]; del junk      # cached before the engine exists
+        before = st()["cached_bytes"]
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 8))
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": 2}}
+        engine, *_ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        after_init = st()["cached_bytes"]
+        print(json.dumps(dict(before=before, after_init=after_init)))
+    """)
+    assert out["before"] == 16 * MiB and out["after_init"] == 0

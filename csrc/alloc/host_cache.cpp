@@ -15,8 +15,16 @@
 // of that size (its bytes may still be in the CPU's cache), else maps a new one. Two bounds: mapping a new block
 // first unmaps the least recently freed cached blocks until live + cached bytes are within the most ever live at once
 // (plus `headroom_bytes`, 0 by default), so the cache never raises the peak resident set; and at most `cap_bytes`
-// stay cached (what stays mapped once live memory falls far below its peak). Below `min_bytes` requests go to the
-// allocator registered before (c10's: glibc's heap), as they did before.
+// stay cached (what stays mapped once live memory falls far below its peak). trim(), once per optimizer step, unmaps
+// the blocks that stayed idle for a whole step: memory a run freed for good (the fp32 weights a cast replaced, a
+// finished evaluation) goes back to the kernel within two steps. Below `min_bytes` requests go to the allocator
+// registered before (c10's: glibc's heap), as they did before.
+//
+// Huge pages (`huge_pages`): a new block of 2 MiB or more starts on a 2 MiB boundary and is advised for transparent
+// huge pages (MADV_HUGEPAGE; Linux's common THP mode, "madvise", gives them only to regions that ask). A 2 MiB page
+// is one fault instead of 512 and one TLB entry instead of 512; the block's length stays page-rounded, so the tail
+// past the last 2 MiB boundary is ordinary pages and no memory is added. ZeRO-3 on the 32M Llama: 42k -> 7k faults
+// and 5-11% less CPU per step than the cache on 4 KiB pages, peak RSS unchanged (benchmarks/RESULTS.md).
 //
 // Installed once per process with c10::SetCPUAllocator and never uninstalled: blocks handed out through the raw
 // interface (oneDNN's buffers) are freed through whatever allocator is registered at that time, so ours must stay.
@@ -100,7 +108,7 @@ class HostCache final : public c10::Allocator {
     }
   }
 
-  void configure(int64_t min_bytes, int64_t cap_bytes, int64_t headroom_bytes) {
+  void configure(int64_t min_bytes, int64_t cap_bytes, int64_t headroom_bytes, bool huge_pages) {
     TORCH_CHECK(min_bytes > 0 && cap_bytes >= 0 && headroom_bytes >= 0, "hf_zero host cache: min_bytes must be > 0, "
                 "cap_bytes and headroom_bytes >= 0, got ", min_bytes, ", ", cap_bytes, " and ", headroom_bytes);
     std::vector<Block> victims;
@@ -109,6 +117,7 @@ class HostCache final : public c10::Allocator {
       min_bytes_.store(static_cast<size_t>(min_bytes), std::memory_order_relaxed);
       cap_bytes_ = static_cast<size_t>(cap_bytes);
       headroom_bytes_ = static_cast<size_t>(headroom_bytes);
+      huge_pages_.store(huge_pages, std::memory_order_relaxed);
       caching_ = true;
       evict_to(cap_bytes_, victims);
     }
@@ -141,6 +150,20 @@ class HostCache final : public c10::Allocator {
             static_cast<int64_t>(peak_mapped_bytes_), hits_, misses_, evictions_};
   }
 
+  // Unmap the blocks freed before the previous trim() and not reused since: a block idle for a whole interval
+  // (the engine calls this once per optimizer step) is not part of the loop's working set.
+  void trim() {
+    std::vector<Block> victims;
+    {
+      std::lock_guard<std::mutex> guard(mu_);
+      while (!lru_.empty() && lru_.front().generation < generation_) {
+        evict_front(victims);
+      }
+      ++generation_;
+    }
+    unmap(victims);
+  }
+
   void reset_peak() {
     std::lock_guard<std::mutex> guard(mu_);
     peak_mapped_bytes_ = live_bytes_ + cached_bytes_;
@@ -156,6 +179,7 @@ class HostCache final : public c10::Allocator {
   struct Block {
     void* ptr;
     size_t bytes;
+    uint64_t generation = 0;  // generation_ when it was freed into the cache
   };
   // Above the default CPU allocator's registration (0), below what a deliberate replacement would use.
   static constexpr uint8_t kPriority = 1;
@@ -186,7 +210,7 @@ class HostCache final : public c10::Allocator {
       peak_mapped_bytes_ = std::max(peak_mapped_bytes_, live_bytes_ + cached_bytes_);
     }
     unmap(victims);
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* p = map_block(bytes);
     std::lock_guard<std::mutex> guard(mu_);
     if (p == MAP_FAILED) {
       live_bytes_ -= bytes;
@@ -235,7 +259,7 @@ class HostCache final : public c10::Allocator {
         live_.erase(found);
         live_bytes_ -= block.bytes;
         if (caching_ && block.bytes <= cap_bytes_) {
-          lru_.push_back(block);
+          lru_.push_back(Block{block.ptr, block.bytes, generation_});
           by_size_.emplace(block.bytes, std::prev(lru_.end()));
           cached_bytes_ += block.bytes;
           evict_to(cap_bytes_, victims);
@@ -257,25 +281,55 @@ class HostCache final : public c10::Allocator {
   // Holding mu_: take the least recently freed blocks out until at most `keep` bytes stay cached.
   void evict_to(size_t keep, std::vector<Block>& victims) {
     while (cached_bytes_ > keep && !lru_.empty()) {
-      const Block block = lru_.front();
-      auto range = by_size_.equal_range(block.bytes);
-      for (auto it = range.first; it != range.second; ++it) {
-        if (it->second == lru_.begin()) {
-          by_size_.erase(it);
-          break;
-        }
-      }
-      lru_.pop_front();
-      cached_bytes_ -= block.bytes;
-      ++evictions_;
-      victims.push_back(block);
+      evict_front(victims);
     }
+  }
+
+  // Holding mu_: take the least recently freed block out of the cache.
+  void evict_front(std::vector<Block>& victims) {
+    const Block block = lru_.front();
+    auto range = by_size_.equal_range(block.bytes);
+    for (auto it = range.first; it != range.second; ++it) {
+      if (it->second == lru_.begin()) {
+        by_size_.erase(it);
+        break;
+      }
+    }
+    lru_.pop_front();
+    cached_bytes_ -= block.bytes;
+    ++evictions_;
+    victims.push_back(block);
   }
 
   static void unmap(const std::vector<Block>& victims) {
     for (const Block& block : victims) {
       munmap(block.ptr, block.bytes);
     }
+  }
+
+  // `bytes` (page-rounded) of fresh anonymous memory. Blocks of 2 MiB and more start on a 2 MiB boundary and are
+  // advised for transparent huge pages where huge_pages_ is set (see configure()).
+  void* map_block(size_t bytes) {
+    constexpr size_t kHuge = size_t{2} << 20;
+    if (!huge_pages_.load(std::memory_order_relaxed) || bytes < kHuge) {
+      return mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    }
+    const size_t mapped = bytes + kHuge;
+    void* raw = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) {
+      return raw;
+    }
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t aligned = (begin + kHuge - 1) & ~(uintptr_t{kHuge} - 1);
+    if (aligned > begin) {
+      munmap(raw, aligned - begin);
+    }
+    const uintptr_t end = begin + mapped;
+    if (end > aligned + bytes) {
+      munmap(reinterpret_cast<void*>(aligned + bytes), end - (aligned + bytes));
+    }
+    madvise(reinterpret_cast<void*>(aligned), bytes, MADV_HUGEPAGE);
+    return reinterpret_cast<void*>(aligned);
   }
 
   static size_t round_up(size_t n) {
@@ -287,7 +341,9 @@ class HostCache final : public c10::Allocator {
   c10::Allocator* previous_ = nullptr;  // the allocator registered before ours: every small request goes there
   bool installed_ = false;
   bool caching_ = false;
-  std::atomic<size_t> min_bytes_{SIZE_MAX};  // nothing cached before configure()
+  std::atomic<size_t> min_bytes_{SIZE_MAX};
+  std::atomic<bool> huge_pages_{false};
+  uint64_t generation_ = 0;  // trim() calls so far  // nothing cached before configure()
   size_t cap_bytes_ = 0;
   std::list<Block> lru_;                                      // cached blocks, least recently freed first
   std::multimap<size_t, std::list<Block>::iterator> by_size_;  // the same blocks by size
@@ -302,9 +358,9 @@ class HostCache final : public c10::Allocator {
   int64_t evictions_ = 0;
 };
 
-void host_cache_enable(int64_t min_bytes, int64_t cap_bytes, int64_t headroom_bytes) {
+void host_cache_enable(int64_t min_bytes, int64_t cap_bytes, int64_t headroom_bytes, bool huge_pages) {
   HostCache& cache = HostCache::get();
-  cache.configure(min_bytes, cap_bytes, headroom_bytes);
+  cache.configure(min_bytes, cap_bytes, headroom_bytes, huge_pages);
   cache.install();
 }
 
@@ -314,6 +370,10 @@ void host_cache_disable() {
 
 void host_cache_empty() {
   HostCache::get().empty_cache();
+}
+
+void host_cache_trim() {
+  HostCache::get().trim();
 }
 
 std::vector<int64_t> host_cache_stats() {
@@ -326,9 +386,10 @@ void host_cache_reset_peak() {
 
 #else  // not Linux: nothing is installed; stats report it
 
-void host_cache_enable(int64_t, int64_t, int64_t) {}
+void host_cache_enable(int64_t, int64_t, int64_t, bool) {}
 void host_cache_disable() {}
 void host_cache_empty() {}
+void host_cache_trim() {}
 std::vector<int64_t> host_cache_stats() {
   return {0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 }
@@ -340,9 +401,11 @@ void host_cache_reset_peak() {}
 
 TORCH_LIBRARY_FRAGMENT(hf_zero, m) {
   // The large-block cache of torch's CPU allocator (hf_zero.ops.host_cache): installed by the first enable().
-  m.def("host_cache_enable(int min_bytes, int cap_bytes, int headroom_bytes) -> ()", &host_cache_enable);
+  m.def("host_cache_enable(int min_bytes, int cap_bytes, int headroom_bytes, bool huge_pages) -> ()",
+        &host_cache_enable);
   m.def("host_cache_disable() -> ()", &host_cache_disable);
   m.def("host_cache_empty() -> ()", &host_cache_empty);
+  m.def("host_cache_trim() -> ()", &host_cache_trim);
   // installed, caching, min_bytes, cap_bytes, live_bytes, cached_bytes, peak_mapped_bytes, hits, misses, evictions
   m.def("host_cache_stats() -> int[]", &host_cache_stats);
   m.def("host_cache_reset_peak() -> ()", &host_cache_reset_peak);

@@ -8,7 +8,9 @@ cache, a freed block of ``min_bytes`` or more is kept and handed to the next req
 larger, the most recently freed first: its bytes may still be in the CPU's cache). Two bounds keep the memory the
 threshold was set for: a new block is never mapped while live + cached bytes would exceed the most ever live at
 once (the least recently freed cached blocks are unmapped first), so the cache does not raise the peak resident
-set; and at most ``cap_bytes`` stay cached while unused. Smaller requests go to c10's allocator as before.
+set; at most ``cap_bytes`` stay cached while unused; and :func:`trim`, once per optimizer step, unmaps what stayed
+idle a whole step. New blocks of 2 MiB and more sit on transparent huge pages. Smaller requests go to c10's
+allocator as before.
 
 The allocator is registered once (``c10::SetCPUAllocator``) and stays: oneDNN frees its raw buffers through
 whatever allocator is registered at the time. :func:`disable` empties the cache and stops caching.
@@ -25,7 +27,7 @@ import torch
 
 from hf_zero.ops._native import native_available
 
-__all__ = ["HostCacheStats", "available", "enable", "disable", "empty_cache", "stats", "reset_peak",
+__all__ = ["HostCacheStats", "available", "enable", "disable", "empty_cache", "trim", "stats", "reset_peak",
            "DEFAULT_CAP_BYTES"]
 
 # What the cache may hold unused. The peak rule (enable()) is what bounds it in training; the cap bounds what stays
@@ -53,16 +55,18 @@ def available() -> bool:
     return native_available(torch.device("cpu")) and hasattr(torch.ops.hf_zero, "host_cache_enable")
 
 
-def enable(min_bytes: int, cap_bytes: int = DEFAULT_CAP_BYTES, headroom_bytes: int = 0) -> bool:
+def enable(min_bytes: int, cap_bytes: int = DEFAULT_CAP_BYTES, headroom_bytes: int = 0, *,
+           huge_pages: bool = True) -> bool:
     """Cache freed CPU blocks of ``min_bytes`` and more, keeping at most ``cap_bytes`` unused, and never mapping a
     new block while live + cached bytes exceed the most ever live at once plus ``headroom_bytes`` (the least
     recently freed cached blocks are unmapped first): with the default 0 the cache does not raise the peak resident
     set. Returns whether the cache is on: False without the compiled extension or where the user opted out
     (``HF_ZERO_HOST_MALLOC=default``). A later call changes the numbers (a ZeRO-3 engine after a stage-2 one
-    lowers ``min_bytes``)."""
+    lowers ``min_bytes``). ``huge_pages``: new blocks of 2 MiB and more on transparent huge pages (see the C++
+    source's header)."""
     if os.environ.get("HF_ZERO_HOST_MALLOC", "").strip().lower() == "default" or not available():
         return False
-    torch.ops.hf_zero.host_cache_enable(int(min_bytes), int(cap_bytes), int(headroom_bytes))
+    torch.ops.hf_zero.host_cache_enable(int(min_bytes), int(cap_bytes), int(headroom_bytes), bool(huge_pages))
     return True
 
 
@@ -76,6 +80,13 @@ def empty_cache() -> None:
     """Unmap every cached block (caching goes on)."""
     if available():
         torch.ops.hf_zero.host_cache_empty()
+
+
+def trim() -> None:
+    """Unmap the cached blocks freed before the previous ``trim()`` and not reused since (the engine calls it once
+    per optimizer step on CPU, so memory freed for good goes back to the kernel within two steps)."""
+    if available():
+        torch.ops.hf_zero.host_cache_trim()
 
 
 def stats() -> HostCacheStats:

@@ -22,6 +22,7 @@ from torch import nn
 from hf_zero import comm
 from hf_zero.config import HfZeroConfig, loss_scale_policy, precision_policy, zero_policy
 from hf_zero.config.errors import ConfigError
+from hf_zero.ops import host_cache
 from hf_zero.profiling.step_calibration import StepTimeCalibrator
 from hf_zero.profiling.step_profile import StepProfiler
 from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
@@ -158,6 +159,10 @@ class HfZeroEngine(nn.Module):
             self.optimizer.norm_excluded_spans = replicated_spans(self.groups)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self._finish_init(module, config)
+        if self.device.type == "cpu":
+            # what initialize freed (the weights a cast replaced, the model's unsharded copies) is not the training
+            # loop's working set: out of the host cache (hf_zero/ops/host_cache.py), back to the kernel
+            host_cache.empty_cache()
 
     def _cast_buffers(self, module: nn.Module, precision) -> None:
         """Buffers as DeepSpeed 0.19.8 leaves them at initialize (hf_zero/zero/buffer_dtypes.py): their own dtype
@@ -353,6 +358,8 @@ class HfZeroEngine(nn.Module):
             if self.lr_scheduler is not None and not self.optimizer.overflow:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.step_profiler.finish_step(self.global_steps)
+            if self.device.type == "cpu":
+                host_cache.trim()  # blocks idle for a whole step go back to the kernel
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.step_time.boundary()

@@ -15,9 +15,10 @@ from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOL
     tune_host_malloc
 from hf_zero.ops import host_cache
 
-__all__ = ["tune_cpu_training_memory", "HOST_CACHE_CAP_ENV"]
+__all__ = ["tune_cpu_training_memory", "HOST_CACHE_CAP_ENV", "HOST_CACHE_HUGE_PAGES_ENV"]
 
 HOST_CACHE_CAP_ENV = "HF_ZERO_HOST_CACHE_BYTES"  # what the cache may keep unused; 0 turns it off
+HOST_CACHE_HUGE_PAGES_ENV = "HF_ZERO_HOST_CACHE_HUGE_PAGES"  # 0: the cache's blocks on ordinary 4 KiB pages
 
 
 def tune_cpu_training_memory(*, stage3: bool) -> None:
@@ -36,4 +37,8 @@ def tune_cpu_training_memory(*, stage3: bool) -> None:
         if int(cap) == 0:
             host_cache.disable()
             return
-    host_cache.enable(threshold, int(cap) if cap else host_cache.DEFAULT_CAP_BYTES)
+    huge = os.environ.get(HOST_CACHE_HUGE_PAGES_ENV, "1").strip().lower()
+    if huge not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"{HOST_CACHE_HUGE_PAGES_ENV}={huge!r}: expected 0 or 1")
+    host_cache.enable(threshold, int(cap) if cap else host_cache.DEFAULT_CAP_BYTES,
+                      huge_pages=huge in ("1", "true", "yes", "on"))
