@@ -21,6 +21,7 @@ whatever allocator is registered at the time. :func:`disable` empties the cache 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,14 @@ def enable(min_bytes: int, cap_bytes: int = DEFAULT_CAP_BYTES, headroom_bytes: i
     source's header)."""
     if os.environ.get("HF_ZERO_HOST_MALLOC", "").strip().lower() == "default" or not available():
         return False
-    torch.ops.hf_zero.host_cache_enable(int(min_bytes), int(cap_bytes), int(headroom_bytes), bool(huge_pages))
+    try:
+        torch.ops.hf_zero.host_cache_enable(int(min_bytes), int(cap_bytes), int(headroom_bytes), bool(huge_pages))
+    except RuntimeError as exc:
+        if "hf_zero host cache" not in str(exc) or "min_bytes must be" in str(exc):
+            raise
+        # another library registered torch's CPU allocator above ours: train without the cache, as before it
+        warnings.warn(f"hf_zero: the host cache is off ({exc}); CPU training runs without it", stacklevel=2)
+        return False
     return True
 
 
