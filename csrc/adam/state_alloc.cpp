@@ -17,17 +17,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cstdint>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#include <unistd.h>
-#endif
+#include "huge_pages.h"
 
 namespace hf_zero {
 namespace {
-
-constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 at::Tensor zeros_hugepage(at::IntArrayRef size, at::ScalarType dtype) {
   const at::TensorOptions options = at::TensorOptions().dtype(dtype).device(at::kCPU);
@@ -36,24 +29,9 @@ at::Tensor zeros_hugepage(at::IntArrayRef size, at::ScalarType dtype) {
   const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (nbytes >= kHugePageBytes) {
-    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    const size_t length = (nbytes + page - 1) / page * page;
-    // Over-map by one huge page, then unmap the head before the first 2 MiB boundary and the tail after `length`.
-    const size_t mapped = length + kHugePageBytes;
-    void* raw = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw != MAP_FAILED) {
-      const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
-      const uintptr_t aligned = (begin + kHugePageBytes - 1) & ~(uintptr_t{kHugePageBytes} - 1);
-      if (aligned > begin) {
-        munmap(raw, aligned - begin);
-      }
-      const uintptr_t end = begin + mapped;
-      if (end > aligned + length) {
-        munmap(reinterpret_cast<void*>(aligned + length), end - (aligned + length));
-      }
-      void* data = reinterpret_cast<void*>(aligned);
-      // A failure here (a kernel without THP) leaves ordinary pages: still a correct zero-filled tensor.
-      madvise(data, length, MADV_HUGEPAGE);
+    const size_t length = round_up_to_page(nbytes);
+    void* data = map_huge_page_aligned(length);
+    if (data != nullptr) {
       return at::from_blob(
           data, size, [length](void* p) { munmap(p, length); }, options);
     }

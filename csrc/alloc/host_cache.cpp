@@ -42,13 +42,14 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
-#if defined(__linux__)
+#include "huge_pages.h"
+
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
 #include <pthread.h>
-#include <sys/mman.h>
-#include <unistd.h>
 #define HF_ZERO_HOST_CACHE 1
 #endif
 
@@ -59,11 +60,6 @@ namespace {
 
 // A request may take a cached block up to this fraction larger than itself.
 constexpr double kFitSlack = 0.25;
-
-size_t page_size() {
-  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  return page;
-}
 
 class HostCache final : public c10::Allocator {
  public:
@@ -94,18 +90,22 @@ class HostCache final : public c10::Allocator {
     default_copy_data(dest, src, count);
   }
 
-  void install() {
+  // Registers the cache as torch's CPU allocator (once); returns why not, or "" once it is.
+  std::string install() {
     std::lock_guard<std::mutex> guard(mu_);
     if (!installed_) {
       c10::Allocator* current = c10::GetCPUAllocator();
-      TORCH_CHECK(current->raw_deleter() != nullptr, "hf_zero host cache: the registered CPU allocator has no raw "
-                  "interface to fall back on");
+      if (current->raw_deleter() == nullptr) {
+        return "the registered CPU allocator has no raw interface to fall back on";
+      }
       previous_ = current;
       c10::SetCPUAllocator(this, kPriority);
       installed_ = c10::GetCPUAllocator() == this;
-      TORCH_CHECK(installed_, "hf_zero host cache: torch's CPU allocator was replaced at a higher priority "
-                  "than hf_zero can register at (", static_cast<const void*>(current), ")");
+      if (!installed_) {
+        return "torch's CPU allocator was replaced at a higher priority than hf_zero registers at";
+      }
     }
+    return "";
   }
 
   void configure(int64_t min_bytes, int64_t cap_bytes, int64_t headroom_bytes, bool huge_pages) {
@@ -189,7 +189,7 @@ class HostCache final : public c10::Allocator {
   }
 
   void* map_or_reuse(size_t n) {
-    const size_t bytes = round_up(n);
+    const size_t bytes = round_up_to_page(n);
     std::vector<Block> victims;
     {
       std::lock_guard<std::mutex> guard(mu_);
@@ -204,15 +204,13 @@ class HostCache final : public c10::Allocator {
       // Mapping more would take what is mapped above the most tensors ever used at once (plus the headroom):
       // unmap the least recently freed blocks first, so the cache never raises the peak resident set by more
       // than the headroom.
-      if (live_bytes_ + cached_bytes_ > live_peak_bytes_ + headroom_bytes_) {
-        evict_to(live_peak_bytes_ + headroom_bytes_ - live_bytes_, victims);
-      }
+      evict_to(live_peak_bytes_ + headroom_bytes_ - live_bytes_, victims);
       peak_mapped_bytes_ = std::max(peak_mapped_bytes_, live_bytes_ + cached_bytes_);
     }
     unmap(victims);
     void* p = map_block(bytes);
     std::lock_guard<std::mutex> guard(mu_);
-    if (p == MAP_FAILED) {
+    if (p == nullptr) {
       live_bytes_ -= bytes;
       TORCH_CHECK(false, "hf_zero host cache: out of memory mapping ", bytes, " bytes (", cached_bytes_,
                   " bytes cached, ", live_bytes_, " in use)");
@@ -307,43 +305,23 @@ class HostCache final : public c10::Allocator {
     }
   }
 
-  // `bytes` (page-rounded) of fresh anonymous memory. Blocks of 2 MiB and more start on a 2 MiB boundary and are
-  // advised for transparent huge pages where huge_pages_ is set (see configure()).
+  // `bytes` (page-rounded) of fresh anonymous memory, nullptr where mapping fails. Blocks of 2 MiB and more sit on a
+  // 2 MiB boundary advised for transparent huge pages where huge_pages_ is set (see configure()).
   void* map_block(size_t bytes) {
-    constexpr size_t kHuge = size_t{2} << 20;
-    if (!huge_pages_.load(std::memory_order_relaxed) || bytes < kHuge) {
-      return mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (huge_pages_.load(std::memory_order_relaxed) && bytes >= kHugePageBytes) {
+      return map_huge_page_aligned(bytes);
     }
-    const size_t mapped = bytes + kHuge;
-    void* raw = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) {
-      return raw;
-    }
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
-    const uintptr_t aligned = (begin + kHuge - 1) & ~(uintptr_t{kHuge} - 1);
-    if (aligned > begin) {
-      munmap(raw, aligned - begin);
-    }
-    const uintptr_t end = begin + mapped;
-    if (end > aligned + bytes) {
-      munmap(reinterpret_cast<void*>(aligned + bytes), end - (aligned + bytes));
-    }
-    madvise(reinterpret_cast<void*>(aligned), bytes, MADV_HUGEPAGE);
-    return reinterpret_cast<void*>(aligned);
-  }
-
-  static size_t round_up(size_t n) {
-    const size_t page = page_size();
-    return (n + page - 1) / page * page;
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
   }
 
   std::mutex mu_;
   c10::Allocator* previous_ = nullptr;  // the allocator registered before ours: every small request goes there
   bool installed_ = false;
   bool caching_ = false;
-  std::atomic<size_t> min_bytes_{SIZE_MAX};
+  std::atomic<size_t> min_bytes_{SIZE_MAX};  // nothing cached before configure()
   std::atomic<bool> huge_pages_{false};
-  uint64_t generation_ = 0;  // trim() calls so far  // nothing cached before configure()
+  uint64_t generation_ = 0;  // trim() calls so far
   size_t cap_bytes_ = 0;
   std::list<Block> lru_;                                      // cached blocks, least recently freed first
   std::multimap<size_t, std::list<Block>::iterator> by_size_;  // the same blocks by size
@@ -358,10 +336,10 @@ class HostCache final : public c10::Allocator {
   int64_t evictions_ = 0;
 };
 
-void host_cache_enable(int64_t min_bytes, int64_t cap_bytes, int64_t headroom_bytes, bool huge_pages) {
+std::string host_cache_enable(int64_t min_bytes, int64_t cap_bytes, int64_t headroom_bytes, bool huge_pages) {
   HostCache& cache = HostCache::get();
   cache.configure(min_bytes, cap_bytes, headroom_bytes, huge_pages);
-  cache.install();
+  return cache.install();
 }
 
 void host_cache_disable() {
@@ -386,7 +364,9 @@ void host_cache_reset_peak() {
 
 #else  // not Linux: nothing is installed; stats report it
 
-void host_cache_enable(int64_t, int64_t, int64_t, bool) {}
+std::string host_cache_enable(int64_t, int64_t, int64_t, bool) {
+  return "the host cache is built on Linux only";
+}
 void host_cache_disable() {}
 void host_cache_empty() {}
 void host_cache_trim() {}
@@ -401,7 +381,8 @@ void host_cache_reset_peak() {}
 
 TORCH_LIBRARY_FRAGMENT(hf_zero, m) {
   // The large-block cache of torch's CPU allocator (hf_zero.ops.host_cache): installed by the first enable().
-  m.def("host_cache_enable(int min_bytes, int cap_bytes, int headroom_bytes, bool huge_pages) -> ()",
+  // returns "" once the cache is torch's CPU allocator, else why it is not
+  m.def("host_cache_enable(int min_bytes, int cap_bytes, int headroom_bytes, bool huge_pages) -> str",
         &host_cache_enable);
   m.def("host_cache_disable() -> ()", &host_cache_disable);
   m.def("host_cache_empty() -> ()", &host_cache_empty);

@@ -21,6 +21,7 @@ whatever allocator is registered at the time. :func:`disable` empties the cache 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -52,8 +53,9 @@ class HostCacheStats:
 
 
 def available() -> bool:
-    """The compiled extension is loaded and has the cache (an older build does not)."""
-    return native_available(torch.device("cpu")) and hasattr(torch.ops.hf_zero, "host_cache_enable")
+    """Linux, and the compiled extension is loaded and has the cache (an older build does not)."""
+    return sys.platform.startswith("linux") and native_available(torch.device("cpu")) and \
+        hasattr(torch.ops.hf_zero, "host_cache_enable")
 
 
 def enable(min_bytes: int, cap_bytes: int = DEFAULT_CAP_BYTES, headroom_bytes: int = 0, *,
@@ -61,19 +63,16 @@ def enable(min_bytes: int, cap_bytes: int = DEFAULT_CAP_BYTES, headroom_bytes: i
     """Cache freed CPU blocks of ``min_bytes`` and more, keeping at most ``cap_bytes`` unused, and never mapping a
     new block while live + cached bytes exceed the most ever live at once plus ``headroom_bytes`` (the least
     recently freed cached blocks are unmapped first): with the default 0 the cache does not raise the peak resident
-    set. Returns whether the cache is on: False without the compiled extension or where the user opted out
-    (``HF_ZERO_HOST_MALLOC=default``). A later call changes the numbers (a ZeRO-3 engine after a stage-2 one
-    lowers ``min_bytes``). ``huge_pages``: new blocks of 2 MiB and more on transparent huge pages (see the C++
-    source's header)."""
+    set. Returns whether the cache is on: False off Linux, without the compiled extension, where the user opted
+    out (``HF_ZERO_HOST_MALLOC=default``), or (with a warning saying why) where it could not be registered. A
+    later call changes the numbers (a ZeRO-3 engine after a stage-2 one lowers ``min_bytes``). ``huge_pages``: new
+    blocks of 2 MiB and more on transparent huge pages (see the C++ source's header)."""
     if os.environ.get("HF_ZERO_HOST_MALLOC", "").strip().lower() == "default" or not available():
         return False
-    try:
-        torch.ops.hf_zero.host_cache_enable(int(min_bytes), int(cap_bytes), int(headroom_bytes), bool(huge_pages))
-    except RuntimeError as exc:
-        if "hf_zero host cache" not in str(exc) or "min_bytes must be" in str(exc):
-            raise
-        # another library registered torch's CPU allocator above ours: train without the cache, as before it
-        warnings.warn(f"hf_zero: the host cache is off ({exc}); CPU training runs without it", stacklevel=2)
+    why_not = torch.ops.hf_zero.host_cache_enable(int(min_bytes), int(cap_bytes), int(headroom_bytes),
+                                                  bool(huge_pages))
+    if why_not:  # e.g. another library registered torch's CPU allocator above ours: train as before the cache
+        warnings.warn(f"hf_zero: the host cache is off ({why_not}); CPU training runs without it", stacklevel=2)
         return False
     return True
 
