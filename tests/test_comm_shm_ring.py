@@ -209,3 +209,73 @@ def test_ring_memory_has_no_name_and_a_kill_during_set_up_leaves_nothing():
     with pytest.raises(DistributedFailure, match="rank 0 exited with code -9"):
         run_distributed(_ring_set_up, 2, args=(True,), timeout_s=60)
     assert _hf_zero_shm_files() <= before
+
+
+def _filled(hold_ring: bool):
+    """reduce_scatter_filled against reduce_scatter_packed of the same buffer materialized: a bucket of parameters
+    of random sizes (some spanning several of the ring's chunks), filled column range by column range and delivered
+    into one output per parameter. ``hold_ring``: two gathers hold 95% of the ring, so it turns the first chunk
+    down and the rest goes through gloo."""
+    import torch.distributed as dist
+
+    from hf_zero.comm import all_gather_packed, give_packed, reduce_scatter_packed, shm_ring, take_gather_buffer
+    from hf_zero.comm.collectives import reduce_scatter_filled
+    from hf_zero.zero.layout import ShardLayout
+
+    rank, w = dist.get_rank(), dist.get_world_size()
+    ring = shm_ring.ring_for(None)
+    held = []
+    if hold_ring:
+        cols = ring.size // (4 * w)
+        for frac in (0.5, 0.45):
+            packed = take_gather_buffer((w, int(cols * frac)), torch.float32, "cpu")
+            held.append((all_gather_packed(packed, torch.zeros(packed.shape[1]), async_op=True), packed))
+    gen = torch.Generator().manual_seed(3)  # the same sizes on every rank
+    bad, calls, refused = [], [], ring.refused if ring else 0
+    for it in range(4):
+        numels = [int(torch.randint(1, 90_000, (1,), generator=gen)) for _ in range(int(torch.randint(1, 7, (1,),
+                                                                                                  generator=gen)))]
+        layout = ShardLayout(tuple(numels), w)
+        flats = [torch.arange(n, dtype=torch.float32) % 977 + 1000 * rank + it for n in numels]
+        reference = torch.empty(w, layout.shard_numel)
+        layout.pack(flats, 0, reference, scale=0.5)
+        expected = torch.empty(layout.shard_numel)
+        reduce_scatter_packed(expected, reference)
+        got = torch.full((layout.shard_numel,), float("nan"))
+        seen = []
+
+        def deliver(lo, hi, sum_into):
+            seen.append((lo, hi))
+            mid = (lo + hi) // 2  # two pieces, as a caller writing into two parameters' storages would
+            sum_into(got[lo:mid], lo, mid)
+            if mid < hi:
+                sum_into(got[mid:hi], mid, hi)
+
+        work = reduce_scatter_filled(lambda dst, lo: layout.pack_columns(flats, 0, dst, lo, scale=0.5), deliver,
+                                     (w, layout.shard_numel), torch.float32, "cpu", what="the test's bucket",
+                                     defer_check=True)
+        work.wait()
+        contiguous = all(a[1] == b[0] for a, b in zip(seen, seen[1:]))
+        if not (torch.equal(got, expected) and seen[0][0] == 0 and seen[-1][1] == layout.shard_numel and contiguous):
+            bad.append(it)
+        calls.append(len(seen))
+    for work, packed in held:
+        work.wait()
+        give_packed(packed)
+    return {"bad": bad, "calls": calls, "ring": ring is not None,
+            "refused": (ring.refused - refused) if ring else 0}
+
+
+@pytest.mark.parametrize("world, env, hold", [(2, {"HF_ZERO_SHM_COMM_MIB": "1"}, False),
+                                              (4, {"HF_ZERO_SHM_COMM_MIB": "1"}, False),
+                                              (2, {"HF_ZERO_SHM_COMM_MIB": "1"}, True),
+                                              (2, {"HF_ZERO_SHM_COMM": "0"}, False)])
+def test_a_bucket_given_as_functions_reduces_to_the_packed_buffers_sums(world, env, hold):
+    for res in run_distributed(_filled, world, args=(hold,), env=env):
+        assert res["bad"] == [], res
+        if env.get("HF_ZERO_SHM_COMM") == "0":  # one delivery of the whole bucket, after gloo's reduces
+            assert not res["ring"] and res["calls"] == [1, 1, 1, 1], res
+        elif hold:  # the first chunk turned down (the reference's and this one's): the rest at once, from gloo
+            assert res["refused"] == 8 and res["calls"] == [1, 1, 1, 1], res
+        else:  # straight through the ring, chunk by chunk (1/8 of a 1 MiB ring: a few thousand columns each)
+            assert res["ring"] and res["refused"] == 0 and min(res["calls"]) >= 2, res

@@ -11,14 +11,16 @@ Every call is preceded by the divergence check (one small all-gather; ``comms_di
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
-from . import faults, shm_ring
+from . import buffer_pool, faults, shm_ring
 from .process_group import bookkeeping_device
-from .shm_collectives import bounce_all_gather, bounce_reduce_scatter, shm_all_gather
+from .shm_collectives import bounce_all_gather, bounce_reduce_scatter, fill_reduce_scatter, shm_all_gather
 
-__all__ = ["reduce_scatter_packed", "all_gather_packed", "all_reduce_", "barrier", "Work", "DoneWork",
+__all__ = ["reduce_scatter_packed", "reduce_scatter_filled", "all_gather_packed", "all_reduce_", "barrier", "Work", "DoneWork",
            "BoundedWork"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -58,7 +60,10 @@ Work = object  # BoundedWork or DoneWork: anything with .wait()
 
 def _issue(kind: str, fn, tensor: torch.Tensor, what: str | None, group, async_op: bool, *args,
            force_check: bool = False, defer_check: bool = False, **kwargs):
-    what = what or f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} of {tensor.numel()} elements"
+    """``tensor``: what the divergence check compares (its element count and dtype) -- the packed buffer, or the
+    :class:`_Spec` of one that is never materialized."""
+    numel, dtype = tensor.numel(), tensor.dtype
+    what = what or f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} of {numel} elements"
     faults.settle(group)  # a deferred payload asked for before this one leaves first
     on_gpu = tensor.device.type == "cuda"
     if async_op and defer_check:
@@ -68,9 +73,9 @@ def _issue(kind: str, fn, tensor: torch.Tensor, what: str | None, group, async_o
             with faults.bounded(f"issuing {what}", group):
                 bounded.work = fn(*args, group=group, async_op=True, **kwargs)
 
-        if faults.check_deferred(kind, tensor.numel(), tensor.dtype, what, issue, group, force=force_check):
+        if faults.check_deferred(kind, numel, dtype, what, issue, group, force=force_check):
             return bounded
-    faults.check_collective(kind, tensor.numel(), tensor.dtype, what, group, force=force_check)
+    faults.check_collective(kind, numel, dtype, what, group, force=force_check)
     with faults.bounded(f"issuing {what}", group):
         work = fn(*args, group=group, async_op=True, **kwargs)
     bounded = BoundedWork(work, what, group, on_gpu)
@@ -92,14 +97,73 @@ def reduce_scatter_packed(out: torch.Tensor, packed: torch.Tensor, group=None, a
     if ring is not None:  # one host: bounced through shared memory at wait() (shm_collectives.py)
         return _issue("reduce_scatter", bounce_reduce_scatter, packed, what, group, async_op, ring, what, out, packed,
                       defer_check=defer_check)
+    return _issue("reduce_scatter", _reduce_scatter_any, packed, what, group, async_op, out, packed,
+                  defer_check=defer_check)
+
+
+def _reduce_scatter_any(out: torch.Tensor, packed: torch.Tensor, group=None, async_op: bool = True):
+    """The payload of a reduce-scatter off the shared ring, by backend and device."""
     if _by_rows(packed, group):
-        return _issue("reduce_scatter", _row_reduces, packed, what, group, async_op, out, packed,
-                      defer_check=defer_check)
+        return _row_reduces(out, packed, group)
     if _gloo_on_gpu(packed, group):
-        return _issue("reduce_scatter", _host_reduce_scatter, packed, what, group, async_op, out, packed,
-                      defer_check=defer_check)
-    return _issue("reduce_scatter", _reduce_scatter, packed, what, group, async_op, out, packed.view(-1),
-                  op=dist.ReduceOp.SUM, defer_check=defer_check)
+        return _host_reduce_scatter(out, packed, group)
+    return _reduce_scatter(out, packed.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+class _Spec(NamedTuple):
+    """What the divergence check and the wait need of a packed buffer that is never materialized."""
+
+    shape: tuple[int, int]
+    dtype: torch.dtype
+    device: torch.device
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+def reduce_scatter_filled(fill, deliver, shape: tuple[int, int], dtype: torch.dtype, device, group=None,
+                          what: str | None = None, defer_check: bool = False):
+    """An asynchronous :func:`reduce_scatter_packed` of a ``shape = (world_size, span)`` packed buffer given as
+    functions, so that it need not exist whole:
+
+    - ``fill(dst, lo)`` writes columns ``[lo, lo + dst.shape[1])`` of this rank's packed buffer into ``dst``
+      (world_size, n);
+    - ``deliver(lo, hi, sum_into)`` is called once the sums of columns ``[lo, hi)`` are known, in column order;
+      ``sum_into(dst, a, b)`` writes the sum over ranks of columns ``[a, b)`` (``lo <= a < b <= hi``) into ``dst``.
+
+    Through a shared ring (ranks of one host, CPU) the buffer never exists: at ``wait()`` it is filled chunk by chunk
+    straight into shared memory and summed straight out of it (shm_collectives.fill_reduce_scatter), which saves a
+    copy of the bucket in and one of the result out. Elsewhere it is filled into a pooled buffer when the collective
+    is issued, and ``wait()`` delivers every column at once. Both run ``fill`` and ``deliver`` on the calling
+    thread, inside ``issue`` or ``wait()``."""
+    device = torch.device(device)
+    if shape[0] == 1:  # a world of one: its own row is the sum
+        packed = buffer_pool.take(shape, dtype, device)
+        fill(packed, 0)
+        deliver(0, shape[1], lambda dst, a, b: dst.copy_(packed[0, a:b]))
+        buffer_pool.give(packed)
+        return DoneWork()
+    spec = _Spec(tuple(shape), dtype, device)
+    ring = shm_ring.existing(group) if device.type == "cpu" else None
+    if ring is not None:
+        return _issue("reduce_scatter", fill_reduce_scatter, spec, what, group, True, ring, what, fill, deliver,
+                      spec.shape, dtype, defer_check=defer_check)
+    return _issue("reduce_scatter", _fill_then_reduce_scatter, spec, what, group, True, fill, deliver, spec,
+                  defer_check=defer_check)
+
+
+def _fill_then_reduce_scatter(fill, deliver, spec: _Spec, group=None, async_op: bool = True) -> "_RowWorks":
+    packed = buffer_pool.take(spec.shape, spec.dtype, spec.device)
+    fill(packed, 0)
+    out = buffer_pool.take(spec.shape[1], spec.dtype, spec.device)
+    work = _reduce_scatter_any(out, packed, group)
+
+    def then() -> None:
+        deliver(0, spec.shape[1], lambda dst, a, b: dst.copy_(out[a:b]))
+        buffer_pool.give(out)
+        buffer_pool.give(packed)
+
+    return _RowWorks([work], then)
 
 
 def all_gather_packed(packed: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False,

@@ -7,10 +7,13 @@ Two ways, picked per call by :func:`~hf_zero.comm.collectives.all_gather_packed`
   ZeRO-3's parameter gathers go this way: the gathered rows are unpacked straight from shared memory.
 - **bounced** (reduce-scatters, and all-gathers of a private buffer): a gradient bucket is filled over much of a
   backward and would hold ring space all that time, and a buffer may be too large for the ring or turned down by
-  it. At ``wait()`` the columns go through the ring
-  in chunks of at most :data:`_BOUNCE_FRACTION` of it: this rank's part copied in, flags, the result copied (or, for
-  a reduce-scatter, summed) out. One extra copy of this rank's part, against gloo's two socket copies per byte on
-  each side.
+  it. At ``wait()`` the columns go through the ring in chunks of at most :data:`_BOUNCE_FRACTION` of it: this
+  rank's part written in, flags, the result copied (or, for a reduce-scatter, summed) out.
+- **filled** (reduce-scatters of :func:`~hf_zero.comm.collectives.reduce_scatter_filled`): bounced, but the chunks
+  are written straight from where the caller's data lives (ZeRO-3's gradients, packed as they are copied in) and the
+  sums go straight to where they are wanted (the gradient shards): no private packed bucket and no copy of it,
+  where a bounced one pays one extra copy of this rank's part (against gloo's two socket copies per byte on each
+  side).
 
 Sums are taken in rank order on every rank, so a reduce-scatter gives the same bits every run. Every ring operation
 happens in program order (issue or wait), which is the same on every rank, so the ring's offsets agree; a chunk the
@@ -24,7 +27,8 @@ import torch.distributed as dist
 
 from . import buffer_pool, faults, shm_ring
 
-__all__ = ["take_gather_buffer", "give_packed", "shm_all_gather", "bounce_all_gather", "bounce_reduce_scatter"]
+__all__ = ["take_gather_buffer", "give_packed", "shm_all_gather", "bounce_all_gather", "bounce_reduce_scatter",
+           "fill_reduce_scatter"]
 
 _BOUNCE_FRACTION = 8  # a bounced chunk's ring region: at most 1/8 of the ring
 
@@ -137,22 +141,38 @@ def bounce_all_gather(ring, what, packed: torch.Tensor, shard: torch.Tensor, gro
 
 
 def bounce_reduce_scatter(ring, what, out: torch.Tensor, packed: torch.Tensor, group=None, async_op: bool = True):
+    """A private packed buffer through the ring: :func:`fill_reduce_scatter` copying its columns in, and each
+    chunk's sums out into ``out``."""
+    w = packed.shape[0]
+    return fill_reduce_scatter(ring, what, lambda dst, lo: dst.copy_(packed[:, lo:lo + dst.shape[1]]),
+                               lambda lo, hi, sum_into: sum_into(out[lo:hi], lo, hi),
+                               (w, packed.shape[1]), packed.dtype, group)
+
+
+def fill_reduce_scatter(ring, what, fill, deliver, shape, dtype: torch.dtype, group=None, async_op: bool = True):
+    """A reduce-scatter of a ``shape = (world, span)`` packed buffer that exists only as ``fill`` (see
+    collectives.reduce_scatter_filled): at ``wait()``, chunk by chunk, ``fill`` writes this rank's columns straight
+    into its block of the ring and ``deliver`` takes each chunk's sums from the shared rows."""
     what = what or "a reduce-scatter"
-    w, span = packed.shape
-    step = _chunk_cols(ring, w * w, packed.element_size())
+    w, span = shape
+    step = _chunk_cols(ring, w * w, dtype.itemsize)
 
     def run(timeout_s: float) -> None:
         for lo in range(0, span, step):
             hi = min(span, lo + step)
-            buf = ring.take_reduce((w, hi - lo), packed.dtype, what, timeout_s)
-            if buf is None:
-                _gloo_rows_reduce(out[lo:], packed[:, lo:], group, ring.rank)
+            buf = ring.take_reduce((w, hi - lo), dtype, what, timeout_s)
+            if buf is None:  # turned down on every rank alike: the rest through gloo, from a private buffer
+                packed = torch.empty((w, span - lo), dtype=dtype)
+                fill(packed, lo)
+                out = torch.empty(span - lo, dtype=dtype)
+                _gloo_rows_reduce(out, packed, group, ring.rank)
+                deliver(lo, span, lambda dst, a, b, out=out, lo=lo: dst.copy_(out[a - lo:b - lo]))
                 return
             region = ring.region_of(buf)
-            buf.copy_(packed[:, lo:hi])
+            fill(buf, lo)
             ring.publish(region)
             ring.wait_ready(region, what, timeout_s)
-            _sum_rows(ring, region.view, out[lo:hi], 0, hi - lo)
+            deliver(lo, hi, lambda dst, a, b, lo=lo: _sum_rows(ring, region.view, dst, a - lo, b - lo))
             ring.give(buf)
 
     return _BounceWork(run)

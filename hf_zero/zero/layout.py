@@ -74,10 +74,19 @@ class ShardLayout:
 
         ``scale`` multiplies on the way in (gradient pre-division). Padding positions are zeroed.
         """
+        self.pack_columns(flats, start, out, 0, scale)
+
+    def pack_columns(self, flats: Sequence[torch.Tensor], start: int, out: torch.Tensor, lo: int,
+                     scale: float | None = None) -> None:
+        """Columns ``[lo, lo + out.shape[1])`` of what :meth:`pack` writes, into ``out`` (world_size, n): a packed
+        buffer filled chunk by chunk where it is never whole (comm/collectives.reduce_scatter_filled)."""
         base = self.offsets[start]
+        hi = lo + out.shape[1]
         for i, flat in enumerate(flats, start):
-            lo = self.offsets[i] - base
-            self._copy_rows(out[:, lo:lo + self.shard_numels[i]], flat, self.numels[i], self.shard_numels[i], scale)
+            o, c = self.offsets[i] - base, self.shard_numels[i]
+            a, b = max(lo, o), min(hi, o + c)
+            if a < b:
+                self._copy_columns(out[:, a - lo:b - lo], flat, self.numels[i], c, a - o, b - o, scale)
 
     def unpack(self, packed: torch.Tensor, start: int, outs: Sequence[torch.Tensor]) -> None:
         """Inverse of :meth:`pack`: copy each parameter's shards out of ``packed`` into its flat tensor in ``outs``."""
@@ -100,13 +109,12 @@ class ShardLayout:
         out[hi - lo:].zero_()
 
     @staticmethod
-    def _copy_rows(block: torch.Tensor, flat: torch.Tensor, n: int, c: int, scale: float | None) -> None:
-        # block: (world_size, c) strided view into the packed buffer; flat: (n,)
-        if c == 0:
-            return
+    def _copy_columns(block: torch.Tensor, flat: torch.Tensor, n: int, c: int, a: int, b: int,
+                      scale: float | None) -> None:
+        # block: (world_size, b - a), columns [a, b) of the parameter's (world_size, c) shards, zero-padded; flat: (n,)
         full_rows = n // c
         if full_rows:
-            src, dst = flat[:full_rows * c].view(full_rows, c), block[:full_rows]
+            src, dst = flat[:full_rows * c].view(full_rows, c)[:, a:b], block[:full_rows]
             if scale is None:
                 dst.copy_(src)
             elif src.dtype == dst.dtype:
@@ -115,12 +123,14 @@ class ShardLayout:
                 dst.copy_(src).mul_(scale)  # cast first, then scale in the buffer's dtype
         rem = n - full_rows * c
         row = full_rows
-        if rem:
-            dst = block[row, :rem]
-            dst.copy_(flat[full_rows * c:])
-            if scale is not None:
-                dst.mul_(scale)
-            block[row, rem:].zero_()
+        if rem:  # the last, partly filled shard: values up to column rem, padding after
+            if a < rem:
+                dst = block[row, :min(b, rem) - a]
+                dst.copy_(flat[full_rows * c + a:full_rows * c + min(b, rem)])
+                if scale is not None:
+                    dst.mul_(scale)
+            if b > rem:
+                block[row, max(rem - a, 0):].zero_()
             row += 1
         if row < block.shape[0]:
             block[row:].zero_()

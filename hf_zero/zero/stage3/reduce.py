@@ -1,21 +1,26 @@
-"""Gradient reduce-scatter in packed buckets: full gradients in, each rank's summed shard out.
+"""Gradient reduce-scatter in buckets: full gradients in, each rank's summed shard out.
 
-A gradient arriving for parameter ``p`` (full shape, compute dtype) is packed -- already multiplied by
-``grad_scale`` -- into columns ``[off, off + shard_numel)`` of the current bucket ``(world_size, capacity)``.
-When the next gradient does not fit, the bucket is reduce-scattered: rank ``r`` receives ``(used,)``, the sum over
-ranks of row ``r``, i.e. its shard of every parameter in the bucket, and *adds* each shard into the parameter's
-grad storage (gradient accumulation across micro-steps is this addition; the first shard after the optimizer
-cleared the storage is copied instead, ShardedParam.grad_zeroed). With ``overlap_comm`` one bucket stays
-in flight while the next one fills. A bucket holds at most ``reduce_bucket_size`` elements and
+A gradient arriving for parameter ``p`` (full shape, compute dtype) takes columns ``[off, off + shard_numel)`` of
+the current bucket, a ``(world_size, used)`` packed buffer (zero/layout.py) that exists only as the list of its
+gradients: the reduce-scatter fills it -- each gradient multiplied by ``grad_scale`` on the way -- where the
+collective wants it (straight into the shared ring on one host, a pooled buffer elsewhere;
+comm/collectives.reduce_scatter_filled), and hands rank ``r`` the sums of row ``r``: its shard of every parameter in
+the bucket, which go straight into the parameter's grad storage. The first shard after the optimizer cleared the
+storage is written there (ShardedParam.grad_zeroed); later ones are *added* (gradient accumulation across
+micro-steps is this addition). When the next gradient does not fit, the bucket is sent; with ``overlap_comm`` one
+bucket stays in flight while the next one fills. A bucket holds at most ``reduce_bucket_size`` elements and
 :data:`~hf_zero.comm.buckets.BUCKET_CAP_BYTES` (unless one gradient alone is larger), so reductions start early in
-backward and a partly filled last bucket is compacted from little memory.
+backward. Holding the gradients instead of a packed copy costs the same bytes and saves the copy.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
-from hf_zero.comm import buffer_pool, reduce_scatter_packed
+from hf_zero.comm import buffer_pool
+from hf_zero.comm.collectives import reduce_scatter_filled
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import capped_bucket_numel
 
@@ -26,7 +31,7 @@ __all__ = ["Stage3GradReducer"]
 
 
 class Stage3GradReducer:
-    """ZeRO-3's reducer: gradients are packed as they arrive (from the runtime's backward hooks), bucket after
+    """ZeRO-3's reducer: gradients join a bucket as they arrive (from the runtime's backward hooks), bucket after
     bucket; stages 0-2 use :class:`hf_zero.zero.grad_reducer.GroupGradReducer`, whose buckets are fixed in
     advance over each group's parameters."""
 
@@ -37,15 +42,10 @@ class Stage3GradReducer:
         self.grad_scale = grad_scale
         self.overlap_comm = overlap_comm
         self._timeout_s = timeout_s_fn
-        self._bucket: torch.Tensor | None = None  # (world_size, capacity)
+        self._entries: list[_Entry] = []  # the current bucket's gradients, in column order
         self._used = 0
-        self._entries: list[tuple[ShardedParam, int]] = []  # (param, column offset)
-        self._inflight: list[tuple[object, torch.Tensor, list[tuple[ShardedParam, int]], torch.Tensor]] = []
-        # Gradients arrive in the same order every backward, so each bucket is sized to what the same bucket of
-        # the previous backward held: it is sent full, with no compacting copy into a smaller buffer. A bucket that
-        # ends up only partly filled (the order changed) is compacted as before.
-        self._widths: list[int] = []       # filled columns of each bucket of the last complete backward
-        self._next_widths: list[int] = []  # ... of this one so far
+        self._capacity = 0
+        self._inflight: list[tuple[object, list[_Entry]]] = []
         self.reduced_numel = 0  # statistics: elements reduce-scattered (per rank row)
         self.timers = NO_TIMERS  # the engine's: time blocked in reduce-scatters counts as "communication"
 
@@ -54,19 +54,14 @@ class Stage3GradReducer:
             self.accumulate_alone([(sp, grad)])
             return
         width = sp.shard_numel
-        if self._bucket is not None and (self._used + width > self._bucket.shape[1] or
-                                         self._bucket.dtype != grad.dtype):
+        flat = grad.detach().reshape(-1)
+        if self._entries and (self._used + width > self._capacity or self._entries[0].grad.dtype != flat.dtype or
+                              self._entries[0].grad.device != flat.device):
             self.flush()
-        if self._bucket is None:
-            capacity = max(capped_bucket_numel(self.bucket_numel, grad.element_size()) // self.world_size, width)
-            index = len(self._next_widths)
-            if index < len(self._widths) and width <= self._widths[index] <= capacity:
-                capacity = self._widths[index]
-            self._bucket = buffer_pool.take((self.world_size, capacity), grad.dtype, grad.device)
-            self._used = 0
-        block = self._bucket[:, self._used:self._used + width]
-        sp.layout.pack([grad.detach().reshape(-1)], 0, block, scale=self.grad_scale)
-        self._entries.append((sp, self._used))
+        if not self._entries:
+            self._capacity = max(capped_bucket_numel(self.bucket_numel, flat.element_size()) // self.world_size,
+                                 width)
+        self._entries.append(_Entry(sp, flat, self._used))
         self._used += width
 
     def accumulate_alone(self, items: list[tuple[ShardedParam, torch.Tensor]]) -> None:
@@ -93,48 +88,87 @@ class Stage3GradReducer:
 
     def flush(self) -> None:
         """Reduce-scatter the current bucket (asynchronously with overlap_comm)."""
-        if self._bucket is None:
+        if not self._entries:
             return
-        bucket = self._bucket
-        self._next_widths.append(self._used)
-        if self._used == bucket.shape[1]:
-            packed = bucket
-        else:  # compact the filled columns into a (world_size, used) buffer, and give the bucket back
-            packed = buffer_pool.take((self.world_size, self._used), bucket.dtype, bucket.device)
-            packed.copy_(bucket[:, :self._used])
-            buffer_pool.give(bucket)
-        out = buffer_pool.take(self._used, packed.dtype, packed.device)
-        names = ", ".join(sp.name for sp, _ in self._entries[:3]) + (" ..." if len(self._entries) > 3 else "")
-        work = reduce_scatter_packed(out, packed, group=self.group, async_op=True, defer_check=True,
-                                     what=f"the gradient reduce-scatter of [{names}]")
-        self._inflight.append((work, out, self._entries, packed))
-        self.reduced_numel += self._used
-        self._bucket, self._entries, self._used = None, [], 0
+        entries, used = self._entries, self._used
+        self._entries, self._used = [], 0
+        first = entries[0].grad
+        names = ", ".join(e.sp.name for e in entries[:3]) + (" ..." if len(entries) > 3 else "")
+        work = reduce_scatter_filled(lambda dst, lo: _fill(entries, dst, lo, self.grad_scale),
+                                     lambda lo, hi, sum_into: _deliver(entries, lo, hi, sum_into, first),
+                                     (self.world_size, used), first.dtype, first.device, group=self.group,
+                                     what=f"the gradient reduce-scatter of [{names}]", defer_check=True)
+        self._inflight.append((work, entries))
+        self.reduced_numel += used
         self._drain(keep=1 if self.overlap_comm else 0)
 
     def finish(self) -> None:
         self.flush()
         self._drain(keep=0)
-        self._widths, self._next_widths = self._next_widths, []
 
     def _drain(self, keep: int) -> None:
         while len(self._inflight) > keep:
-            work, out, entries, _packed = self._inflight.pop(0)
+            work, entries = self._inflight.pop(0)
             with self.timers.phase("communication"):
                 wait_or_diagnose(work, self._timeout_s(), getattr(work, "what", "a gradient reduce-scatter"), None,
                                  self.group)
-            host = None  # offload_param: the shards' gradients live in host memory; one copy of the bucket there
-            for sp, off in entries:
-                if sp.grad_storage is None:
-                    sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=out.device)
-                src = out
-                if sp.grad_storage.device != out.device:
-                    host = out.to(sp.grad_storage.device) if host is None else host
-                    src = host
-                if sp.grad_zeroed:  # known zeros (pages possibly handed back): write, don't read them first
-                    sp.grad_storage.copy_(src[off:off + sp.shard_numel])
-                    sp.grad_zeroed = False
-                else:
-                    sp.grad_storage.add_(src[off:off + sp.shard_numel])
-            buffer_pool.give(out)
-            buffer_pool.give(_packed)
+            for e in entries:  # reduced: their bytes can serve the next gather (comm/buffer_pool.py)
+                grad, e.grad = e.grad, None
+                buffer_pool.give_if_unshared(grad)
+                del grad
+
+
+class _Entry:
+    """One gradient of a bucket: columns ``[off, off + sp.shard_numel)``. ``write``: whether its sums are written
+    into the grad storage (known zeros) or added, decided when its first columns are delivered."""
+
+    __slots__ = ("sp", "grad", "off", "write")
+
+    def __init__(self, sp: ShardedParam, grad: torch.Tensor, off: int) -> None:
+        self.sp, self.grad, self.off, self.write = sp, grad, off, None
+
+
+def _overlapping(entries: list[_Entry], lo: int, hi: int):
+    """The entries whose columns meet ``[lo, hi)``, with the meeting columns ``[a, b)``."""
+    i = bisect.bisect_right(entries, lo, key=lambda e: e.off) - 1
+    for e in entries[max(i, 0):]:
+        if e.off >= hi:
+            break
+        a, b = max(lo, e.off), min(hi, e.off + e.sp.shard_numel)
+        if a < b:
+            yield e, a, b
+
+
+def _fill(entries: list[_Entry], dst: torch.Tensor, lo: int, scale: float) -> None:
+    """Columns ``[lo, lo + dst.shape[1])`` of the bucket's packed buffer into ``dst``."""
+    for e, a, b in _overlapping(entries, lo, lo + dst.shape[1]):
+        e.sp.layout.pack_columns([e.grad], 0, dst[:, a - lo:b - lo], a - e.off, scale=scale)
+
+
+def _deliver(entries: list[_Entry], lo: int, hi: int, sum_into, like: torch.Tensor) -> None:
+    """The sums of columns ``[lo, hi)`` into the grad storages: written straight there where the storage holds known
+    zeros in the bucket's dtype; else summed apart and added (the same bits either way)."""
+    host = None  # offload_param: the shards' gradients live in host memory; one copy of the chunk there
+    for e, a, b in _overlapping(entries, lo, hi):
+        sp = e.sp
+        if sp.grad_storage is None:
+            sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=like.device)
+        if e.write is None:
+            e.write, sp.grad_zeroed = sp.grad_zeroed, False
+        dst = sp.grad_storage[a - e.off:b - e.off]
+        if dst.device != like.device:
+            if host is None:
+                host = torch.empty(hi - lo, dtype=like.dtype, device=like.device)
+                sum_into(host, lo, hi)
+                host = host.to(dst.device)
+            src = host[a - lo:b - lo]
+        elif e.write and dst.dtype == like.dtype:
+            sum_into(dst, a, b)
+            continue
+        else:
+            src = torch.empty(b - a, dtype=like.dtype, device=like.device)
+            sum_into(src, a, b)
+        if e.write:
+            dst.copy_(src)
+        else:
+            dst.add_(src)

@@ -510,9 +510,7 @@ class Stage3Runtime:
         self._settle_recomputation()
         self._queue_end_of_backward()
         if grad is not None:
-            self.reducer.add(sp, grad)
-            # packed now: its bytes can serve the next gather (comm/buffer_pool.py) instead of a fresh mmap
-            buffer_pool.give_if_unshared(grad)
+            self.reducer.add(sp, grad)  # held until reduced, then its bytes serve a later gather (reduce.py)
             del grad
         if sp.ds_id in self._awaiting_grad:
             self._awaiting_grad.discard(sp.ds_id)
