@@ -242,6 +242,7 @@ def _filled(hold_ring: bool):
         expected = torch.empty(layout.shard_numel)
         reduce_scatter_packed(expected, reference)
         got = torch.full((layout.shard_numel,), float("nan"))
+        added = torch.arange(layout.shard_numel, dtype=torch.float64)  # float64: cast on the way, as into fp32
         seen = []
 
         def deliver(lo, hi, sum_into):
@@ -250,13 +251,21 @@ def _filled(hold_ring: bool):
             sum_into(got[lo:mid], lo, mid)
             if mid < hi:
                 sum_into(got[mid:hi], mid, hi)
+            sum_into(added[lo:hi], lo, hi, add=True)
 
-        work = reduce_scatter_filled(lambda dst, lo: layout.pack_columns(flats, 0, dst, lo, scale=0.5), deliver,
-                                     (w, layout.shard_numel), torch.float32, "cpu", what="the test's bucket",
-                                     defer_check=True)
+        def fill(dst, lo):
+            layout.pack_columns(flats, 0, dst, lo, scale=0.5)
+
+        work = reduce_scatter_filled(fill, (w, layout.shard_numel), torch.float32, "cpu", deliver=deliver,
+                                     what="the test's bucket", defer_check=True)
+        whole = torch.full((layout.shard_numel,), float("nan"))  # the same sums into one tensor
+        work2 = reduce_scatter_filled(fill, (w, layout.shard_numel), torch.float32, "cpu", out=whole)
         work.wait()
+        work2.wait()
         contiguous = all(a[1] == b[0] for a, b in zip(seen, seen[1:]))
-        if not (torch.equal(got, expected) and seen[0][0] == 0 and seen[-1][1] == layout.shard_numel and contiguous):
+        sums_added = torch.equal(added, torch.arange(layout.shard_numel, dtype=torch.float64) + expected.double())
+        if not (torch.equal(got, expected) and torch.equal(whole, expected) and sums_added and seen[0][0] == 0
+                and seen[-1][1] == layout.shard_numel and contiguous):
             bad.append(it)
         calls.append(len(seen))
     for work, packed in held:
@@ -275,7 +284,64 @@ def test_a_bucket_given_as_functions_reduces_to_the_packed_buffers_sums(world, e
         assert res["bad"] == [], res
         if env.get("HF_ZERO_SHM_COMM") == "0":  # one delivery of the whole bucket, after gloo's reduces
             assert not res["ring"] and res["calls"] == [1, 1, 1, 1], res
-        elif hold:  # the first chunk turned down (the reference's and this one's): the rest at once, from gloo
-            assert res["refused"] == 8 and res["calls"] == [1, 1, 1, 1], res
+        elif hold:  # the first chunk turned down (the reference's and the two filled ones'): the rest at once, from gloo
+            assert res["refused"] == 12 and res["calls"] == [1, 1, 1, 1], res
         else:  # straight through the ring, chunk by chunk (1/8 of a 1 MiB ring: a few thousand columns each)
             assert res["ring"] and res["refused"] == 0 and min(res["calls"]) >= 2, res
+
+
+def _delivered(hold_ring: bool):
+    """all_gather_delivered against all_gather_packed of the same shard: the rows of every chunk unpacked straight
+    into parameters of random sizes, as stages 1-2 publish their weights."""
+    import torch.distributed as dist
+
+    from hf_zero.comm import all_gather_packed, give_packed, shm_ring, take_gather_buffer
+    from hf_zero.comm.collectives import all_gather_delivered
+    from hf_zero.zero.layout import ShardLayout
+
+    rank, w = dist.get_rank(), dist.get_world_size()
+    ring = shm_ring.ring_for(None)
+    held = []
+    if hold_ring:
+        cols = ring.size // (4 * w)
+        for frac in (0.5, 0.45):
+            packed = take_gather_buffer((w, int(cols * frac)), torch.float32, "cpu")
+            held.append((all_gather_packed(packed, torch.zeros(packed.shape[1]), async_op=True), packed))
+    gen = torch.Generator().manual_seed(5)
+    bad, calls = [], []
+    for it in range(4):
+        numels = [int(torch.randint(1, 90_000, (1,), generator=gen)) for _ in range(int(torch.randint(1, 7, (1,),
+                                                                                                  generator=gen)))]
+        layout = ShardLayout(tuple(numels), w)
+        full = [torch.arange(n, dtype=torch.float32) * 3 + it for n in numels]  # what every rank should end with
+        shard = torch.empty(w, layout.shard_numel)
+        layout.pack(full, 0, shard)  # this rank publishes its row
+        outs = [torch.full((n,), float("nan")) for n in numels]
+        seen = []
+
+        def deliver(lo, hi, rows):
+            seen.append((lo, hi))
+            layout.unpack_columns(rows, 0, outs, lo)
+
+        all_gather_delivered(shard[rank].clone(), deliver, what="the test's gather").wait()
+        contiguous = all(a[1] == b[0] for a, b in zip(seen, seen[1:]))
+        if not (all(torch.equal(o, f) for o, f in zip(outs, full)) and contiguous and seen[-1][1] == layout.shard_numel):
+            bad.append(it)
+        calls.append(len(seen))
+    for work, packed in held:
+        work.wait()
+        give_packed(packed)
+    return {"bad": bad, "calls": calls, "ring": ring is not None}
+
+
+@pytest.mark.parametrize("world, env, hold", [(2, {"HF_ZERO_SHM_COMM_MIB": "1"}, False),
+                                              (4, {"HF_ZERO_SHM_COMM_MIB": "1"}, False),
+                                              (2, {"HF_ZERO_SHM_COMM_MIB": "1"}, True),
+                                              (2, {"HF_ZERO_SHM_COMM": "0"}, False)])
+def test_a_gather_delivered_chunk_by_chunk_unpacks_every_rank_s_rows(world, env, hold):
+    for res in run_distributed(_delivered, world, args=(hold,), env=env):
+        assert res["bad"] == [], res
+        if env.get("HF_ZERO_SHM_COMM") == "0" or hold:  # one delivery: gloo's rows (after the first chunk, if any)
+            assert res["calls"] == [1, 1, 1, 1], res
+        else:
+            assert min(res["calls"]) >= 2, res

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from . import buffer_pool, faults, shm_ring
 from .process_group import bookkeeping_device
-from .shm_collectives import bounce_all_gather, bounce_reduce_scatter, fill_reduce_scatter, shm_all_gather
+from .shm_collectives import (bounce_all_gather, bounce_reduce_scatter, deliver_from, delivered_all_gather,
+                              fill_reduce_scatter, shm_all_gather)
 
-__all__ = ["reduce_scatter_packed", "reduce_scatter_filled", "all_gather_packed", "all_reduce_", "barrier", "Work", "DoneWork",
+__all__ = ["reduce_scatter_packed", "reduce_scatter_filled", "all_gather_packed", "all_gather_delivered", "all_reduce_", "barrier", "Work", "DoneWork",
            "BoundedWork"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -121,26 +122,29 @@ class _Spec(NamedTuple):
         return self.shape[0] * self.shape[1]
 
 
-def reduce_scatter_filled(fill, deliver, shape: tuple[int, int], dtype: torch.dtype, device, group=None,
-                          what: str | None = None, defer_check: bool = False):
-    """An asynchronous :func:`reduce_scatter_packed` of a ``shape = (world_size, span)`` packed buffer given as
-    functions, so that it need not exist whole:
-
-    - ``fill(dst, lo)`` writes columns ``[lo, lo + dst.shape[1])`` of this rank's packed buffer into ``dst``
-      (world_size, n);
-    - ``deliver(lo, hi, sum_into)`` is called once the sums of columns ``[lo, hi)`` are known, in column order;
-      ``sum_into(dst, a, b)`` writes the sum over ranks of columns ``[a, b)`` (``lo <= a < b <= hi``) into ``dst``.
+def reduce_scatter_filled(fill, shape: tuple[int, int], dtype: torch.dtype, device, *, deliver=None,
+                          out: torch.Tensor | None = None, group=None, what: str | None = None,
+                          defer_check: bool = False):
+    """An asynchronous :func:`reduce_scatter_packed` of a ``shape = (world_size, span)`` packed buffer given as a
+    function, so that it need not exist whole. ``fill(dst, lo)`` writes columns ``[lo, lo + dst.shape[1])`` of this
+    rank's packed buffer into ``dst`` (world_size, n). The sums go to ``out`` (span,), or, where they go to several
+    places, to ``deliver(lo, hi, sum_into)``, called in column order once the sums of columns ``[lo, hi)`` are known:
+    ``sum_into(dst, a, b, add=False)`` writes the sum over ranks of columns ``[a, b)`` (``lo <= a < b <= hi``) into
+    ``dst``, or adds it with ``add`` (computed apart first: the bits of adding a reduced buffer).
 
     Through a shared ring (ranks of one host, CPU) the buffer never exists: at ``wait()`` it is filled chunk by chunk
     straight into shared memory and summed straight out of it (shm_collectives.fill_reduce_scatter), which saves a
     copy of the bucket in and one of the result out. Elsewhere it is filled into a pooled buffer when the collective
-    is issued, and ``wait()`` delivers every column at once. Both run ``fill`` and ``deliver`` on the calling
-    thread, inside ``issue`` or ``wait()``."""
+    is issued and reduce-scattered into ``out`` (or a pooled result that ``wait()`` delivers). ``fill`` and
+    ``deliver`` run on the calling thread, inside the call, a later collective or ``wait()``."""
+    assert (deliver is None) != (out is None), "reduce_scatter_filled: give either deliver or out"
+    if deliver is None:
+        deliver = _deliver_to(out)
     device = torch.device(device)
     if shape[0] == 1:  # a world of one: its own row is the sum
         packed = buffer_pool.take(shape, dtype, device)
         fill(packed, 0)
-        deliver(0, shape[1], lambda dst, a, b: dst.copy_(packed[0, a:b]))
+        deliver(0, shape[1], deliver_from(packed[0]))
         buffer_pool.give(packed)
         return DoneWork()
     spec = _Spec(tuple(shape), dtype, device)
@@ -148,19 +152,24 @@ def reduce_scatter_filled(fill, deliver, shape: tuple[int, int], dtype: torch.dt
     if ring is not None:
         return _issue("reduce_scatter", fill_reduce_scatter, spec, what, group, True, ring, what, fill, deliver,
                       spec.shape, dtype, defer_check=defer_check)
-    return _issue("reduce_scatter", _fill_then_reduce_scatter, spec, what, group, True, fill, deliver, spec,
+    return _issue("reduce_scatter", _fill_then_reduce_scatter, spec, what, group, True, fill, deliver, out, spec,
                   defer_check=defer_check)
 
 
-def _fill_then_reduce_scatter(fill, deliver, spec: _Spec, group=None, async_op: bool = True) -> "_RowWorks":
+def _deliver_to(out: torch.Tensor):
+    return lambda lo, hi, sum_into: sum_into(out[lo:hi], lo, hi)
+
+
+def _fill_then_reduce_scatter(fill, deliver, out, spec: _Spec, group=None, async_op: bool = True) -> "_RowWorks":
     packed = buffer_pool.take(spec.shape, spec.dtype, spec.device)
     fill(packed, 0)
-    out = buffer_pool.take(spec.shape[1], spec.dtype, spec.device)
-    work = _reduce_scatter_any(out, packed, group)
+    result = out if out is not None else buffer_pool.take(spec.shape[1], spec.dtype, spec.device)
+    work = _reduce_scatter_any(result, packed, group)
 
     def then() -> None:
-        deliver(0, spec.shape[1], lambda dst, a, b: dst.copy_(out[a:b]))
-        buffer_pool.give(out)
+        if out is None:
+            deliver(0, spec.shape[1], deliver_from(result))
+            buffer_pool.give(result)
         buffer_pool.give(packed)
 
     return _RowWorks([work], then)
@@ -179,14 +188,46 @@ def all_gather_packed(packed: torch.Tensor, shard: torch.Tensor, group=None, asy
         fn, first = (shm_all_gather, region) if region is not None else (bounce_all_gather, what)
         return _issue("all_gather", fn, packed, what, group, async_op, ring, first, packed, shard,
                       force_check=force_check, defer_check=defer_check)
-    if _by_rows(packed, group):
-        return _issue("all_gather", _row_broadcasts, packed, what, group, async_op, packed, shard,
-                      force_check=force_check, defer_check=defer_check)
-    if _gloo_on_gpu(packed, group):
-        return _issue("all_gather", _host_all_gather, packed, what, group, async_op, packed, shard,
-                      force_check=force_check, defer_check=defer_check)
-    return _issue("all_gather", _all_gather, packed, what, group, async_op, packed.view(-1), shard,
+    return _issue("all_gather", _all_gather_any, packed, what, group, async_op, packed, shard,
                   force_check=force_check, defer_check=defer_check)
+
+
+def _all_gather_any(packed: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = True):
+    """The payload of an all-gather off the shared ring, by backend and device."""
+    if _by_rows(packed, group):
+        return _row_broadcasts(packed, shard, group)
+    if _gloo_on_gpu(packed, group):
+        return _host_all_gather(packed, shard, group)
+    return _all_gather(packed.view(-1), shard, group=group, async_op=True)
+
+
+def all_gather_delivered(shard: torch.Tensor, deliver, group=None, what: str | None = None):
+    """An asynchronous :func:`all_gather_packed` whose ``(world_size, span)`` result is handed to
+    ``deliver(lo, hi, rows)`` -- ``rows`` (world_size, hi - lo) holding columns ``[lo, hi)``, readable during the call
+    only -- in column order, at ``wait()``: through a shared ring (ranks of one host, CPU) chunk by chunk straight
+    from shared memory (shm_collectives.delivered_all_gather), with no packed buffer between; elsewhere from a
+    pooled packed buffer, all columns at once."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    spec = _Spec((world, shard.numel()), shard.dtype, shard.device)
+    if world == 1:
+        deliver(0, shard.numel(), shard.view(1, -1))
+        return DoneWork()
+    ring = shm_ring.existing(group) if shard.device.type == "cpu" else None
+    if ring is not None:
+        return _issue("all_gather", delivered_all_gather, spec, what, group, True, ring, what, shard, deliver,
+                      spec.shape, shard.dtype)
+    return _issue("all_gather", _gather_then_deliver, spec, what, group, True, shard, deliver, spec)
+
+
+def _gather_then_deliver(shard: torch.Tensor, deliver, spec: _Spec, group=None, async_op: bool = True) -> "_RowWorks":
+    packed = buffer_pool.take(spec.shape, spec.dtype, spec.device)
+    work = _all_gather_any(packed, shard, group)
+
+    def then() -> None:
+        deliver(0, spec.shape[1], packed)
+        buffer_pool.give(packed)
+
+    return _RowWorks([work], then)
 
 
 # ---- gloo: the packed collectives as one collective per row ---------------------------------------------------------

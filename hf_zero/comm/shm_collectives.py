@@ -9,6 +9,9 @@ Two ways, picked per call by :func:`~hf_zero.comm.collectives.all_gather_packed`
   backward and would hold ring space all that time, and a buffer may be too large for the ring or turned down by
   it. At ``wait()`` the columns go through the ring in chunks of at most :data:`_BOUNCE_FRACTION` of it: this
   rank's part written in, flags, the result copied (or, for a reduce-scatter, summed) out.
+- **delivered** (all-gathers of :func:`~hf_zero.comm.collectives.all_gather_delivered`): bounced, each chunk's
+  rows handed to the caller straight from shared memory (stages 1-2 unpack them into the parameters), with no
+  private packed buffer between.
 - **filled** (reduce-scatters of :func:`~hf_zero.comm.collectives.reduce_scatter_filled`): bounced, but the chunks
   are written straight from where the caller's data lives (ZeRO-3's gradients, packed as they are copied in) and the
   sums go straight to where they are wanted (the gradient shards): no private packed bucket and no copy of it,
@@ -28,7 +31,7 @@ import torch.distributed as dist
 from . import buffer_pool, faults, shm_ring
 
 __all__ = ["take_gather_buffer", "give_packed", "shm_all_gather", "bounce_all_gather", "bounce_reduce_scatter",
-           "fill_reduce_scatter"]
+           "fill_reduce_scatter", "deliver_from", "delivered_all_gather"]
 
 _BOUNCE_FRACTION = 8  # a bounced chunk's ring region: at most 1/8 of the ring
 
@@ -98,6 +101,33 @@ def _sum_rows(ring, blocks: torch.Tensor, out: torch.Tensor, lo: int, hi: int) -
         out.add_(blocks[j, r, lo:hi])
 
 
+def _sum_rows_into(ring, blocks: torch.Tensor, dst: torch.Tensor, lo: int, hi: int, add: bool) -> None:
+    """The sum of :func:`_sum_rows` written into ``dst`` (or added to it): straight there where ``dst`` has the
+    buffer's dtype and is written, else summed apart in the buffer's dtype first -- the bits of summing into a packed
+    result and copying or adding that, as every other path does."""
+    if not add and dst.dtype == blocks.dtype:
+        _sum_rows(ring, blocks, dst, lo, hi)
+        return
+    tmp = torch.empty(hi - lo, dtype=blocks.dtype)
+    _sum_rows(ring, blocks, tmp, lo, hi)
+    if add:
+        dst.add_(tmp)
+    else:
+        dst.copy_(tmp)
+
+
+def deliver_from(out: torch.Tensor, lo: int = 0):
+    """The ``sum_into`` of reduce_scatter_filled over a materialized result ``out`` holding columns ``[lo, ...)``."""
+
+    def sum_into(dst: torch.Tensor, a: int, b: int, add: bool = False) -> None:
+        if add:
+            dst.add_(out[a - lo:b - lo])
+        else:
+            dst.copy_(out[a - lo:b - lo])
+
+    return sum_into
+
+
 class _BounceWork:
     """Runs a bounced collective at ``wait()`` (see the module docstring); nothing moves before."""
 
@@ -119,22 +149,34 @@ def _chunk_cols(ring, blocks: int, itemsize: int) -> int:
 
 
 def bounce_all_gather(ring, what, packed: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = True):
+    """A private packed buffer through the ring: :func:`delivered_all_gather` copying each chunk's rows into it."""
+    return delivered_all_gather(ring, what, shard, lambda lo, hi, rows: packed[:, lo:hi].copy_(rows),
+                                tuple(packed.shape), packed.dtype, group)
+
+
+def delivered_all_gather(ring, what, shard: torch.Tensor, deliver, shape, dtype: torch.dtype, group=None,
+                         async_op: bool = True):
+    """An all-gather of ``shard`` whose rows go wherever ``deliver(lo, hi, rows)`` puts them (see
+    collectives.all_gather_delivered): at ``wait()``, chunk by chunk, this rank's columns are copied into the ring
+    and every rank's ``(world, hi - lo)`` rows handed to ``deliver`` straight from shared memory."""
     what = what or "an all-gather"
-    w, span = packed.shape
-    step = _chunk_cols(ring, w, packed.element_size())
+    w, span = shape
+    step = _chunk_cols(ring, w, dtype.itemsize)
 
     def run(timeout_s: float) -> None:
         for lo in range(0, span, step):
             hi = min(span, lo + step)
-            buf = ring.take_gather((w, hi - lo), packed.dtype, what, timeout_s)
-            if buf is None:  # turned down on every rank alike: the rest through gloo
-                _gloo_rows_gather(packed[:, lo:], shard[lo:], group, ring.rank)
+            buf = ring.take_gather((w, hi - lo), dtype, what, timeout_s)
+            if buf is None:  # turned down on every rank alike: the rest through gloo, into a private buffer
+                packed = torch.empty((w, span - lo), dtype=dtype)
+                _gloo_rows_gather(packed, shard[lo:], group, ring.rank)
+                deliver(lo, span, packed)
                 return
             region = ring.region_of(buf)
             buf[ring.rank].copy_(shard[lo:hi])
             ring.publish(region)
             ring.wait_ready(region, what, timeout_s)
-            packed[:, lo:hi].copy_(buf)
+            deliver(lo, hi, buf)
             ring.give(buf)
 
     return _BounceWork(run)
@@ -143,10 +185,9 @@ def bounce_all_gather(ring, what, packed: torch.Tensor, shard: torch.Tensor, gro
 def bounce_reduce_scatter(ring, what, out: torch.Tensor, packed: torch.Tensor, group=None, async_op: bool = True):
     """A private packed buffer through the ring: :func:`fill_reduce_scatter` copying its columns in, and each
     chunk's sums out into ``out``."""
-    w = packed.shape[0]
     return fill_reduce_scatter(ring, what, lambda dst, lo: dst.copy_(packed[:, lo:lo + dst.shape[1]]),
                                lambda lo, hi, sum_into: sum_into(out[lo:hi], lo, hi),
-                               (w, packed.shape[1]), packed.dtype, group)
+                               tuple(packed.shape), packed.dtype, group)
 
 
 def fill_reduce_scatter(ring, what, fill, deliver, shape, dtype: torch.dtype, group=None, async_op: bool = True):
@@ -166,13 +207,14 @@ def fill_reduce_scatter(ring, what, fill, deliver, shape, dtype: torch.dtype, gr
                 fill(packed, lo)
                 out = torch.empty(span - lo, dtype=dtype)
                 _gloo_rows_reduce(out, packed, group, ring.rank)
-                deliver(lo, span, lambda dst, a, b, out=out, lo=lo: dst.copy_(out[a - lo:b - lo]))
+                deliver(lo, span, deliver_from(out, lo))
                 return
             region = ring.region_of(buf)
             fill(buf, lo)
             ring.publish(region)
             ring.wait_ready(region, what, timeout_s)
-            deliver(lo, hi, lambda dst, a, b, lo=lo: _sum_rows(ring, region.view, dst, a - lo, b - lo))
+            deliver(lo, hi, lambda dst, a, b, add=False, lo=lo: _sum_rows_into(ring, region.view, dst, a - lo, b - lo,
+                                                                               add))
             ring.give(buf)
 
     return _BounceWork(run)

@@ -2,13 +2,16 @@
 
 Each trainable parameter gets a post-accumulate-grad hook. On a *reducing* backward (every micro-step at stage 2,
 only the accumulation boundary at stages 0/1) the hook marks the parameter ready; a bucket whose parameters are
-all ready is packed into a ``(world_size, span)`` buffer (pre-divided by the world size), the parameters' full
-gradients are freed at once, and the bucket is reduce-scattered (stages 1/2) or all-reduced (stage 0, a world of
-one in the layout) into the group's gradient shard, asynchronously when ``overlap_comm`` is on.
+all ready is launched: its gradients leave the parameters (``param.grad`` is None from then on) and are
+reduce-scattered (stages 1/2) or all-reduced (stage 0, a world of one in the layout) into the group's gradient
+shard, pre-divided by the world size, asynchronously when ``overlap_comm`` is on. An all-reduce packs the bucket
+into a ``(world_size, span)`` buffer; a reduce-scatter packs it where it sends it (comm/collectives.
+reduce_scatter_filled: through the shared ring of ranks on one host, straight into shared memory when it runs),
+holding the gradients until then instead of a packed copy of the same bytes.
 
 Buffers, sized by need: a bucket holds at most ``reduce_bucket_size`` elements and
 :data:`~hf_zero.comm.buckets.BUCKET_CAP_BYTES`, so backward overlaps the reductions and at most
-``max_in_flight + 1`` packed buckets exist at once. When the group's shard holds nothing yet in this accumulation
+``max_in_flight + 1`` buckets exist at once. When the group's shard holds nothing yet in this accumulation
 window (``ShardedGroup.grad_fresh``), the collective writes straight into the shard: no result buffer, no add
 (stage 0 packs into the shard itself and all-reduces it in place).
 
@@ -29,7 +32,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hf_zero.comm import all_reduce_, buffer_pool, faults, reduce_scatter_packed, shm_ring
+from hf_zero.comm import all_reduce_, buffer_pool, faults, shm_ring
+from hf_zero.comm.collectives import reduce_scatter_filled
 from hf_zero.comm.process_group import bookkeeping_device
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import capped_bucket_numel
@@ -56,10 +60,11 @@ class _Bucket:
 @dataclass
 class _InFlight:
     work: object
-    out: torch.Tensor   # (span,) result of the collective
+    out: torch.Tensor | None  # (span,) result of the collective (None: it is delivered into the shard itself)
     bucket: _Bucket
     accumulate: bool    # add ``out`` into the shard (False: the collective wrote into the shard itself)
     packed: torch.Tensor | None = None  # the pooled input buffer, given back once the collective is done
+    grads: list | None = None  # the gradients a reduce-scatter packs where it sends them: kept until it is done
 
 
 class GroupGradReducer:
@@ -185,31 +190,41 @@ class GroupGradReducer:
         _shard_of(g)
         lo, hi = g.layout.span(bucket.start, bucket.stop)
         direct = id(g) in self._direct
-        if direct and self.mode is ReduceMode.ALL_REDUCE:
-            packed = g.grad[lo:hi].view(1, hi - lo)  # a world of one in the layout: the shard is the whole bucket
-        else:
-            packed = buffer_pool.take((self.world_size, hi - lo), g.grad.dtype, g.grad.device)
         flats = []
         for i in range(bucket.start, bucket.stop):
             p = g.params[i]
             flats.append(local_grad(p).reshape(-1) if p.grad is not None else
                          torch.zeros(local_tensor(p).numel(), dtype=g.grad.dtype, device=g.grad.device))
-        g.layout.pack(flats, bucket.start, packed,
-                      scale=1.0 / self.data_parallel_size if self.data_parallel_size > 1 else None)
-        for i in range(bucket.start, bucket.stop):
-            g.params[i].grad = None  # the full gradient is no longer needed: this is where stage 2 saves memory
+            p.grad = None  # the full gradient is no longer the parameter's: this is where stage 2 saves memory
+        scale = 1.0 / self.data_parallel_size if self.data_parallel_size > 1 else None
         bucket.launched = True
         self._next += 1
         what = f"the gradient reduction of [{g.names[bucket.start]}{' ...' if bucket.stop - bucket.start > 1 else ''}]"
-        with self.timers.phase("communication"):
-            if self.mode is ReduceMode.REDUCE_SCATTER:
-                out = g.grad[lo:hi] if direct else buffer_pool.take(hi - lo, packed.dtype, packed.device)
-                work = reduce_scatter_packed(out, packed, group=self.process_group, async_op=self.overlap, what=what)
+        if self.mode is ReduceMode.REDUCE_SCATTER:
+            # The packed bucket is never built whole here: the collective packs the gradients where it sends them
+            # (through a shared ring: straight into shared memory) and writes or adds the sums into the shard.
+            def fill(dst: torch.Tensor, col: int) -> None:
+                g.layout.pack_columns(flats, bucket.start, dst, col, scale=scale)
+
+            shard = g.grad[lo:hi]
+            where = dict(out=shard) if direct else dict(
+                deliver=lambda a, b, sum_into: sum_into(shard[a:b], a, b, add=True))
+            with self.timers.phase("communication"):
+                work = reduce_scatter_filled(fill, (self.world_size, hi - lo), g.grad.dtype, g.grad.device,
+                                             group=self.process_group, what=what, **where)
+            self._in_flight.append(_InFlight(work, None, bucket, accumulate=False, grads=flats))
+        else:
+            if direct:
+                packed = g.grad[lo:hi].view(1, hi - lo)  # a world of one in the layout: the shard is the bucket
             else:
-                out = packed[0]
+                packed = buffer_pool.take((self.world_size, hi - lo), g.grad.dtype, g.grad.device)
+            g.layout.pack(flats, bucket.start, packed, scale=scale)
+            del flats
+            out = packed[0]
+            with self.timers.phase("communication"):
                 work = all_reduce_(out, group=self.process_group, async_op=self.overlap, what=what)
-        pooled = None if direct and self.mode is ReduceMode.ALL_REDUCE else packed  # else it is the shard
-        self._in_flight.append(_InFlight(work, out, bucket, accumulate=not direct, packed=pooled))
+            self._in_flight.append(_InFlight(work, out, bucket, accumulate=not direct,
+                                             packed=None if direct else packed))
         self._drain(self.max_in_flight if self.overlap else 0)
 
     def _drain(self, keep: int) -> None:
@@ -222,8 +237,6 @@ class GroupGradReducer:
                 g = item.bucket.group
                 lo, hi = g.layout.span(item.bucket.start, item.bucket.stop)
                 g.grad[lo:hi].add_(item.out)
-                if self.mode is ReduceMode.REDUCE_SCATTER:
-                    buffer_pool.give(item.out)  # (all-reduce: ``out`` is a row of ``packed``)
             buffer_pool.give(item.packed)
 
     def _take_alone(self) -> None:

@@ -90,17 +90,26 @@ class ShardLayout:
 
     def unpack(self, packed: torch.Tensor, start: int, outs: Sequence[torch.Tensor]) -> None:
         """Inverse of :meth:`pack`: copy each parameter's shards out of ``packed`` into its flat tensor in ``outs``."""
+        self.unpack_columns(packed, start, outs, 0)
+
+    def unpack_columns(self, cols: torch.Tensor, start: int, outs: Sequence[torch.Tensor], lo: int) -> None:
+        """Columns ``[lo, lo + cols.shape[1])`` of a packed buffer, ``cols`` (world_size, n), into the flat tensors
+        ``outs`` of parameters ``start..``: the inverse of :meth:`pack_columns` (padding is dropped)."""
         base = self.offsets[start]
+        hi = lo + cols.shape[1]
         for i, flat in enumerate(outs, start):
-            lo = self.offsets[i] - base
-            c, n = self.shard_numels[i], self.numels[i]
-            block = packed[:, lo:lo + c]  # (world_size, c)
-            full_rows = n // c if c else 0
+            o, c, n = self.offsets[i] - base, self.shard_numels[i], self.numels[i]
+            a, b = max(lo, o), min(hi, o + c)
+            if a >= b:
+                continue
+            block = cols[:, a - lo:b - lo]  # (world_size, b - a): columns [a - o, b - o) of the parameter's shards
+            a, b = a - o, b - o
+            full_rows = n // c
             if full_rows:
-                flat[:full_rows * c].view(full_rows, c).copy_(block[:full_rows])
+                flat[:full_rows * c].view(full_rows, c)[:, a:b].copy_(block[:full_rows])
             rem = n - full_rows * c
-            if rem:
-                flat[full_rows * c:].copy_(block[full_rows, :rem])
+            if rem and a < rem:
+                flat[full_rows * c + a:full_rows * c + min(b, rem)].copy_(block[full_rows, :min(b, rem) - a])
 
     def shard_of(self, flat: torch.Tensor, index: int, rank: int, out: torch.Tensor) -> None:
         """Copy rank ``rank``'s shard of the flattened parameter ``index`` into ``out`` (shard_numel, zero-padded)."""

@@ -44,7 +44,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hf_zero.comm import all_gather_packed, buffer_pool, faults
+from hf_zero.comm import faults
+from hf_zero.comm.collectives import all_gather_delivered
 from hf_zero.zero.layout import ShardLayout, capped_bucket_numel
 from hf_zero.zero.local import local_tensor
 
@@ -154,26 +155,23 @@ class ShardedGroup:
             return  # the parameters are views of param16 (see _bind_params)
         bucket_numel = capped_bucket_numel(bucket_numel, self.param16.element_size())
         ranges = bucket_ranges(self.layout.shard_numels, self.world_size, bucket_numel)
-        dtype, device = self.param16.dtype, self.param16.device
+        dtype = self.param16.dtype
         spans = [self.layout.span(start, stop) for start, stop in ranges]
         # one header check for every bucket (they are issued back to back, below), and the next bucket's gather
-        # in flight while this one is unpacked: at most two packed buckets exist at once
+        # in flight while this one is unpacked
         faults.check_run([("all_gather", self.world_size * (hi - lo), dtype) for lo, hi in spans],
                          f"the publishing all-gathers of {len(spans)} buckets [{self.names[0]} ...]", group)
         pending = None
         for (start, stop), (lo, hi) in zip(ranges, spans):
-            packed = buffer_pool.take((self.world_size, hi - lo), dtype, device)
-            work = all_gather_packed(packed, self.param16[lo:hi], group=group, async_op=True)
+            # each chunk of gathered rows straight into the parameters (through a shared ring: from shared memory)
+            outs = [local_tensor(p.data).view(-1) for p in self.params[start:stop]]
+            work = all_gather_delivered(self.param16[lo:hi], lambda a, b, rows, outs=outs, start=start:
+                                        self.layout.unpack_columns(rows, start, outs, a), group=group)
             if pending is not None:
-                self._unpack_published(*pending)
-            pending = (work, packed, start, stop)
+                pending.wait()
+            pending = work
         if pending is not None:
-            self._unpack_published(*pending)
-
-    def _unpack_published(self, work, packed: torch.Tensor, start: int, stop: int) -> None:
-        work.wait()
-        self.layout.unpack(packed, start, [local_tensor(p.data).view(-1) for p in self.params[start:stop]])
-        buffer_pool.give(packed)
+            pending.wait()
 
     def load_master(self, master: torch.Tensor) -> None:
         """Replace the master shard (checkpoint load) and refresh the 16-bit copy."""

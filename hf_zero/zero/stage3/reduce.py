@@ -95,9 +95,10 @@ class Stage3GradReducer:
         first = entries[0].grad
         names = ", ".join(e.sp.name for e in entries[:3]) + (" ..." if len(entries) > 3 else "")
         work = reduce_scatter_filled(lambda dst, lo: _fill(entries, dst, lo, self.grad_scale),
-                                     lambda lo, hi, sum_into: _deliver(entries, lo, hi, sum_into, first),
-                                     (self.world_size, used), first.dtype, first.device, group=self.group,
-                                     what=f"the gradient reduce-scatter of [{names}]", defer_check=True)
+                                     (self.world_size, used), first.dtype, first.device,
+                                     deliver=lambda lo, hi, sum_into: _deliver(entries, lo, hi, sum_into, first),
+                                     group=self.group, what=f"the gradient reduce-scatter of [{names}]",
+                                     defer_check=True)
         self._inflight.append((work, entries))
         self.reduced_numel += used
         self._drain(keep=1 if self.overlap_comm else 0)
@@ -146,8 +147,8 @@ def _fill(entries: list[_Entry], dst: torch.Tensor, lo: int, scale: float) -> No
 
 
 def _deliver(entries: list[_Entry], lo: int, hi: int, sum_into, like: torch.Tensor) -> None:
-    """The sums of columns ``[lo, hi)`` into the grad storages: written straight there where the storage holds known
-    zeros in the bucket's dtype; else summed apart and added (the same bits either way)."""
+    """The sums of columns ``[lo, hi)`` into the grad storages: written where the storage holds known zeros, added
+    otherwise."""
     host = None  # offload_param: the shards' gradients live in host memory; one copy of the chunk there
     for e, a, b in _overlapping(entries, lo, hi):
         sp = e.sp
@@ -156,19 +157,14 @@ def _deliver(entries: list[_Entry], lo: int, hi: int, sum_into, like: torch.Tens
         if e.write is None:
             e.write, sp.grad_zeroed = sp.grad_zeroed, False
         dst = sp.grad_storage[a - e.off:b - e.off]
-        if dst.device != like.device:
-            if host is None:
-                host = torch.empty(hi - lo, dtype=like.dtype, device=like.device)
-                sum_into(host, lo, hi)
-                host = host.to(dst.device)
-            src = host[a - lo:b - lo]
-        elif e.write and dst.dtype == like.dtype:
-            sum_into(dst, a, b)
+        if dst.device == like.device:
+            sum_into(dst, a, b, add=not e.write)
             continue
-        else:
-            src = torch.empty(b - a, dtype=like.dtype, device=like.device)
-            sum_into(src, a, b)
+        if host is None:
+            host = torch.empty(hi - lo, dtype=like.dtype, device=like.device)
+            sum_into(host, lo, hi)
+            host = host.to(dst.device)
         if e.write:
-            dst.copy_(src)
+            dst.copy_(host[a - lo:b - lo])
         else:
-            dst.add_(src)
+            dst.add_(host[a - lo:b - lo])
