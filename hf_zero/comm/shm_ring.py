@@ -10,8 +10,8 @@ How: one shared memory file per process group (an anonymous memfd the other rank
 name every rank computes beforehand, unlinked once every rank has mapped it or by any rank whose set-up failed)
 holds a ring of buffers, kept in the group's context (context.py) and dropped when the group is closed. A packed
 buffer (zero/layout.py) is *taken* from the ring, so what a rank writes there is already where the other ranks read
-it (shm_collectives.py: ZeRO-3's gathers pack straight into it; gradient buckets are copied in at the
-reduce-scatter). A collective is then only a flag per rank:
+it (shm_collectives.py: ZeRO-3's gathers pack straight into it; gradient buckets are packed into it chunk by chunk
+at the reduce-scatter). A collective is then only a flag per rank:
 
 - all-gather: each rank writes its row of the shared ``(world, span)`` buffer and publishes it; the gather is
   complete once every rank has published (the caller unpacks straight from the shared rows);
