@@ -211,6 +211,26 @@ def test_ring_memory_has_no_name_and_a_kill_during_set_up_leaves_nothing():
     assert _hf_zero_shm_files() <= before
 
 
+def _hold_most_of_the_ring(ring, w: int) -> list:
+    """Two gathers in flight holding 95% of the ring: the next chunk that needs room is turned down."""
+    from hf_zero.comm import all_gather_packed, take_gather_buffer
+
+    held = []
+    cols = ring.size // (4 * w)
+    for frac in (0.5, 0.45):
+        packed = take_gather_buffer((w, int(cols * frac)), torch.float32, "cpu")
+        held.append((all_gather_packed(packed, torch.zeros(packed.shape[1]), async_op=True), packed))
+    return held
+
+
+def _let_go(held: list) -> None:
+    from hf_zero.comm import give_packed
+
+    for work, packed in held:
+        work.wait()
+        give_packed(packed)
+
+
 def _filled(hold_ring: bool):
     """reduce_scatter_filled against reduce_scatter_packed of the same buffer materialized: a bucket of parameters
     of random sizes (some spanning several of the ring's chunks), filled column range by column range and delivered
@@ -218,18 +238,12 @@ def _filled(hold_ring: bool):
     down and the rest goes through gloo."""
     import torch.distributed as dist
 
-    from hf_zero.comm import all_gather_packed, give_packed, reduce_scatter_packed, shm_ring, take_gather_buffer
-    from hf_zero.comm.collectives import reduce_scatter_filled
+    from hf_zero.comm import reduce_scatter_filled, reduce_scatter_packed, shm_ring
     from hf_zero.zero.layout import ShardLayout
 
     rank, w = dist.get_rank(), dist.get_world_size()
     ring = shm_ring.ring_for(None)
-    held = []
-    if hold_ring:
-        cols = ring.size // (4 * w)
-        for frac in (0.5, 0.45):
-            packed = take_gather_buffer((w, int(cols * frac)), torch.float32, "cpu")
-            held.append((all_gather_packed(packed, torch.zeros(packed.shape[1]), async_op=True), packed))
+    held = _hold_most_of_the_ring(ring, w) if hold_ring else []
     gen = torch.Generator().manual_seed(3)  # the same sizes on every rank
     bad, calls, refused = [], [], ring.refused if ring else 0
     for it in range(4):
@@ -268,9 +282,7 @@ def _filled(hold_ring: bool):
                 and seen[-1][1] == layout.shard_numel and contiguous):
             bad.append(it)
         calls.append(len(seen))
-    for work, packed in held:
-        work.wait()
-        give_packed(packed)
+    _let_go(held)
     return {"bad": bad, "calls": calls, "ring": ring is not None,
             "refused": (ring.refused - refused) if ring else 0}
 
@@ -284,7 +296,7 @@ def test_a_bucket_given_as_functions_reduces_to_the_packed_buffers_sums(world, e
         assert res["bad"] == [], res
         if env.get("HF_ZERO_SHM_COMM") == "0":  # one delivery of the whole bucket, after gloo's reduces
             assert not res["ring"] and res["calls"] == [1, 1, 1, 1], res
-        elif hold:  # the first chunk turned down (the reference's and the two filled ones'): the rest at once, from gloo
+        elif hold:  # the first chunk turned down (the reference's, the two filled ones'): the rest at once, from gloo
             assert res["refused"] == 12 and res["calls"] == [1, 1, 1, 1], res
         else:  # straight through the ring, chunk by chunk (1/8 of a 1 MiB ring: a few thousand columns each)
             assert res["ring"] and res["refused"] == 0 and min(res["calls"]) >= 2, res
@@ -295,18 +307,12 @@ def _delivered(hold_ring: bool):
     into parameters of random sizes, as stages 1-2 publish their weights."""
     import torch.distributed as dist
 
-    from hf_zero.comm import all_gather_packed, give_packed, shm_ring, take_gather_buffer
-    from hf_zero.comm.collectives import all_gather_delivered
+    from hf_zero.comm import all_gather_delivered, shm_ring
     from hf_zero.zero.layout import ShardLayout
 
     rank, w = dist.get_rank(), dist.get_world_size()
     ring = shm_ring.ring_for(None)
-    held = []
-    if hold_ring:
-        cols = ring.size // (4 * w)
-        for frac in (0.5, 0.45):
-            packed = take_gather_buffer((w, int(cols * frac)), torch.float32, "cpu")
-            held.append((all_gather_packed(packed, torch.zeros(packed.shape[1]), async_op=True), packed))
+    held = _hold_most_of_the_ring(ring, w) if hold_ring else []
     gen = torch.Generator().manual_seed(5)
     bad, calls = [], []
     for it in range(4):
@@ -325,12 +331,11 @@ def _delivered(hold_ring: bool):
 
         all_gather_delivered(shard[rank].clone(), deliver, what="the test's gather").wait()
         contiguous = all(a[1] == b[0] for a, b in zip(seen, seen[1:]))
-        if not (all(torch.equal(o, f) for o, f in zip(outs, full)) and contiguous and seen[-1][1] == layout.shard_numel):
+        unpacked = all(torch.equal(o, f) for o, f in zip(outs, full))
+        if not (unpacked and contiguous and seen[-1][1] == layout.shard_numel):
             bad.append(it)
         calls.append(len(seen))
-    for work, packed in held:
-        work.wait()
-        give_packed(packed)
+    _let_go(held)
     return {"bad": bad, "calls": calls, "ring": ring is not None}
 
 

@@ -21,8 +21,8 @@ from .process_group import bookkeeping_device
 from .shm_collectives import (bounce_all_gather, bounce_reduce_scatter, deliver_from, delivered_all_gather,
                               fill_reduce_scatter, shm_all_gather)
 
-__all__ = ["reduce_scatter_packed", "reduce_scatter_filled", "all_gather_packed", "all_gather_delivered", "all_reduce_", "barrier", "Work", "DoneWork",
-           "BoundedWork"]
+__all__ = ["reduce_scatter_packed", "reduce_scatter_filled", "all_gather_packed", "all_gather_delivered",
+           "all_reduce_", "barrier", "Work", "DoneWork", "BoundedWork"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -32,8 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hf_zero.comm import all_reduce_, buffer_pool, faults, shm_ring
-from hf_zero.comm.collectives import reduce_scatter_filled
+from hf_zero.comm import all_reduce_, buffer_pool, faults, reduce_scatter_filled, shm_ring
 from hf_zero.comm.process_group import bookkeeping_device
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import capped_bucket_numel

@@ -44,8 +44,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hf_zero.comm import faults
-from hf_zero.comm.collectives import all_gather_delivered
+from hf_zero.comm import all_gather_delivered, faults
 from hf_zero.zero.layout import ShardLayout, capped_bucket_numel
 from hf_zero.zero.local import local_tensor
 

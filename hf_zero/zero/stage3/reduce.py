@@ -19,8 +19,7 @@ import bisect
 
 import torch
 
-from hf_zero.comm import buffer_pool
-from hf_zero.comm.collectives import reduce_scatter_filled
+from hf_zero.comm import buffer_pool, reduce_scatter_filled
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import capped_bucket_numel
 
