@@ -73,22 +73,27 @@ def _train():
     from hf_zero.comm import shm_ring
 
     ring = shm_ring.ring_for(None)
-    out = losses, params, buffer_pool.cap_bytes(), buffer_pool.cached_bytes(), ring.taken if ring else None
+    out = (losses, params, buffer_pool.cap_bytes(), buffer_pool.cached_bytes(), ring.taken if ring else None,
+           ring.refused if ring else None)
     engine.destroy()
     return out
 
 
-@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize("shm", ["1", "0", "4 MiB"])
 def test_zero3_pooled_host_buffers_match_one_process(shm):
     """With the ranks' shared-memory ring (the default on one host: the gathers' and reduce-scatters' packed buffers
-    live there, comm/shm_ring.py, and the pool keeps its default cap) and without it (gloo; the pool's cap is raised
-    to hold those buffers too)."""
+    live there, comm/shm_ring.py, and the pool keeps its default cap), without it (gloo; the pool's cap is raised
+    to hold those buffers too), and with a 4 MiB ring that turns the 4 MiB weight's gather down (over 3/4 of it):
+    that gather goes through the ring chunk by chunk, unpacked from each chunk into the weight (gather.py)."""
     ref_losses, ref_params = _reference(2)
-    results = run_distributed(_train, 2, timeout_s=180, env={"HF_ZERO_SHM_COMM": shm})
-    for rank, (losses, params, cap, cached, ring_taken) in enumerate(results):
+    env = {"HF_ZERO_SHM_COMM_MIB": "4"} if shm == "4 MiB" else {"HF_ZERO_SHM_COMM": shm}
+    results = run_distributed(_train, 2, timeout_s=180, env=env)
+    for rank, (losses, params, cap, cached, ring_taken, refused) in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         if shm == "1":  # every gather and reduce-scatter of 3 steps x 2 micro-batches went through the ring
-            assert ring_taken >= 3 * 2 * 4 and cap == 2 * 16 << 20, (rank, ring_taken, cap)
+            assert ring_taken >= 3 * 2 * 4 and refused == 0 and cap == 2 * 16 << 20, (rank, ring_taken, cap)
+        elif shm == "4 MiB":  # the big weight's gathers, forward and backward, were turned down: delivered
+            assert ring_taken >= 3 * 2 * 4 and refused >= 3 * 2 * 2, (rank, ring_taken, refused)
         else:
             assert ring_taken is None and cap == 4 * 16 << 20, (rank, ring_taken, cap)
         assert cached >= 4 << 20, (rank, cached)  # the 4 MiB weight's buffer is kept

@@ -201,12 +201,14 @@ def _all_gather_any(packed: torch.Tensor, shard: torch.Tensor, group=None, async
     return _all_gather(packed.view(-1), shard, group=group, async_op=True)
 
 
-def all_gather_delivered(shard: torch.Tensor, deliver, group=None, what: str | None = None):
+def all_gather_delivered(shard: torch.Tensor, deliver, group=None, what: str | None = None,
+                         force_check: bool = False, defer_check: bool = False):
     """An asynchronous :func:`all_gather_packed` whose ``(world_size, span)`` result is handed to
     ``deliver(lo, hi, rows)`` -- ``rows`` (world_size, hi - lo) holding columns ``[lo, hi)``, readable during the call
     only -- in column order, at ``wait()``: through a shared ring (ranks of one host, CPU) chunk by chunk straight
     from shared memory (shm_collectives.delivered_all_gather), with no packed buffer between; elsewhere from a
-    pooled packed buffer, all columns at once."""
+    pooled packed buffer, all columns at once. ``force_check``, ``defer_check``: as for
+    :func:`all_gather_packed`."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     spec = _Spec((world, shard.numel()), shard.dtype, shard.device)
     if world == 1:
@@ -215,8 +217,9 @@ def all_gather_delivered(shard: torch.Tensor, deliver, group=None, what: str | N
     ring = shm_ring.existing(group) if shard.device.type == "cpu" else None
     if ring is not None:
         return _issue("all_gather", delivered_all_gather, spec, what, group, True, ring, what, shard, deliver,
-                      spec.shape, shard.dtype)
-    return _issue("all_gather", _gather_then_deliver, spec, what, group, True, shard, deliver, spec)
+                      spec.shape, shard.dtype, force_check=force_check, defer_check=defer_check)
+    return _issue("all_gather", _gather_then_deliver, spec, what, group, True, shard, deliver, spec,
+                  force_check=force_check, defer_check=defer_check)
 
 
 def _gather_then_deliver(shard: torch.Tensor, deliver, spec: _Spec, group=None, async_op: bool = True) -> "_RowWorks":

@@ -37,13 +37,15 @@ _BOUNCE_FRACTION = 8  # a bounced chunk's ring region: at most 1/8 of the ring
 
 
 def take_gather_buffer(shape, dtype: torch.dtype, device, group=None, what: str = "a gather",
-                       timeout_s: float | None = None) -> torch.Tensor:
+                       timeout_s: float | None = None, private_if_refused: bool = True) -> torch.Tensor | None:
     """The packed ``(world_size, span)`` buffer of an all-gather: shared memory where the group has a ring (its
-    ranks share a host), else a private buffer (buffer_pool.py). Give it back with :func:`give_packed`."""
+    ranks share a host), else a private buffer (buffer_pool.py). Give it back with :func:`give_packed`.
+    ``private_if_refused=False``: None where the group has a ring that turns the buffer down (too large for it; the
+    same answer on every rank), for a caller that then gathers chunk by chunk (collectives.all_gather_delivered)."""
     ring = shm_ring.existing(group) if torch.device(device).type == "cpu" else None
     if ring is not None:
         t = ring.take_gather(tuple(shape), dtype, what, faults.timeout_s() if timeout_s is None else timeout_s)
-        if t is not None:
+        if t is not None or not private_if_refused:
             return t
     return buffer_pool.take(shape, dtype, device)
 

@@ -8,8 +8,10 @@ page every step); a parameter parked in forward is refilled in its own storage (
 
 NOTE: the unpack is a copy (the trailer, and rows that interleave parameters, keep any parameter from being
 contiguous in the packed buffer), so a gather peaks at twice its parameters' bytes until the packed buffer is
-dropped, right after. The Gatherer also counts the bytes of full parameters alive at once (``live_bytes`` /
-``peak_live_bytes``) -- the number memory limits and tests look at.
+dropped, right after -- except where the packed buffer would be too large for the group's shared ring (ranks of one
+host): those gathers go through the ring chunk by chunk, unpacked from each chunk straight into the parameters.
+The Gatherer also counts the bytes of full parameters alive at once (``live_bytes`` / ``peak_live_bytes``) -- the
+number memory limits and tests look at.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from hf_zero.comm import all_gather_packed, buffer_pool, context, faults, give_packed, shm_ring, take_gather_buffer
+from hf_zero.comm import (all_gather_delivered, all_gather_packed, buffer_pool, context, faults, give_packed, shm_ring,
+                          take_gather_buffer)
 from hf_zero.comm.device import accelerator_device
 from hf_zero.offload.swapper import wait_all
 from hf_zero.profiling.timers import NO_TIMERS
@@ -34,50 +37,82 @@ DEFAULT_DIVERGENCE_TIMEOUT_S = 300.0
 
 
 class PendingGather:
-    """One all-gather in flight for ``sps``; :meth:`wait` makes them AVAILABLE. Safe to call more than once."""
+    """One all-gather in flight for ``sps``; :meth:`wait` makes them AVAILABLE. Safe to call more than once.
 
-    def __init__(self, gatherer: "Gatherer", sps: list[ShardedParam], layout: ShardLayout, packed: torch.Tensor,
-                 work, key: int, seq: int, label: str, send: torch.Tensor | None = None) -> None:
+    ``packed`` is the whole ``(world_size, span + TRAILER_NUMEL)`` result, unpacked after the wait; or None for a
+    gather too large for the group's shared ring, which delivers its rows chunk by chunk during the wait
+    (:meth:`deliver`) straight into the parameters' buffers, from this rank's ``send`` row."""
+
+    def __init__(self, gatherer: "Gatherer", sps: list[ShardedParam], layout: ShardLayout,
+                 packed: torch.Tensor | None, work, key: int, seq: int, label: str,
+                 send: torch.Tensor | None = None) -> None:
         self.gatherer, self.sps, self.layout = gatherer, sps, layout
         self.packed = packed  # (world_size, span + TRAILER_NUMEL)
-        self.send = send  # this rank's row as sent; both go back to the buffer pool once unpacked
+        self.send = send  # this rank's row as sent, when it is not a row of ``packed``
         self.work, self.key, self.seq, self.label = work, key, seq, label
         self.done = False
+        self._outs: list[torch.Tensor] = []
+        self._trailers: torch.Tensor | None = None
+
+    def deliver(self, lo: int, hi: int, rows: torch.Tensor) -> None:
+        """Columns ``[lo, hi)`` of every rank's row (collectives.all_gather_delivered): the parameters' part
+        straight into their buffers, the divergence trailers aside for the check after the wait."""
+        span = self.layout.shard_numel
+        if lo < span:
+            self.layout.unpack_columns(rows[:, :min(hi, span) - lo], 0, self._outs, lo)
+        if hi > span:
+            a = max(lo, span)
+            self._trailers[:, a - span:hi - span].copy_(rows[:, a - lo:])
 
     def wait(self) -> None:
         if self.done:
             return
         g = self.gatherer
         span = self.layout.shard_numel
-        try:
-            with g.timers.phase("communication"):
-                wait_or_diagnose(self.work, g.timeout_s, self.label, self.seq, g.group)
-            if g.world_size > 1:
-                check_trailers(self.packed[:, span:], g.rank, g.describe, g.group)
-        except BaseException:
-            # The parameters were never gathered; leave them PARTITIONED so the error is raised once, not again
-            # by every later wait on this gather.
-            self.done = True
-            self.packed = self.work = self.send = None
-            for sp in self.sps:
-                sp.abort_gathering()
-            raise
-        outs = []
+        dtype = self.packed.dtype if self.packed is not None else self.send.dtype
         with contextlib.ExitStack() as refills:
-            for sp in self.sps:
-                out = sp.take_parked() if sp.dtype == self.packed.dtype else None
-                if out is None:  # a kept buffer (comm/buffer_pool.py): no fresh mmap to fault in
-                    out = buffer_pool.take(sp.numel, self.packed.dtype, self.packed.device, fit=GATHERED_FIT)
-                else:  # the same values again, into storage that views saved by autograd still point at
-                    refills.enter_context(torch.autograd._unsafe_preserve_version_counter(out))
-                outs.append(out)
-            self.layout.unpack(self.packed[:, :span], 0, outs)
-        give_packed(self.packed, g.group)  # (send is a view of it)
+            try:
+                if self.packed is None:  # delivered during the wait: the buffers first
+                    self._outs = self._take_outs(dtype, self.send.device, refills)
+                    self._trailers = torch.empty((g.world_size, TRAILER_NUMEL), dtype=dtype)
+                with g.timers.phase("communication"):
+                    wait_or_diagnose(self.work, g.timeout_s, self.label, self.seq, g.group)
+                if g.world_size > 1:
+                    check_trailers(self.packed[:, span:] if self.packed is not None else self._trailers, g.rank,
+                                   g.describe, g.group)
+            except BaseException:
+                # The parameters were never gathered; leave them PARTITIONED so the error is raised once, not
+                # again by every later wait on this gather.
+                self.done = True
+                self.packed = self.work = self.send = None
+                self._outs, self._trailers = [], None
+                for sp in self.sps:
+                    sp.abort_gathering()
+                raise
+            if self.packed is not None:
+                self._outs = self._take_outs(dtype, self.packed.device, refills)
+                self.layout.unpack(self.packed[:, :span], 0, self._outs)
+        if self.packed is not None:
+            give_packed(self.packed, g.group)  # (send is a view of it)
+        else:
+            buffer_pool.give(self.send)
+        outs, self._outs, self._trailers = self._outs, [], None
         self.packed = self.work = self.send = None
         self.done = True
         for sp, out in zip(self.sps, outs):
             sp.to_available(out if out.dtype == sp.dtype else out.to(sp.dtype))
             g.count_live(sp, +1)
+
+    def _take_outs(self, dtype: torch.dtype, device, refills: contextlib.ExitStack) -> list[torch.Tensor]:
+        outs = []
+        for sp in self.sps:
+            out = sp.take_parked() if sp.dtype == dtype else None
+            if out is None:  # a kept buffer (comm/buffer_pool.py): no fresh mmap to fault in
+                out = buffer_pool.take(sp.numel, dtype, device, fit=GATHERED_FIT)
+            else:  # the same values again, into storage that views saved by autograd still point at
+                refills.enter_context(torch.autograd._unsafe_preserve_version_counter(out))
+            outs.append(out)
+        return outs
 
 
 class Gatherer:
@@ -145,10 +180,12 @@ class Gatherer:
             self.header_check_count += 1  # all_gather_packed runs it, before the payload
         dtype = sps[0].dtype
         device = self.device or sps[0].storage.device
+        # None where the group's ring turns a buffer this large down: then gathered chunk by chunk through the
+        # ring straight into the parameters' buffers, with no private packed buffer (PendingGather.deliver)
         packed = take_gather_buffer((self.world_size, span + TRAILER_NUMEL), dtype, device, self.group,
-                                    f"the gather of {label}", self.timeout_s)
+                                    f"the gather of {label}", self.timeout_s, private_if_refused=False)
         # in place: this rank's row of the output is what it sends (NCCL and the per-row gloo path both take it)
-        send = packed[self.rank]
+        send = packed[self.rank] if packed is not None else buffer_pool.take(span + TRAILER_NUMEL, dtype, device)
         # Each shard straight into the send row, from memory or (offload_param nvme) from its swap file. Shards
         # kept off the device (offload_param) are read into pinned host memory first, then copied over in one
         # asynchronous transfer: swap-file reads need host memory, and one copy beats one per parameter.
@@ -164,9 +201,14 @@ class Gatherer:
         if self.world_size > 1:  # a world of one has no other row to compare with (and a GPU no sync to spend)
             write_trailer(send[span:], key, seq)
         # async: the header check is deferred (comm/faults.check_deferred), no rank waits for the others here
-        work = all_gather_packed(packed, send, group=self.group, async_op=True, what=f"the gather of {label}",
-                                 force_check=force, defer_check=async_op)
-        pending = PendingGather(self, list(sps), layout, packed, work, key, seq, label)
+        if packed is None:
+            pending = PendingGather(self, list(sps), layout, None, None, key, seq, label, send=send)
+            pending.work = all_gather_delivered(send, pending.deliver, group=self.group, what=f"the gather of {label}",
+                                                force_check=force, defer_check=async_op)
+        else:
+            work = all_gather_packed(packed, send, group=self.group, async_op=True, what=f"the gather of {label}",
+                                     force_check=force, defer_check=async_op)
+            pending = PendingGather(self, list(sps), layout, packed, work, key, seq, label)
         for sp in sps:
             sp.to_gathering(pending)
         if not async_op:
