@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from . import buffer_pool, faults, shm_ring
 from .process_group import bookkeeping_device
-from .shm_collectives import (bounce_all_gather, bounce_reduce_scatter, deliver_from, delivered_all_gather,
-                              fill_reduce_scatter, shm_all_gather)
+from .shm_collectives import (bounce_all_gather, bounce_reduce_scatter, deliver_from, deliver_to,
+                              delivered_all_gather, fill_reduce_scatter, shm_all_gather)
 
 __all__ = ["reduce_scatter_packed", "reduce_scatter_filled", "all_gather_packed", "all_gather_delivered",
            "all_reduce_", "barrier", "Work", "DoneWork", "BoundedWork"]
@@ -139,7 +139,7 @@ def reduce_scatter_filled(fill, shape: tuple[int, int], dtype: torch.dtype, devi
     ``deliver`` run on the calling thread, inside the call, a later collective or ``wait()``."""
     assert (deliver is None) != (out is None), "reduce_scatter_filled: give either deliver or out"
     if deliver is None:
-        deliver = _deliver_to(out)
+        deliver = deliver_to(out)
     device = torch.device(device)
     if shape[0] == 1:  # a world of one: its own row is the sum
         packed = buffer_pool.take(shape, dtype, device)
@@ -154,10 +154,6 @@ def reduce_scatter_filled(fill, shape: tuple[int, int], dtype: torch.dtype, devi
                       spec.shape, dtype, defer_check=defer_check)
     return _issue("reduce_scatter", _fill_then_reduce_scatter, spec, what, group, True, fill, deliver, out, spec,
                   defer_check=defer_check)
-
-
-def _deliver_to(out: torch.Tensor):
-    return lambda lo, hi, sum_into: sum_into(out[lo:hi], lo, hi)
 
 
 def _fill_then_reduce_scatter(fill, deliver, out, spec: _Spec, group=None, async_op: bool = True) -> "_RowWorks":

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from . import buffer_pool, faults, shm_ring
 
 __all__ = ["take_gather_buffer", "give_packed", "shm_all_gather", "bounce_all_gather", "bounce_reduce_scatter",
-           "fill_reduce_scatter", "deliver_from", "delivered_all_gather"]
+           "fill_reduce_scatter", "deliver_to", "deliver_from", "delivered_all_gather"]
 
 _BOUNCE_FRACTION = 8  # a bounced chunk's ring region: at most 1/8 of the ring
 
@@ -118,6 +118,11 @@ def _sum_rows_into(ring, blocks: torch.Tensor, dst: torch.Tensor, lo: int, hi: i
         dst.copy_(tmp)
 
 
+def deliver_to(out: torch.Tensor):
+    """The ``deliver`` of reduce_scatter_filled whose sums all go to one tensor ``out`` (span,)."""
+    return lambda lo, hi, sum_into: sum_into(out[lo:hi], lo, hi)
+
+
 def deliver_from(out: torch.Tensor, lo: int = 0):
     """The ``sum_into`` of reduce_scatter_filled over a materialized result ``out`` holding columns ``[lo, ...)``."""
 
@@ -188,8 +193,7 @@ def bounce_reduce_scatter(ring, what, out: torch.Tensor, packed: torch.Tensor, g
     """A private packed buffer through the ring: :func:`fill_reduce_scatter` copying its columns in, and each
     chunk's sums out into ``out``."""
     return fill_reduce_scatter(ring, what, lambda dst, lo: dst.copy_(packed[:, lo:lo + dst.shape[1]]),
-                               lambda lo, hi, sum_into: sum_into(out[lo:hi], lo, hi),
-                               tuple(packed.shape), packed.dtype, group)
+                               deliver_to(out), tuple(packed.shape), packed.dtype, group)
 
 
 def fill_reduce_scatter(ring, what, fill, deliver, shape, dtype: torch.dtype, group=None, async_op: bool = True):
