@@ -16,11 +16,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hf_zero.integrations.deepspeed_shim._finder import DISABLE_ENV as SHIM_DISABLE_ENV
+from hf_zero.integrations.deepspeed_shim._finder import disabled as shim_disabled
+
 __all__ = ["Report", "collect", "main", "render"]
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "safetensors", "bitsandbytes")
 PTH_NAME = "hf_zero_deepspeed.pth"
-SHIM_DISABLE_ENV = "HF_ZERO_DISABLE_DEEPSPEED_SHIM"
 
 
 @dataclass
@@ -54,7 +56,7 @@ def _deepspeed_resolution() -> str:
     except (ImportError, ValueError) as exc:
         return f"lookup failed ({exc})"
     if spec is None or spec.origin in (None, "namespace"):
-        shim_off = os.environ.get(SHIM_DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+        shim_off = shim_disabled()
         return "not importable" + (f" (compatibility layer switched off by {SHIM_DISABLE_ENV})" if shim_off else
                                    f" (compatibility layer not active: is {PTH_NAME} in site-packages?)")
     origin = Path(spec.origin).resolve()

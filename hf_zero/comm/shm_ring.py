@@ -48,6 +48,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from hf_zero.util.env import env_flag
+
 from . import context
 
 __all__ = ["ShmRing", "ring_for", "existing", "give", "is_ring_memory", "enabled",
@@ -67,7 +69,7 @@ _MAX_SLEEP_S = 1e-3
 
 
 def enabled() -> bool:
-    return os.environ.get("HF_ZERO_SHM_COMM", "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_flag("HF_ZERO_SHM_COMM", True)
 
 
 def _ring_bytes(default: int) -> int:

@@ -14,6 +14,7 @@ import os
 from hf_zero.comm.host_memory import MALLOC_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD_STAGE3, mmap_threshold, \
     tune_host_malloc
 from hf_zero.ops import host_cache
+from hf_zero.util.env import env_flag
 
 __all__ = ["tune_cpu_training_memory", "HOST_CACHE_CAP_ENV", "HOST_CACHE_HUGE_PAGES_ENV"]
 
@@ -37,8 +38,5 @@ def tune_cpu_training_memory(*, stage3: bool) -> None:
         if int(cap) == 0:
             host_cache.disable()
             return
-    huge = os.environ.get(HOST_CACHE_HUGE_PAGES_ENV, "1").strip().lower()
-    if huge not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise ValueError(f"{HOST_CACHE_HUGE_PAGES_ENV}={huge!r}: expected 0 or 1")
     host_cache.enable(threshold, int(cap) if cap else host_cache.DEFAULT_CAP_BYTES,
-                      huge_pages=huge in ("1", "true", "yes", "on"))
+                      huge_pages=env_flag(HOST_CACHE_HUGE_PAGES_ENV, True))
