@@ -83,8 +83,12 @@ ds_install() {  # DeepSpeed from carried wheels (scripts/gpu_wheels.sh), into di
 export DS_SITE=${DS_SITE:-/tmp/hf_zero_gpu_ds}
 export -f ds_install
 step ds_install 240 bash -c ds_install
-DS_ARGS=()
-[ -d "$DS_SITE/ds/deepspeed" ] && DS_ARGS=(--deepspeed-path "$DS_SITE/ds:$DS_SITE/deps")
+DS_ARGS=()  # DeepSpeed's runners only where ds_install (this run or an earlier one) left an importable DeepSpeed
+if [[ -z "${GPU_CHECK_STEPS:-}" || " $GPU_CHECK_STEPS " == *" bench "* ]] && [ -d "$DS_SITE/ds/deepspeed" ] &&
+    HF_ZERO_DISABLE_DEEPSPEED_SHIM=1 PYTHONPATH="$DS_SITE/ds:$DS_SITE/deps" \
+    "$PY" -c "import deepspeed" >/dev/null 2>&1; then
+  DS_ARGS=(--deepspeed-path "$DS_SITE/ds:$DS_SITE/deps")
+fi
 step kernels 180 "$PY" benchmarks/bench_kernels.py --device cuda
 step profile 300 "$PY" benchmarks/profile_gpu_step.py "$OUT/profile" --only torch,fsdp2,z0,z3,z2_offload
 step bench 480 "$PY" benchmarks/bench_gpu.py --rounds 1 --json "$OUT/bench.jsonl" "${DS_ARGS[@]}"

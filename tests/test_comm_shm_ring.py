@@ -245,7 +245,7 @@ def _filled(hold_ring: bool):
     ring = shm_ring.ring_for(None)
     held = _hold_most_of_the_ring(ring, w) if hold_ring else []
     gen = torch.Generator().manual_seed(3)  # the same sizes on every rank
-    bad, calls, refused = [], [], ring.refused if ring else 0
+    bad, calls, refused, filled_at_issue = [], [], ring.refused if ring else 0, []
     for it in range(4):
         numels = [int(torch.randint(1, 90_000, (1,), generator=gen)) for _ in range(int(torch.randint(1, 7, (1,),
                                                                                                   generator=gen)))]
@@ -267,15 +267,26 @@ def _filled(hold_ring: bool):
                 sum_into(got[mid:hi], mid, hi)
             sum_into(added[lo:hi], lo, hi, add=True)
 
-        def fill(dst, lo):
+        events = []  # ("fill", lo, hi) and "filled" of the first collective, in order
+
+        def fill(dst, lo, log=False):
+            if log:
+                events.append(("fill", lo, lo + dst.shape[1]))
             layout.pack_columns(flats, 0, dst, lo, scale=0.5)
 
-        work = reduce_scatter_filled(fill, (w, layout.shard_numel), torch.float32, "cpu", deliver=deliver,
+        work = reduce_scatter_filled(lambda dst, lo: fill(dst, lo, log=True), (w, layout.shard_numel), torch.float32,
+                                     "cpu", deliver=deliver, filled=lambda: events.append("filled"),
                                      what="the test's bucket", defer_check=True)
         whole = torch.full((layout.shard_numel,), float("nan"))  # the same sums into one tensor
         work2 = reduce_scatter_filled(fill, (w, layout.shard_numel), torch.float32, "cpu", out=whole)
+        filled_at_issue.append("filled" in events)
         work.wait()
         work2.wait()
+        # filled() once, right after the fills have covered every column, and no fill after it
+        fills = [e for e in events if e != "filled"]
+        if not (events.count("filled") == 1 and events[-1] == "filled" and fills[0][1] == 0
+                and fills[-1][2] == layout.shard_numel and all(a[2] == b[1] for a, b in zip(fills, fills[1:]))):
+            bad.append((it, "filled", events[:6]))
         contiguous = all(a[1] == b[0] for a, b in zip(seen, seen[1:]))
         sums_added = torch.equal(added, torch.arange(layout.shard_numel, dtype=torch.float64) + expected.double())
         if not (torch.equal(got, expected) and torch.equal(whole, expected) and sums_added and seen[0][0] == 0
@@ -283,7 +294,7 @@ def _filled(hold_ring: bool):
             bad.append(it)
         calls.append(len(seen))
     _let_go(held)
-    return {"bad": bad, "calls": calls, "ring": ring is not None,
+    return {"bad": bad, "calls": calls, "ring": ring is not None, "filled_at_issue": filled_at_issue,
             "refused": (ring.refused - refused) if ring else 0}
 
 
@@ -294,6 +305,9 @@ def _filled(hold_ring: bool):
 def test_a_bucket_given_as_functions_reduces_to_the_packed_buffers_sums(world, env, hold):
     for res in run_distributed(_filled, world, args=(hold,), env=env):
         assert res["bad"] == [], res
+        # off the ring the bucket is packed when issued (here: when the next collective settles the deferred one),
+        # so the gradients need not be held while it is in flight; through the ring it is packed at wait()
+        assert res["filled_at_issue"] == [env.get("HF_ZERO_SHM_COMM") == "0"] * 4, res
         if env.get("HF_ZERO_SHM_COMM") == "0":  # one delivery of the whole bucket, after gloo's reduces
             assert not res["ring"] and res["calls"] == [1, 1, 1, 1], res
         elif hold:  # the first chunk turned down (the reference's, the two filled ones'): the rest at once, from gloo

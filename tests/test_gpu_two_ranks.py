@@ -79,6 +79,9 @@ def _rank_run(stage: int) -> dict:
     numel = [sp.shard_numel for p in engine.module.parameters() if (sp := sharded_param_of(p)) is not None]
     out = {"losses": losses, "params": params, "shard_devices": shard_devices, "device": str(engine.device),
            "shard_numels": numel[:3]}
+    if stage == 3:  # the gathers' divergence trailers were set aside on the GPU and all checked (gather.py)
+        g = engine.stage3.gatherer
+        out["trailers"] = (g.deferred_trailer_checks, len(g._unchecked), g.gather_count)
     engine.destroy()
     return out
 
@@ -116,5 +119,8 @@ def test_two_ranks_share_one_gpu(stage):
             assert diff.max() <= LR / 2, (name, diff.max().item())
             assert (diff > 1e-5).float().mean() <= 1e-3, (name, (diff > 1e-5).sum().item())
     if stage == 3:  # partitioned in two: each rank holds half of every (unpadded) parameter
+        for out in outs:
+            checked, unchecked, gathers = out["trailers"]
+            assert unchecked == 0 and 0 < checked <= gathers, out["trailers"]
         full = {n: p.numel() for n, p in ref_params.items()}
         assert outs[0]["shard_numels"] == [-(-n // 2) for n in list(full.values())[:3]]

@@ -55,9 +55,12 @@ def _first_step_skip():
     return str(info.value), time.monotonic() - t0
 
 
-def _later_step_swap_without_checks():
+def _later_step_swap_without_checks(defer: bool = False):
     """comms_divergence_check off, later step, same-size gathers in another order: the trailer inside the gathered
-    data catches it with no extra collective."""
+    data catches it with no extra collective. ``defer``: as on a GPU, the trailers of gathers whose header was
+    checked are set aside and checked at the end of the pass (Gatherer.check_deferred: no host sync per gather);
+    those of the unchecked steady state still at once, or the diverged ranks would go on into unmatched
+    collectives."""
     from hf_zero.comm import faults
     from hf_zero.zero.stage3 import DivergenceError
 
@@ -66,13 +69,15 @@ def _later_step_swap_without_checks():
     torch.manual_seed(0)
     model = _TwoLayers()
     rt = make_runtime(model, param_persistence_threshold=0, divergence_timeout_s=TIMEOUT_S, prefetch_bucket_size=0)
+    rt.gatherer.defer_trailer_checks = defer
     _step(model, rt, x)
+    checked = rt.gatherer.deferred_trailer_checks
     headers = rt.gatherer.header_check_count
     model.swap_on_rank = 1
     with pytest.raises(DivergenceError) as info:
         _step(model, rt, x)
     assert rt.gatherer.header_check_count == headers  # the steady state sent no header collective
-    return str(info.value)
+    return str(info.value), checked
 
 
 def test_divergence_is_an_error_naming_module_and_ranks():
@@ -80,5 +85,9 @@ def test_divergence_is_an_error_naming_module_and_ranks():
         assert "module 'first'" in text and "module 'second'" in text, text
         assert "rank 0: the gather of module 'first'" in text and "rank 1: the gather of module 'second'" in text
         assert seconds < 2 * TIMEOUT_S
-    for text in run_distributed(_later_step_swap_without_checks, 2, timeout_s=120):
-        assert "'first'" in text and "'second'" in text and "ranks [0]" in text and "ranks [1]" in text, text
+    for defer in (False, True):
+        for text, checked in run_distributed(_later_step_swap_without_checks, 2, args=(defer,), timeout_s=120):
+            assert "'first'" in text and "'second'" in text and "ranks [0]" in text and "ranks [1]" in text, text
+            # the healthy first step, recorded with headers: its gathers (two modules forward, two backward)
+            # checked at the end of forward and of backward
+            assert checked == (4 if defer else 0), (defer, checked)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import buffer_pool, faults, shm_ring
-from .process_group import bookkeeping_device
+from .process_group import backend_for, bookkeeping_device
 from .shm_collectives import (bounce_all_gather, bounce_reduce_scatter, deliver_from, deliver_to,
                               delivered_all_gather, fill_reduce_scatter, shm_all_gather)
 
@@ -66,7 +66,8 @@ def _issue(kind: str, fn, tensor: torch.Tensor, what: str | None, group, async_o
     numel, dtype = tensor.numel(), tensor.dtype
     what = what or f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} of {numel} elements"
     faults.settle(group)  # a deferred payload asked for before this one leaves first
-    on_gpu = tensor.device.type == "cuda"
+    # NCCL's wait orders streams instead of blocking the host; gloo's host copies of CUDA tensors wait as CPU work
+    on_gpu = tensor.device.type == "cuda" and backend_for("cuda", group) != "gloo"
     if async_op and defer_check:
         bounded = BoundedWork(None, what, group, on_gpu)
 
@@ -123,20 +124,23 @@ class _Spec(NamedTuple):
 
 
 def reduce_scatter_filled(fill, shape: tuple[int, int], dtype: torch.dtype, device, *, deliver=None,
-                          out: torch.Tensor | None = None, group=None, what: str | None = None,
+                          out: torch.Tensor | None = None, filled=None, group=None, what: str | None = None,
                           defer_check: bool = False):
     """An asynchronous :func:`reduce_scatter_packed` of a ``shape = (world_size, span)`` packed buffer given as a
     function, so that it need not exist whole. ``fill(dst, lo)`` writes columns ``[lo, lo + dst.shape[1])`` of this
     rank's packed buffer into ``dst`` (world_size, n). The sums go to ``out`` (span,), or, where they go to several
     places, to ``deliver(lo, hi, sum_into)``, called in column order once the sums of columns ``[lo, hi)`` are known:
     ``sum_into(dst, a, b, add=False)`` writes the sum over ranks of columns ``[a, b)`` (``lo <= a < b <= hi``) into
-    ``dst``, or adds it with ``add`` (computed apart first: the bits of adding a reduced buffer).
+    ``dst``, or adds it with ``add`` (computed apart first: the bits of adding a reduced buffer). ``filled()``, if
+    given, is called once the whole packed buffer has been filled: what ``fill`` reads may be freed from then on.
 
     Through a shared ring (ranks of one host, CPU) the buffer never exists: at ``wait()`` it is filled chunk by chunk
     straight into shared memory and summed straight out of it (shm_collectives.fill_reduce_scatter), which saves a
-    copy of the bucket in and one of the result out. Elsewhere it is filled into a pooled buffer when the collective
-    is issued and reduce-scattered into ``out`` (or a pooled result that ``wait()`` delivers). ``fill`` and
-    ``deliver`` run on the calling thread, inside the call, a later collective or ``wait()``."""
+    copy of the bucket in and one of the result out (``filled`` runs inside ``wait()``). Elsewhere it is filled into
+    a pooled buffer when the collective is issued and reduce-scattered into ``out`` (or a pooled result that
+    ``wait()`` delivers); ``filled`` runs right after, so the inputs need not outlive the issue (on a GPU: the
+    gradients are not held beside their packed copy while it is in flight). ``fill``, ``filled`` and ``deliver``
+    run on the calling thread, inside the call, a later collective or ``wait()``."""
     assert (deliver is None) != (out is None), "reduce_scatter_filled: give either deliver or out"
     if deliver is None:
         deliver = deliver_to(out)
@@ -144,6 +148,8 @@ def reduce_scatter_filled(fill, shape: tuple[int, int], dtype: torch.dtype, devi
     if shape[0] == 1:  # a world of one: its own row is the sum
         packed = buffer_pool.take(shape, dtype, device)
         fill(packed, 0)
+        if filled is not None:
+            filled()
         deliver(0, shape[1], deliver_from(packed[0]))
         buffer_pool.give(packed)
         return DoneWork()
@@ -151,14 +157,17 @@ def reduce_scatter_filled(fill, shape: tuple[int, int], dtype: torch.dtype, devi
     ring = shm_ring.existing(group) if device.type == "cpu" else None
     if ring is not None:
         return _issue("reduce_scatter", fill_reduce_scatter, spec, what, group, True, ring, what, fill, deliver,
-                      spec.shape, dtype, defer_check=defer_check)
+                      spec.shape, dtype, filled=filled, defer_check=defer_check)
     return _issue("reduce_scatter", _fill_then_reduce_scatter, spec, what, group, True, fill, deliver, out, spec,
-                  defer_check=defer_check)
+                  filled, defer_check=defer_check)
 
 
-def _fill_then_reduce_scatter(fill, deliver, out, spec: _Spec, group=None, async_op: bool = True) -> "_RowWorks":
+def _fill_then_reduce_scatter(fill, deliver, out, spec: _Spec, filled, group=None,
+                              async_op: bool = True) -> "_RowWorks":
     packed = buffer_pool.take(spec.shape, spec.dtype, spec.device)
     fill(packed, 0)
+    if filled is not None:
+        filled()
     result = out if out is not None else buffer_pool.take(spec.shape[1], spec.dtype, spec.device)
     work = _reduce_scatter_any(result, packed, group)
 
@@ -246,7 +255,7 @@ def _gather_then_deliver(shard: torch.Tensor, deliver, spec: _Spec, group=None, 
 
 
 def _by_rows(packed: torch.Tensor, group) -> bool:
-    return packed.device.type == "cpu" and dist.get_backend(group) == "gloo"
+    return packed.device.type == "cpu" and backend_for("cpu", group) == "gloo"
 
 
 class _RowWorks:
@@ -295,7 +304,8 @@ def _row_reduces(out: torch.Tensor, packed: torch.Tensor, group=None, async_op: 
 
 
 def _gloo_on_gpu(packed: torch.Tensor, group) -> bool:
-    return packed.device.type == "cuda" and "gloo" in str(dist.get_backend(group))
+    # the backend that serves CUDA tensors: hf_zero's NCCL groups also have gloo, for CPU tensors (NCCL_WITH_GLOO)
+    return packed.device.type == "cuda" and backend_for("cuda", group) == "gloo"
 
 
 def _host_all_gather(packed: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = True) -> _RowWorks:

@@ -22,7 +22,7 @@ from . import settings
 from .settings import created_by_hf_zero
 
 __all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_node_id",
-           "default_backend", "bookkeeping_device", "free_port", "created_by_hf_zero", "before_destroy",
+           "default_backend", "backend_for", "bookkeeping_device", "free_port", "created_by_hf_zero", "before_destroy",
            "all_reduce", "broadcast", "all_gather", "ReduceOp"]
 
 ReduceOp = dist.ReduceOp
@@ -147,11 +147,28 @@ def get_node_id() -> str:
     return socket.gethostname() + (f"#{group_rank}" if group_rank is not None else "")
 
 
+def backend_for(device_type: str, group=None) -> str:
+    """The backend that runs ``group``'s collectives on ``device_type`` tensors ("gloo", "nccl", ...; "" if none).
+    ``dist.get_backend`` names a group's backends as one string ("cuda:nccl,cpu:gloo" for hf_zero's NCCL groups),
+    so asking it whether "gloo" is in there says nothing about which one a CUDA tensor meets."""
+    try:
+        config = str(dist.get_backend_config(group))  # "cpu:gloo,cuda:gloo" for "gloo", "cuda:nccl" for "nccl"
+    except (ValueError, KeyError, AssertionError, TypeError):  # a group torch registered no config for
+        config = str(dist.get_backend(group))
+    for item in config.split(","):
+        device, _, backend = item.strip().partition(":")
+        if not backend:  # a bare name serves every device
+            return device
+        if device == device_type:
+            return backend
+    return ""
+
+
 def bookkeeping_device(group=None) -> torch.device:
     """Where hf_zero's small bookkeeping collectives (divergence headers, flags, barriers) put their tensors for
     ``group``: the CPU where the group has gloo (hf_zero's own NCCL groups have it beside NCCL), else -- a plain
     NCCL group the application created -- the current GPU, the only device NCCL takes."""
-    if "gloo" in str(dist.get_backend(group)):
+    if backend_for("cpu", group) == "gloo":
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 

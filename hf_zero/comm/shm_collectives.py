@@ -196,10 +196,12 @@ def bounce_reduce_scatter(ring, what, out: torch.Tensor, packed: torch.Tensor, g
                                deliver_to(out), tuple(packed.shape), packed.dtype, group)
 
 
-def fill_reduce_scatter(ring, what, fill, deliver, shape, dtype: torch.dtype, group=None, async_op: bool = True):
+def fill_reduce_scatter(ring, what, fill, deliver, shape, dtype: torch.dtype, group=None, async_op: bool = True, *,
+                        filled=None):
     """A reduce-scatter of a ``shape = (world, span)`` packed buffer that exists only as ``fill`` (see
     collectives.reduce_scatter_filled): at ``wait()``, chunk by chunk, ``fill`` writes this rank's columns straight
-    into its block of the ring and ``deliver`` takes each chunk's sums from the shared rows."""
+    into its block of the ring and ``deliver`` takes each chunk's sums from the shared rows; ``filled()`` after the
+    last chunk's fill."""
     what = what or "a reduce-scatter"
     w, span = shape
     step = _chunk_cols(ring, w * w, dtype.itemsize)
@@ -211,12 +213,16 @@ def fill_reduce_scatter(ring, what, fill, deliver, shape, dtype: torch.dtype, gr
             if buf is None:  # turned down on every rank alike: the rest through gloo, from a private buffer
                 packed = torch.empty((w, span - lo), dtype=dtype)
                 fill(packed, lo)
+                if filled is not None:
+                    filled()
                 out = torch.empty(span - lo, dtype=dtype)
                 _gloo_rows_reduce(out, packed, group, ring.rank)
                 deliver(lo, span, deliver_from(out, lo))
                 return
             region = ring.region_of(buf)
             fill(buf, lo)
+            if hi == span and filled is not None:
+                filled()
             ring.publish(region)
             ring.wait_ready(region, what, timeout_s)
             deliver(lo, hi, lambda dst, a, b, add=False, lo=lo: _sum_rows_into(ring, region.view, dst, a - lo, b - lo,

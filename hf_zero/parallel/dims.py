@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hf_zero.comm.device import accelerator_type
+from hf_zero.comm.device import accelerator_type, local_device
 from hf_zero.config.errors import ConfigError
 
 __all__ = ["MESH_DIMS", "ParallelDims", "mesh_from_groups"]
@@ -112,7 +112,7 @@ class ParallelDims:
         if tuple(grid.shape) != shape or sorted(grid.flatten().tolist()) != list(range(world)):
             raise ValueError(f"hf_zero: the rank grid of {self} must have shape {shape} and hold every rank once, "
                              f"got {grid.tolist()}")
-        device_type = device_type or accelerator_type()
+        device_type = _mesh_device_type(device_type)
         if not share_world_group:
             # one (backend, options) per dimension: with a backend named, even a dimension spanning every rank gets
             # a group of its own. Never reused: its owner (a pipeline) may abort these groups
@@ -127,6 +127,16 @@ class ParallelDims:
             mesh = DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS)
             _BUILT[key] = (weakref.ref(dist.group.WORLD), mesh)  # a new default group (re-initialised) misses
         return mesh
+
+
+def _mesh_device_type(device_type: str | None) -> str:
+    """The mesh's device type; for "cuda", this process's GPU chosen and made current first (comm.device's rule).
+    torch's DeviceMesh, finding CUDA not yet initialised, calls ``set_device(LOCAL_RANK)`` itself: wrong for two
+    ranks sharing one GPU and for a launcher that gives each rank one visible GPU (rank 1 has no cuda:1)."""
+    device_type = device_type or accelerator_type()
+    if device_type == "cuda":
+        local_device()
+    return device_type
 
 
 def mesh_from_groups(dp_group=None, tp_group=None, *, device_type: str | None = None,
@@ -161,7 +171,7 @@ def mesh_from_groups(dp_group=None, tp_group=None, *, device_type: str | None = 
         dp_group = _own_singleton_groups()
     if tp_group is None:
         tp_group = _own_singleton_groups()
-    return DeviceMesh.from_group([pp_group, dp_group, tp_group], device_type or accelerator_type(),
+    return DeviceMesh.from_group([pp_group, dp_group, tp_group], _mesh_device_type(device_type),
                                  mesh=torch.tensor([rows], device="cpu"), mesh_dim_names=MESH_DIMS)
 
 

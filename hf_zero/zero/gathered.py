@@ -68,6 +68,7 @@ class GatheredParameters:
             # directly; without one they are discarded on exit, so the block works on a copy
             gatherer.gather(need, f"GatheredParameters([{names}])", header_check=True,
                             alias=self.modifier_rank is not None)
+        gatherer.check_deferred()  # (GPU) every rank gathered the same parameters before the block reads them
         self._gathered = need
         for sp in self._sps:
             sp.acquire(HoldReason.BLOCK)

@@ -63,7 +63,6 @@ class _InFlight:
     bucket: _Bucket
     accumulate: bool    # add ``out`` into the shard (False: the collective wrote into the shard itself)
     packed: torch.Tensor | None = None  # the pooled input buffer, given back once the collective is done
-    grads: list | None = None  # the gradients a reduce-scatter packs where it sends them: kept until it is done
 
 
 class GroupGradReducer:
@@ -208,10 +207,13 @@ class GroupGradReducer:
             shard = g.grad[lo:hi]
             where = dict(out=shard) if direct else dict(
                 deliver=lambda a, b, sum_into: sum_into(shard[a:b], a, b, add=True))
+            # The collective holds the gradients (through fill) until it has packed them: at issue off the ring
+            # (NCCL, gloo by rows), then they are freed while it is in flight; at wait() through the ring.
             with self.timers.phase("communication"):
                 work = reduce_scatter_filled(fill, (self.world_size, hi - lo), g.grad.dtype, g.grad.device,
-                                             group=self.process_group, what=what, **where)
-            self._in_flight.append(_InFlight(work, None, bucket, accumulate=False, grads=flats))
+                                             filled=flats.clear, group=self.process_group, what=what, **where)
+            del fill
+            self._in_flight.append(_InFlight(work, None, bucket, accumulate=False))
         else:
             if direct:
                 packed = g.grad[lo:hi].view(1, hi - lo)  # a world of one in the layout: the shard is the bucket

@@ -61,6 +61,8 @@ def consolidated_state_dict(module: nn.Module, *, dtype: torch.dtype | None = No
             for n, b in mod._buffers.items():
                 if b is not None and n not in mod._non_persistent_buffers_set:
                     out[prefix + n] = _copy_out(b, dtype if b.is_floating_point() else None)
+    if gatherer is not None:
+        gatherer.check_deferred()  # (GPU) every rank gathered the same parameters: the state dict is whole
     return out
 
 

@@ -45,11 +45,12 @@ class PendingGather:
 
     def __init__(self, gatherer: "Gatherer", sps: list[ShardedParam], layout: ShardLayout,
                  packed: torch.Tensor | None, work, key: int, seq: int, label: str,
-                 send: torch.Tensor | None = None) -> None:
+                 send: torch.Tensor | None = None, headed: bool = False) -> None:
         self.gatherer, self.sps, self.layout = gatherer, sps, layout
         self.packed = packed  # (world_size, span + TRAILER_NUMEL)
         self.send = send  # this rank's row as sent, when it is not a row of ``packed``
         self.work, self.key, self.seq, self.label = work, key, seq, label
+        self.headed = headed  # the divergence header was checked before the payload (faults.check_collective)
         self.done = False
         self._outs: list[torch.Tensor] = []
         self._trailers: torch.Tensor | None = None
@@ -78,8 +79,8 @@ class PendingGather:
                 with g.timers.phase("communication"):
                     wait_or_diagnose(self.work, g.timeout_s, self.label, self.seq, g.group)
                 if g.world_size > 1:
-                    check_trailers(self.packed[:, span:] if self.packed is not None else self._trailers, g.rank,
-                                   g.describe, g.group)
+                    g.check_trailers(self.packed[:, span:] if self.packed is not None else self._trailers,
+                                     headed=self.headed)
             except BaseException:
                 # The parameters were never gathered; leave them PARTITIONED so the error is raised once, not
                 # again by every later wait on this gather.
@@ -115,6 +116,11 @@ class PendingGather:
         return outs
 
 
+# GPU trailers set aside before they are checked anyway: one host sync per this many gathers at most (an iteration
+# of a large model gathers hundreds of modules; the runtime checks at each iteration's boundary besides)
+_MAX_UNCHECKED = 256
+
+
 class Gatherer:
     """Issues the gathers of one process group and checks that all its ranks gather the same parameters."""
 
@@ -138,6 +144,12 @@ class Gatherer:
         self.live_numel = 0
         self.live_bytes = 0
         self.peak_live_bytes = 0
+        # Trailers of asynchronous gathers set aside for a later check (check_trailers): on a GPU, device copies
+        # read back in one transfer. A CPU run checks each at once (nothing to save); a test may set it to run the
+        # deferred path on the CPU.
+        self.defer_trailer_checks = self.device is not None and self.device.type == "cuda"
+        self._unchecked: list[torch.Tensor] = []
+        self.deferred_trailer_checks = 0  # statistics: gathers whose trailers were checked by check_deferred
         self.gather_count = 0        # statistics, read by tests and the profiler
         self.header_check_count = 0
         self.gathered_numel = 0
@@ -150,6 +162,35 @@ class Gatherer:
 
     def describe(self, key: int) -> str:
         return self._labels.get(key, f"<parameters with key {key:#08x}>")
+
+    # ------------------------------------------------------------------ divergence trailers
+    def check_trailers(self, tails: torch.Tensor, headed: bool) -> None:
+        """Check one gather's trailers (divergence.py), ``tails`` (world_size, TRAILER_NUMEL).
+
+        On a GPU reading them back stops the host at every gather until the GPU gets there, so no prefetch could
+        run ahead. Where the gather's divergence header was checked before the payload (``headed``: the default,
+        ``comms_divergence_check``), that header already compared every rank's gather -- its label is in it --
+        and the trailer is a second check that can wait: it is copied aside on the device and checked with the
+        others in one transfer by :meth:`check_deferred`, which the runtime calls at each forward's and
+        backward's boundary (GatheredParameters and the state-dict consolidation when their gathers are done).
+        Without a header the trailer is the only check, and it runs at once, on a GPU too: a late check would let
+        diverged ranks go on into collectives that do not match (the price of turning the header off). On a CPU
+        run every check runs at once (nothing to save)."""
+        if not (headed and self.defer_trailer_checks):
+            check_trailers(tails, self.rank, self.describe, self.group)
+            return
+        self._unchecked.append(tails.clone())  # the packed buffer is reused: the bytes must be kept
+        if len(self._unchecked) >= _MAX_UNCHECKED:
+            self.check_deferred()
+
+    def check_deferred(self) -> None:
+        """Check the trailers :meth:`check_trailers` set aside, in gather order (one device-to-host copy)."""
+        if not self._unchecked:
+            return
+        pending, self._unchecked = self._unchecked, []
+        self.deferred_trailer_checks += len(pending)
+        for tails in torch.stack(pending).cpu():
+            check_trailers(tails, self.rank, self.describe, self.group)
 
     # ------------------------------------------------------------------ collectives
     def gather(self, sps: list[ShardedParam], label: str, *, async_op: bool = False,
@@ -176,7 +217,8 @@ class Gatherer:
         layout = ShardLayout(tuple(sp.numel for sp in sps), self.world_size)
         span = layout.shard_numel
         force = header_check if header_check is not None else self.header_checks
-        if self.world_size > 1 and (force or faults.checks_enabled()):
+        headed = self.world_size > 1 and (force or faults.checks_enabled())
+        if headed:
             self.header_check_count += 1  # all_gather_packed runs it, before the payload
         dtype = sps[0].dtype
         device = self.device or sps[0].storage.device
@@ -202,13 +244,13 @@ class Gatherer:
             write_trailer(send[span:], key, seq)
         # async: the header check is deferred (comm/faults.check_deferred), no rank waits for the others here
         if packed is None:
-            pending = PendingGather(self, list(sps), layout, None, None, key, seq, label, send=send)
+            pending = PendingGather(self, list(sps), layout, None, None, key, seq, label, send=send, headed=headed)
             pending.work = all_gather_delivered(send, pending.deliver, group=self.group, what=f"the gather of {label}",
                                                 force_check=force, defer_check=async_op)
         else:
             work = all_gather_packed(packed, send, group=self.group, async_op=True, what=f"the gather of {label}",
                                      force_check=force, defer_check=async_op)
-            pending = PendingGather(self, list(sps), layout, packed, work, key, seq, label)
+            pending = PendingGather(self, list(sps), layout, packed, work, key, seq, label, headed=headed)
         for sp in sps:
             sp.to_gathering(pending)
         if not async_op:

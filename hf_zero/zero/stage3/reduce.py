@@ -91,13 +91,13 @@ class Stage3GradReducer:
             return
         entries, used = self._entries, self._used
         self._entries, self._used = [], 0
-        first = entries[0].grad
+        dtype, device = entries[0].grad.dtype, entries[0].grad.device  # not the tensor: released once packed
         names = ", ".join(e.sp.name for e in entries[:3]) + (" ..." if len(entries) > 3 else "")
         work = reduce_scatter_filled(lambda dst, lo: _fill(entries, dst, lo, self.grad_scale),
-                                     (self.world_size, used), first.dtype, first.device,
-                                     deliver=lambda lo, hi, sum_into: _deliver(entries, lo, hi, sum_into, first),
-                                     group=self.group, what=f"the gradient reduce-scatter of [{names}]",
-                                     defer_check=True)
+                                     (self.world_size, used), dtype, device,
+                                     deliver=lambda lo, hi, sum_into: _deliver(entries, lo, hi, sum_into, dtype, device),
+                                     filled=lambda: _release(entries), group=self.group,
+                                     what=f"the gradient reduce-scatter of [{names}]", defer_check=True)
         self._inflight.append((work, entries))
         self.reduced_numel += used
         self._drain(keep=1 if self.overlap_comm else 0)
@@ -112,10 +112,7 @@ class Stage3GradReducer:
             with self.timers.phase("communication"):
                 wait_or_diagnose(work, self._timeout_s(), getattr(work, "what", "a gradient reduce-scatter"), None,
                                  self.group)
-            for e in entries:  # reduced: their bytes can serve the next gather (comm/buffer_pool.py)
-                grad, e.grad = e.grad, None
-                buffer_pool.give_if_unshared(grad)
-                del grad
+            _release(entries)  # packed by now (filled), whatever the path: nothing left to give normally
 
 
 class _Entry:
@@ -126,6 +123,16 @@ class _Entry:
 
     def __init__(self, sp: ShardedParam, grad: torch.Tensor, off: int) -> None:
         self.sp, self.grad, self.off, self.write = sp, grad, off, None
+
+
+def _release(entries: list[_Entry]) -> None:
+    """The bucket's gradients are packed (reduce_scatter_filled's ``filled``): drop them; on the CPU their bytes can
+    serve the next gather (comm/buffer_pool.py). Off the ring this runs when the collective is issued, so a bucket
+    in flight holds its packed copy only, not its gradients too."""
+    for e in entries:
+        grad, e.grad = e.grad, None
+        buffer_pool.give_if_unshared(grad)
+        del grad
 
 
 def _overlapping(entries: list[_Entry], lo: int, hi: int):
@@ -145,22 +152,22 @@ def _fill(entries: list[_Entry], dst: torch.Tensor, lo: int, scale: float) -> No
         e.sp.layout.pack_columns([e.grad], 0, dst[:, a - lo:b - lo], a - e.off, scale=scale)
 
 
-def _deliver(entries: list[_Entry], lo: int, hi: int, sum_into, like: torch.Tensor) -> None:
+def _deliver(entries: list[_Entry], lo: int, hi: int, sum_into, dtype: torch.dtype, device: torch.device) -> None:
     """The sums of columns ``[lo, hi)`` into the grad storages: written where the storage holds known zeros, added
     otherwise."""
     host = None  # offload_param: the shards' gradients live in host memory; one copy of the chunk there
     for e, a, b in _overlapping(entries, lo, hi):
         sp = e.sp
         if sp.grad_storage is None:
-            sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=like.device)
+            sp.grad_storage = torch.zeros(sp.shard_numel, dtype=torch.float32, device=device)
         if e.write is None:
             e.write, sp.grad_zeroed = sp.grad_zeroed, False
         dst = sp.grad_storage[a - e.off:b - e.off]
-        if dst.device == like.device:
+        if dst.device == device:
             sum_into(dst, a, b, add=not e.write)
             continue
         if host is None:
-            host = torch.empty(hi - lo, dtype=like.dtype, device=like.device)
+            host = torch.empty(hi - lo, dtype=dtype, device=device)
             sum_into(host, lo, hi)
             host = host.to(dst.device)
         if e.write:

@@ -670,7 +670,9 @@ class Stage3Runtime:
 
     def _reset_gathered(self) -> None:
         """Between iterations: forget every hold (leaks from early-stopped recomputation, unused backward
-        paths) and partition everything that is not persistent."""
+        paths) and partition everything that is not persistent. Also where the GPU gathers' divergence trailers
+        are checked (Gatherer.check_deferred: one host sync per forward and per backward, not per module)."""
+        self.gatherer.check_deferred()
         self.states.clear()
         self._read_holds.clear()
         self._awaiting_grad.clear()
