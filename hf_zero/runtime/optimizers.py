@@ -3,7 +3,8 @@
 The result is an :class:`OptimizerPlan`: the torch optimizer class and defaults that own ``param_groups``/``state``
 (so schedulers and checkpoints see torch's structures), whether the fused Adam kernel does the math, and each
 parameter group's hyperparameters. The engine applies the plan to the master shards; the client's own optimizer
-object is never stepped (its parameters are the full model's, ZeRO steps the shards).
+object is never stepped (its parameters are the full model's, ZeRO steps the shards), but its ``param_groups``
+become the engine optimizer's (:func:`adopt_client_groups`), so a scheduler built on it drives the training.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from hf_zero.config.errors import ConfigError
 
-__all__ = ["OptimizerPlan", "plan_from_config", "plan_from_client"]
+__all__ = ["OptimizerPlan", "plan_from_config", "plan_from_client", "adopt_client_groups"]
 
 # torch's own keys in param_groups that are not hyperparameters to carry over
 _TORCH_GROUP_KEYS = {"params", "foreach", "maximize", "capturable", "differentiable", "fused", "initial_lr",
@@ -31,6 +32,9 @@ class OptimizerPlan:
     groups: list[tuple[list[torch.nn.Parameter], dict[str, Any]]] = field(default_factory=list)
     # optimizer.params.torch_adam: torch's Adam(W) arithmetic, not hf_zero's fused kernel (amsgrad excluded)
     torch_adam: bool = False
+    # the client's torch optimizer the plan was read from (plan_from_client), whose param_groups the engine's
+    # optimizer takes over (adopt_client_groups)
+    client: torch.optim.Optimizer | None = None
 
 
 def _fused_adam_available() -> bool:
@@ -116,7 +120,7 @@ def plan_from_client(optimizer: torch.optim.Optimizer, *, allow_untested: bool) 
         extra = {"adamw_mode": adamw_mode, "bias_correction": bias_correction}
         groups = [(ps, {**extra, **{k: v for k, v in h.items() if k in ("lr", "betas", "eps", "weight_decay")}})
                   for ps, h in groups]
-        return OptimizerPlan(inner, defaults, (not amsgrad) and _fused_adam_available(), groups)
+        return OptimizerPlan(inner, defaults, (not amsgrad) and _fused_adam_available(), groups, client=optimizer)
     # hf_zero's CPUAdagrad / CPULion (DeepSpeedCPUAdagrad / DeepSpeedCPULion) declare themselves element-wise
     elementwise = issubclass(cls, known_elementwise) or getattr(cls, "hf_zero_elementwise", False)
     if not elementwise and not allow_untested:
@@ -125,4 +129,28 @@ def plan_from_client(optimizer: torch.optim.Optimizer, *, allow_untested: bool) 
                           "on a shard as on the full tensor; set \"zero_allow_untested_optimizer\": true to use it "
                           "anyway")
     defaults.pop("fused", None)
-    return OptimizerPlan(cls, defaults, False, groups)
+    return OptimizerPlan(cls, defaults, False, groups, client=optimizer)
+
+
+def adopt_client_groups(client: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> bool:
+    """Make the client optimizer's ``param_groups`` the list the engine's optimizer steps with, as DeepSpeed does
+    (its ZeRO optimizer swaps the client's groups' parameters for the flat shards and steps the client's
+    optimizer): an LR scheduler the script built on its own optimizer before ``initialize`` -- torch's,
+    transformers' ``get_*_schedule_with_warmup``, accelerate's ``prepare(model, optimizer, scheduler)`` -- then
+    sets the learning rate that is trained with, and the script's ``optimizer.param_groups[0]["lr"]`` reads it.
+
+    Each group keeps what the client's scheduler stored in it (``initial_lr``, OneCycleLR's ``max_lr``...); the
+    engine's own keys win. Returns False, changing nothing, where the engine's groups are not one per client
+    group in order (a pipeline stage holds some groups only)."""
+    ours = optimizer.param_groups
+    if len(ours) != len(client.param_groups):
+        return False
+    for theirs, mine in zip(client.param_groups, ours):
+        for key, value in theirs.items():
+            if key != "params":
+                mine.setdefault(key, value)
+    client.param_groups = ours
+    # torch's schedulers warn at their first step unless the optimizer they were built on has stepped (a flag its
+    # wrapped step() sets); the engine's optimizer steps in its place
+    optimizer.register_step_post_hook(lambda *_: setattr(client, "_opt_called", True))
+    return True

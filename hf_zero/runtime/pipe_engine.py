@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -57,7 +58,15 @@ def _split_tied(plan: OptimizerPlan, tied_groups) -> tuple[OptimizerPlan, dict[i
             if mine:
                 tied_index[len(groups)] = tg
                 groups.append((mine, hyper))
-    return OptimizerPlan(plan.inner_cls, plan.defaults, plan.fused_adam, groups), tied_index
+    same = not tied_index and len(groups) == len(plan.groups)  # the client's groups, one for one
+    if plan.client is not None and not same:
+        warnings.warn("hf_zero: this pipeline stage splits the client optimizer's parameter groups (tied or absent "
+                      "parameters), so its param_groups cannot be the engine optimizer's: an LR scheduler built on "
+                      "that optimizer before initialize does not set the trained learning rate. Pass the scheduler "
+                      "as a callable (lr_scheduler=lambda optimizer: ...) or use the config's scheduler section",
+                      RuntimeWarning, stacklevel=3)
+    return OptimizerPlan(plan.inner_cls, plan.defaults, plan.fused_adam, groups,
+                         client=plan.client if same else None), tied_index
 
 
 class PipelineEngine(HfZeroEngine):
