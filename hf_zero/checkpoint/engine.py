@@ -355,15 +355,20 @@ def _check_groups(current: list[dict], meta: dict, path: Path) -> None:
 
 
 def save_16bit_model(engine, save_dir, save_filename: str, exclude_frozen_parameters: bool) -> bool:
-    """Rank 0 writes the whole model's weights in the training dtype, atomically, as safetensors."""
+    """Rank 0 writes the whole model's weights in the training dtype, atomically, in the format the file name says:
+    safetensors for ``*.safetensors``, else torch.save's pickled state dict -- what DeepSpeed writes under any name
+    (its default ``pytorch_model.bin``), and what a script naming a ``.bin``/``.pt`` file loads with torch.load."""
     sd = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
     tp = tp_info(engine.module)  # every TP rank of the first replica holds the gathered weights: one writes
     if engine.global_rank == 0 and (tp is None or tp.mesh.get_local_rank() == 0):
         root = Path(save_dir)
         root.mkdir(parents=True, exist_ok=True)
-        sd, aliases = dedupe_shared(sd)
         tmp = root / f".{save_filename}.tmp"
-        save_file(sd, str(tmp), metadata={"format": "pt", "aliases": json.dumps(aliases)})
+        if save_filename.endswith(".safetensors"):
+            sd, aliases = dedupe_shared(sd)  # safetensors refuses shared storage: tied names are kept as aliases
+            save_file(sd, str(tmp), metadata={"format": "pt", "aliases": json.dumps(aliases)})
+        else:
+            torch.save(sd, str(tmp))  # tied weights stay one tensor under both names
         os.replace(tmp, root / save_filename)
     comm.barrier(engine.process_group)
     return True

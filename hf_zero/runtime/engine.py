@@ -27,7 +27,8 @@ from hf_zero.profiling.step_calibration import StepTimeCalibrator
 from hf_zero.profiling.step_profile import StepProfiler
 from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.backward import BackwardSessions
-from hf_zero.runtime.optimizers import OptimizerPlan
+from hf_zero.runtime.ds_engine_api import DeepSpeedEngineAPI
+from hf_zero.runtime.optimizers import OptimizerPlan, adopt_client_groups
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.buffer_dtypes import cast_module_buffers, unusable_norms
 from hf_zero.zero.grad_reducer import GroupGradReducer, ReduceMode
@@ -41,7 +42,7 @@ __all__ = ["HfZeroEngine"]
 
 logger = logging.getLogger("hf_zero")
 
-class HfZeroEngine(nn.Module):
+class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
     """A ``torch.nn.Module`` wrapping the user's model; see the module docstring for the loop."""
 
     # Refuse parameter gradients from backward passes the engine did not see (runtime/backward.py). An engine that
@@ -57,6 +58,8 @@ class HfZeroEngine(nn.Module):
         super().__init__()
         self.module = module
         self._config = config
+        self._mpu = None  # initialize(mpu=...) sets it: DeepSpeed keeps it as engine.mpu
+        self._inside_no_sync = False  # engine.no_sync(): backward passes reduce nothing
         self.process_group = process_group
         self.model_parallel_group = model_parallel_group
         self.world_size = comm.get_world_size(process_group)
@@ -145,6 +148,8 @@ class HfZeroEngine(nn.Module):
             publish_bucket_numel=zero.allgather_bucket_numel, check_overflow=self._checks_overflow(config),
             process_group=process_group, model_parallel_group=model_parallel_group, publisher=publisher,
             offload=offload, state_dtype=self._state_dtype)
+        if plan.client is not None:  # the script's optimizer: its param_groups are these (DeepSpeed's contract)
+            adopt_client_groups(plan.client, self.optimizer)
         if self.stage < 3:
             self.reducer = GroupGradReducer(
                 self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,
@@ -337,7 +342,8 @@ class HfZeroEngine(nn.Module):
     def _begin_backward(self) -> None:
         """Prologue of every backward pass (engine.backward or a direct one): does this micro-step reduce?"""
         if self.reducer is not None:
-            self.reducer.begin(self.stage == 2 or self.is_gradient_accumulation_boundary())
+            self.reducer.begin((self.stage == 2 or self.is_gradient_accumulation_boundary())
+                               and not self._inside_no_sync)
         elif self.stage3 is not None:
             self.stage3.begin_backward()  # a module's forward from here on is a checkpointing recomputation
 
@@ -533,8 +539,10 @@ class HfZeroEngine(nn.Module):
         first data-parallel replica (None elsewhere); called on every rank."""
         return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
-    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
+        """The whole model's 16-bit weights in one file on rank 0 (every rank calls it): a torch.save state dict
+        under DeepSpeed's default name, safetensors when ``save_filename`` ends in ``.safetensors``."""
         from hf_zero.checkpoint.engine import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
@@ -587,6 +595,26 @@ class HfZeroEngine(nn.Module):
         if not isinstance(self.timers, TotalingTimers):
             self.timers = TotalingTimers.replacing(self.timers)
         return self.timers.totals()
+
+    # ---- DeepSpeed's data loader (hf_zero/runtime/dataloader.py) ----
+    training_dataloader = None  # the loader initialize(training_data=...) returned, as DeepSpeed keeps it
+    collate_fn = None           # initialize(collate_fn=...): deepspeed_io's default
+
+    def deepspeed_io(self, dataset, batch_size=None, route="train", pin_memory=True, data_sampler=None,
+                     collate_fn=None, num_local_io_workers=None):
+        """DeepSpeed's loader over ``dataset``: sharded by data-parallel rank, micro-batch sized by default, the
+        last partial batch kept unless ``dataloader_drop_last``; ``route="eval"``/``"predict"`` do not shuffle."""
+        from hf_zero.runtime.dataloader import build_loader
+
+        layout = self.__dict__.get("parallel_layout")
+        batch_size = batch_size if batch_size is not None else self.train_micro_batch_size_per_gpu()
+        return build_loader(dataset, batch_size,
+                            dp_size=layout.dp_size if layout is not None else self.world_size,
+                            dp_rank=layout.dp_rank if layout is not None else self.global_rank,
+                            route=route, pin_memory=pin_memory, data_sampler=data_sampler,
+                            collate_fn=collate_fn if collate_fn is not None else self.collate_fn,
+                            num_local_io_workers=num_local_io_workers,
+                            drop_last=bool(self._config.dataloader_drop_last))
 
 
 def _autocast_dtype(section, device: torch.device) -> torch.dtype:

@@ -74,7 +74,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         # generator, DeepSpeed's idiom -- yields the sharded parameters that replaced the model's, as DeepSpeed
         # reads it after AutoTP. A list taken before the sharding names the replaced ones: adopt_sharded_params
         # points it at their replacements, as DeepSpeed's AutoTP (which keeps the objects) effectively does.
-        model_parameters = list(model_parameters)
+        model_parameters = _unnamed(list(model_parameters))
     # batch sizes count data-parallel replicas, not every rank
     world_size, data_rank = layout.dp_size, layout.dp_rank
     # Ulysses: the ranks of one sequence-parallel group train one replica (hf_zero/sequence_parallel/setup.py)
@@ -113,15 +113,37 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     # last of the order: data parallelism / ZeRO over mesh["dp"], by the engine the layout asks for
     engine = make_engine(model, layout, tp, cfg, plan, lr_scheduler)
     engine.parallel_layout = layout  # the mesh every group of this engine comes from
-    dataloader = None
+    engine._mpu = mpu
+    engine.collate_fn = collate_fn
     if training_data is not None:  # by data-parallel rank: the ranks of one TP group / pipeline read one batch
-        dataloader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn, world_size,
-                                 data_rank)
-        if layout.pipeline is not None:  # DeepSpeed: train_batch() without an iterator reads this loader forever
-            from hf_zero.pipeline.data import RepeatingLoader
+        engine.training_dataloader = engine.deepspeed_io(training_data)
+        if layout.pipeline is not None:
+            _pipeline_data(engine, training_data, layout)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
-            engine.set_dataiterator(RepeatingLoader(dataloader))
-    return engine, engine.optimizer, dataloader, engine.lr_scheduler
+
+def _pipeline_data(engine, dataset, layout) -> None:
+    """As DeepSpeed's pipeline engine: ``train_batch()`` without an iterator reads, forever, a second loader over
+    ``dataset`` in index order (not shuffled); on the first and last stage -- the ones that read data -- that
+    endless loader is also what initialize returns."""
+    from torch.utils.data import DistributedSampler
+
+    from hf_zero.pipeline.data import RepeatingLoader
+
+    in_order = DistributedSampler(dataset, num_replicas=layout.dp_size, rank=layout.dp_rank, shuffle=False)
+    repeating = RepeatingLoader(engine.deepspeed_io(dataset, data_sampler=in_order))
+    engine.set_dataiterator(repeating)
+    if engine.is_first_stage() or engine.is_last_stage():
+        engine.training_dataloader = repeating
+
+
+def _unnamed(items: list) -> list:
+    """``model.named_parameters()`` as DeepSpeed takes it (it hands model_parameters to a torch optimizer, which
+    accepts (name, parameter) pairs): the parameters, also inside parameter-group dicts."""
+    def strip(ps):
+        return [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p for p in ps]
+
+    return [dict(g, params=strip(list(g["params"]))) if isinstance(g, dict) else g for g in strip(items)]
 
 
 def _default_logging(rank: int) -> None:
@@ -155,12 +177,3 @@ def _check_tp_params(model: nn.Module, model_parameters, optimizer, cfg, raw: di
     if init_dtype is not None and names.get(init_dtype) != have:
         raise ConfigError("bf16.enabled / fp16.enabled", f"tp_model_init(dtype={init_dtype}) disagrees with the "
                                                          f"training dtype {have} these sections select")
-
-
-def _dataloader(dataset, micro_batch: int, collate_fn, world_size: int, rank: int):
-    sampler = None
-    if world_size > 1:
-        sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world_size,
-                                                                  rank=rank, shuffle=True)
-    return torch.utils.data.DataLoader(dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn,
-                                       shuffle=False if sampler is not None else True, drop_last=True)

@@ -2,6 +2,18 @@
 
 The overflow decision must be identical on every rank, so the caller passes a flag it has already agreed on
 (the global gradient norm, all-reduced, is finite or not); this object never communicates.
+
+Dynamic scaling follows DeepSpeed's ZeRO scaler (``DynamicLossScaler.update_scale``), step for step:
+
+* overflow: with the hysteresis budget spent (``hysteresis_left == 1``, or ``hysteresis == 1``) the scale is
+  divided by ``scale_factor``, never below ``min_scale``; an overflow already *at* ``min_scale`` is an error, as in
+  DeepSpeed (every later step would be skipped too). Otherwise the budget drops by one and the scale stays.
+* clean step: the scale is multiplied by ``scale_factor`` when ``good_steps`` -- the clean steps *before* this one
+  since the last overflow (or since the start) -- is a positive multiple of ``window``. So the first raise comes on
+  the ``window + 1``-th clean step, and the next ones every ``window`` clean steps after it. (DeepSpeed writes this
+  ``stable_interval = cur_iter - last_overflow_iter - 1`` with ``last_overflow_iter = -1`` at the start; that
+  difference is ``good_steps``.) A raise refills the hysteresis budget; with ``consecutive_hysteresis`` every
+  clean step refills it.
 """
 
 from __future__ import annotations
@@ -24,9 +36,9 @@ class LossScaler:
     consecutive_hysteresis: bool = False
     min_scale: float = 1.0
     scale_factor: float = 2.0
-    # running state
-    good_steps: int = 0
-    hysteresis_left: int = 2
+    # running state (what state_dict saves)
+    good_steps: int = 0       # clean steps since the last overflow (or the start), before the current one
+    hysteresis_left: int = 2  # overflows still absorbed before the scale drops; 1: the next overflow drops it
 
     @classmethod
     def from_policy(cls, policy: LossScalePolicy) -> "LossScaler":
@@ -42,6 +54,12 @@ class LossScaler:
             return
         if overflow:
             if self.hysteresis == 1 or self.hysteresis_left <= 1:
+                if self.scale == self.min_scale:
+                    raise RuntimeError(
+                        f"hf_zero: fp16 gradients overflowed at the minimum loss scale {self.scale:g} "
+                        "(fp16.min_loss_scale); every further step would be skipped, so training stops here, as "
+                        "in DeepSpeed. Lower fp16.min_loss_scale, train in bf16, or find what makes the "
+                        "gradients non-finite (learning rate, inputs)")
                 self.scale = max(self.scale / self.scale_factor, self.min_scale)
             else:
                 self.hysteresis_left -= 1
@@ -49,10 +67,10 @@ class LossScaler:
             return
         if self.consecutive_hysteresis:
             self.hysteresis_left = self.hysteresis
-        self.good_steps += 1
-        if self.good_steps % self.window == 0:
+        if self.good_steps > 0 and self.good_steps % self.window == 0:
             self.scale *= self.scale_factor
             self.hysteresis_left = self.hysteresis
+        self.good_steps += 1
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps, "hysteresis_left": self.hysteresis_left}

@@ -1,0 +1,183 @@
+"""The rest of DeepSpeed's engine surface that training scripts call, on :class:`~hf_zero.runtime.engine.HfZeroEngine`.
+
+The engine module holds the training loop (forward, backward, step, checkpoints); this mixin holds what DeepSpeed's
+``DeepSpeedEngine`` also answers and scripts read around that loop, each as DeepSpeed 0.19.8 answers it (probed
+side by side on the same scripts, ``DS_ACCELERATOR=cpu``):
+
+* attribute pass-through to the wrapped model (``engine.generate(...)``, ``engine.gradient_checkpointing_enable()``,
+  ``engine.config_class`` ...): DeepSpeed's ``__getattr__`` falls back to ``engine.module``;
+* the config as getters (``gradient_clipping()``, ``zero_reduce_bucket_size()``, ``optimizer_name()`` ...);
+* the run's layout (``dp_world_size``, ``mp_world_size``, ``mpu``, ``data_parallel_group``);
+* ``was_step_applied()``, ``get_mom()``, ``no_sync()``, ``set_train_batch_size()`` /
+  ``set_train_micro_batch_size()``, ``save_fp16_model()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import torch
+
+from hf_zero.config.errors import ConfigError
+
+__all__ = ["DeepSpeedEngineAPI"]
+
+
+class DeepSpeedEngineAPI:
+    """Mixed into HfZeroEngine (an ``nn.Module``); reads the engine's ``_config``, ``optimizer``, ``module``."""
+
+    # ---- the wrapped model's attributes ---------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        # nn.Module's lookup first (parameters, buffers, submodules -- ``module`` itself is one), then the wrapped
+        # model's, as DeepSpeed's engine does: scripts call engine.generate(), engine.get_input_embeddings(), ...
+        try:
+            return super().__getattr__(name)
+        except AttributeError as missing:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise missing from None
+
+    # ---- the config, as DeepSpeed's getters -----------------------------------------------------------------------
+    def gradient_clipping(self) -> float:
+        return float(self._config.gradient_clipping)
+
+    def optimizer_name(self) -> str | None:
+        return self._config.optimizer.type.lower() if self._config.optimizer is not None else None
+
+    def optimizer_params(self) -> dict | None:
+        """The section's ``params`` as the user wrote them (the resolved config's dict, "auto" filled)."""
+        return (self._config.raw.get("optimizer") or {}).get("params") if self._config.optimizer is not None else None
+
+    def scheduler_name(self) -> str | None:
+        return self._config.scheduler.type if self._config.scheduler is not None else None
+
+    def scheduler_params(self) -> dict | None:
+        return (self._config.raw.get("scheduler") or {}).get("params") if self._config.scheduler is not None else None
+
+    def steps_per_print(self) -> int | None:
+        return self._config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return bool(self._config.wall_clock_breakdown)
+
+    def dump_state(self) -> bool:
+        return bool(self._config.dump_state)
+
+    def postscale_gradients(self) -> bool:
+        return not self._config.prescale_gradients
+
+    def gradient_predivide_factor(self) -> float:
+        return float(self._config.gradient_predivide_factor)
+
+    def loss_scale(self) -> float:
+        """The fp16 section's static ``loss_scale`` (0: dynamic), as DeepSpeed's getter; the scale in use is
+        :meth:`get_loss_scale`."""
+        return float(self._config.fp16.loss_scale) if self._config.fp16.enabled is True else 0.0
+
+    def communication_data_type(self) -> torch.dtype:
+        names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        chosen = self._config.communication_data_type
+        return names[chosen] if chosen is not None else self.compute_dtype
+
+    def zero_offload_optimizer(self):
+        """The ``offload_optimizer`` section when it offloads, else None (DeepSpeed: its config object or None)."""
+        section = self._config.zero.offload_optimizer
+        return section if self.zero_policy.offload_optimizer is not None else None
+
+    def zero_offload_param(self):
+        section = self._config.zero.offload_param
+        return section if self.zero_policy.offload_param is not None else None
+
+    def zero_cpu_offload(self) -> bool:
+        off = self.zero_policy.offload_optimizer
+        return off is not None and off.device == "cpu"
+
+    def zero_reduce_scatter(self) -> bool:
+        return bool(self._config.zero.reduce_scatter)
+
+    def zero_overlap_comm(self) -> bool:
+        return bool(self.zero_policy.overlap_comm)
+
+    def zero_contiguous_gradients(self) -> bool:
+        return bool(self._config.zero.contiguous_gradients)
+
+    def zero_reduce_bucket_size(self) -> int:
+        return int(self.zero_policy.reduce_bucket_numel)
+
+    def zero_allgather_bucket_size(self) -> int:
+        return int(self.zero_policy.allgather_bucket_numel)
+
+    # ---- the layout -----------------------------------------------------------------------------------------------
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """Ranks holding other parts of one model replica (tensor / pipeline parallel); 1 without."""
+        group = self.model_parallel_group
+        return torch.distributed.get_world_size(group) if group is not None else 1
+
+    @property
+    def data_parallel_group(self):
+        return self.process_group if self.process_group is not None else torch.distributed.group.WORLD
+
+    @property
+    def mpu(self):
+        """The ``mpu`` given to initialize (None without), as DeepSpeed keeps it."""
+        return self.__dict__.get("_mpu")
+
+    # ---- the step -------------------------------------------------------------------------------------------------
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step changed the parameters: False when an fp16 overflow skipped it."""
+        return self.optimizer is not None and not self.optimizer.overflow
+
+    def get_mom(self) -> list:
+        """Each group's momentum: Adam's ``betas``, SGD's ``momentum`` (DeepSpeed's getter)."""
+        if self.optimizer is None:
+            return []
+        return [list(g["betas"]) if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside reduce no gradients: they accumulate on this rank until a backward outside (as
+        DDP's ``no_sync``, and DeepSpeed's, which refuses it where gradients are partitioned: stages 2 and 3)."""
+        if self.stage >= 2:
+            raise ConfigError("zero_optimization.stage", f"{self.stage}: engine.no_sync() keeps unreduced gradients "
+                                                         "on each rank, which ZeRO stages 2 and 3 partition as they "
+                                                         "arrive (DeepSpeed refuses it too); use stage 0 or 1")
+        previous, self._inside_no_sync = self._inside_no_sync, True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = previous
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """A new global batch with the same micro-batch: the accumulation steps change (DeepSpeed's rule)."""
+        micro, world = self.train_micro_batch_size_per_gpu(), self._config.world_size
+        if train_batch_size % (micro * world) != 0:
+            raise ValueError(f"hf_zero: train_batch_size {train_batch_size} is not divisible by micro-batch {micro} "
+                             f"x data-parallel ranks {world}")
+        self._set_batch(train_batch_size, micro, train_batch_size // (micro * world))
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """A new micro-batch with the same accumulation steps: the global batch changes (DeepSpeed's rule)."""
+        gas, world = self.gradient_accumulation_steps(), self._config.world_size
+        self._set_batch(micro_batch_size * gas * world, micro_batch_size, gas)
+
+    def _set_batch(self, train: int, micro: int, gas: int) -> None:
+        raw = dict(self._config.raw)
+        raw.update(train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
+        self._config = dataclasses.replace(self._config, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
+                                           gradient_accumulation_steps=gas, raw=raw)
+
+    # ---- weights --------------------------------------------------------------------------------------------------
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)

@@ -1,0 +1,163 @@
+"""DeepSpeed's engine surface around the training loop (hf_zero/runtime/ds_engine_api.py, save_16bit_model), each
+answer as DeepSpeed 0.19.8 gives it for the same script (probed with ``DS_ACCELERATOR=cpu``): the wrapped model's
+attributes through the engine, the config getters, ``was_step_applied``, ``get_mom``, ``no_sync``, the batch
+setters, and ``save_16bit_model``'s file (DeepSpeed writes torch.save's format, default ``pytorch_model.bin``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_zero
+from hf_zero.config.errors import ConfigError
+from hf_zero.testing import run_distributed
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+    def describe(self) -> str:  # a model method a script calls through the engine (as engine.generate())
+        return f"net with {sum(p.numel() for p in self.parameters())} parameters"
+
+
+def _config(stage: int = 0, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.8, 0.9]}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 1000}, "steps_per_print": 1000, **extra}
+
+
+def _engine(stage: int = 0, **extra):
+    torch.manual_seed(0)
+    model = _Net()
+    engine, *_ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=_config(stage, **extra))
+    return engine
+
+
+def test_the_wrapped_models_attributes_through_the_engine():
+    engine = _engine()
+    assert engine.describe() == "net with 212 parameters"
+    assert engine.l1 is engine.module.l1  # a submodule, as DeepSpeed's __getattr__ answers
+    with pytest.raises(AttributeError, match="'HfZeroEngine' object has no attribute 'nothing_here'"):
+        engine.nothing_here
+
+
+def test_config_getters_answer_as_deepspeed():
+    engine = _engine(stage=1)
+    assert engine.gradient_clipping() == 0.5
+    assert (engine.optimizer_name(), engine.optimizer_params()) == ("adamw", {"lr": 0.01, "betas": [0.8, 0.9]})
+    assert (engine.scheduler_name(), engine.scheduler_params()) == (
+        "WarmupDecayLR", {"total_num_steps": 10, "warmup_num_steps": 2})
+    assert engine.zero_reduce_bucket_size() == 1000 and engine.zero_reduce_scatter() is True
+    assert engine.zero_overlap_comm() is False and engine.zero_cpu_offload() is False
+    assert engine.zero_offload_optimizer() is None and engine.postscale_gradients() is True
+    assert engine.gradient_predivide_factor() == 1.0 and engine.loss_scale() == 0.0
+    assert engine.communication_data_type() == torch.float32
+    assert (engine.dp_world_size, engine.mp_world_size, engine.mpu) == (1, 1, None)
+    assert engine.get_mom() == [[0.8, 0.9]]
+    assert engine.steps_per_print() == 1000 and engine.wall_clock_breakdown() is False
+
+
+def test_was_step_applied_is_false_after_an_fp16_overflow():
+    engine = _engine(stage=0, fp16={"enabled": True, "initial_scale_power": 4}, gradient_accumulation_steps=1,
+                     train_batch_size=2)
+    x = torch.ones(2, 8)
+    engine.backward(engine(x.half()).float().sum())
+    engine.step()
+    assert engine.was_step_applied() is True
+    engine.backward(engine(x.half()).float().sum() * float("inf"))
+    engine.step()
+    assert engine.was_step_applied() is False and engine.skipped_steps == 1
+
+
+def test_set_train_batch_size_changes_accumulation_and_micro_batch_changes_the_batch():
+    engine = _engine()
+    engine.set_train_batch_size(8)  # micro 2 kept: 4 accumulation steps
+    assert (engine.train_batch_size(), engine.gradient_accumulation_steps(),
+            engine.train_micro_batch_size_per_gpu()) == (8, 4, 2)
+    assert engine.config["gradient_accumulation_steps"] == 4
+    boundaries = []
+    for _ in range(4):
+        engine.backward(engine(torch.ones(2, 8)).sum())
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.step()
+    assert boundaries == [False, False, False, True] and engine.global_steps == 1
+    engine.set_train_micro_batch_size(4)  # accumulation 4 kept: the batch grows
+    assert (engine.train_batch_size(), engine.gradient_accumulation_steps(),
+            engine.train_micro_batch_size_per_gpu()) == (16, 4, 4)
+    with pytest.raises(ValueError, match="train_batch_size 6 is not divisible by micro-batch 4"):
+        engine.set_train_batch_size(6)
+
+
+def test_no_sync_is_refused_where_gradients_are_partitioned():
+    engine = _engine(stage=2)
+    with pytest.raises(ConfigError, match="zero_optimization.stage: 2: engine.no_sync"):
+        with engine.no_sync():
+            pass
+
+
+def _no_sync_run(stage: int):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _Net()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage},
+              "steps_per_print": 1000}
+    engine, *_ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=config)
+    g = torch.Generator().manual_seed(10 + rank)
+    first, second = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    with engine.no_sync():  # reduces nothing: the gradient stays on this rank
+        engine.backward(engine(first).square().mean())
+    engine.backward(engine(second).square().mean())  # reduces both passes' sum
+    engine.step()
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_no_sync_accumulates_locally_until_a_backward_outside_it(stage):
+    torch.manual_seed(0)
+    model = _Net()
+    total = 0
+    for rank in range(2):  # the average over ranks of each rank's two passes, as DDP's no_sync gives
+        g = torch.Generator().manual_seed(10 + rank)
+        first, second = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+        total = total + (model(first).square().mean() + model(second).square().mean()) / 2
+    total.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    expected = [p.detach() for p in model.parameters()]
+    for params in run_distributed(_no_sync_run, 2, args=(stage,)):
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("name", [None, "weights.pt", "model.safetensors"])
+def test_save_16bit_model_writes_the_format_its_file_name_says(tmp_path, stage, name):
+    engine = _engine(stage=stage, bf16={"enabled": True},
+                     zero_optimization={"stage": stage, "stage3_gather_16bit_weights_on_model_save": True})
+    expected = {k: v.detach().clone() for k, v in engine.module.state_dict().items()} if stage < 3 else \
+        engine._zero3_consolidated_16bit_state_dict()
+    if name is None:
+        assert engine.save_16bit_model(str(tmp_path)) is True
+        path = tmp_path / "pytorch_model.bin"  # DeepSpeed's default name and format
+    else:
+        assert engine.save_fp16_model(str(tmp_path), name) is True  # DeepSpeed's older name of the same call
+        path = tmp_path / name
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        saved = load_file(str(path))
+    else:
+        saved = torch.load(str(path), weights_only=True)
+    assert sorted(saved) == sorted(expected) == ["l1.bias", "l1.weight", "l2.bias", "l2.weight"]
+    for key, tensor in expected.items():
+        assert saved[key].dtype == torch.bfloat16 and torch.equal(saved[key], tensor), key
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
