@@ -25,6 +25,7 @@ from hf_zero.config import (
 )
 from hf_zero.config.batch import resolve_batch
 from hf_zero.config.optim import OPTIMIZER_TYPES, SCHEDULER_TYPES
+from hf_zero.config.status import ConfigKeyIgnored
 
 DATA = Path(__file__).parent / "data"
 ZERO1 = DATA / "zero1.json"
@@ -171,8 +172,8 @@ def test_world_size_must_be_positive():
 @pytest.mark.parametrize("config, message", [
     ({"zero_optimization": {"stage": 2, "overlap_com": True}},
      "zero_optimization.overlap_com: unknown key; did you mean 'overlap_comm'?"),
-    ({"zero_optimisation": {"stage": 2}},
-     "zero_optimisation: unknown key; did you mean 'zero_optimization'?"),
+    ({"zero_optimization": {"stag": 2}},
+     "zero_optimization.stag: unknown key; did you mean 'stage'?"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memroy": True}}},
      "zero_optimization.offload_optimizer.pin_memroy: unknown key; did you mean 'pin_memory'?"),
     ({"zero_optimization": {"overlap_comm": "yes"}},
@@ -215,12 +216,29 @@ def test_world_size_must_be_positive():
     ({"steps_per_print": "auto"},
      "steps_per_print: 'auto' is not accepted for this key (nothing fills it in); write a value"),
     ({"compile": {"deepcompile": True}},
-     "compile: DeepCompile is a DeepSpeed option hf_zero does not support; remove it from the config"),
+     "compile: DeepCompile is a DeepSpeed option hf_zero does not support; remove it from the config (or switch it "
+     "off)"),
     ({"zero_optimization": {"zenflow": {}}},
-     "zero_optimization.zenflow: ZenFlow is a DeepSpeed option hf_zero does not support; remove it from the config"),
+     "zero_optimization.zenflow: ZenFlow is a DeepSpeed option hf_zero does not support; remove it from the config "
+     "(or switch it off)"),
 ])
 def test_bad_values_name_key_value_and_what_is_accepted(config, message):
     assert error_of(config) == message
+
+
+def test_an_unknown_top_level_key_is_ignored_with_a_warning_naming_it():
+    """DeepSpeed ignores top-level keys it does not know (its sections refuse extra keys, as hf_zero's do)."""
+    with pytest.warns(ConfigKeyIgnored, match=r"config key 'zero_optimisation' is unknown; did you mean "
+                                              r"'zero_optimization'\?; ignored, as DeepSpeed ignores"):
+        cfg = load({"zero_optimisation": {"stage": 2}, "train_micro_batch_size_per_gpu": 2})
+    assert cfg.zero.stage == 0 and cfg.train_micro_batch_size_per_gpu == 2
+
+
+@pytest.mark.parametrize("section", [{"compile": {"deepcompile": False}}, {"hybrid_engine": {"enabled": False}},
+                                     {"compile": None}])
+def test_an_unsupported_option_switched_off_is_accepted(section, recwarn):
+    cfg = load({**section, "train_micro_batch_size_per_gpu": 2})
+    assert cfg.train_micro_batch_size_per_gpu == 2 and not [w for w in recwarn if "compile" in str(w.message)]
 
 
 def test_fp16_and_bf16_together_is_an_error():
@@ -620,7 +638,7 @@ TOP_LEVEL_KEYS = frozenset({
     "aio", "activation_checkpointing", "flops_profiler", "tensorboard", "csv_monitor", "wandb", "comet",
     "comms_logger", "checkpoint", "data_types", "pipeline", "compression_training", "tensor_parallel", "elasticity",
     "autotuning", "data_efficiency", "curriculum_learning", "comms_timeout_s", "comms_divergence_check",
-    "data_parallel_size", "sequence_parallel_size", "torch_autocast",
+    "data_parallel_size", "sequence_parallel_size", "torch_autocast", "dataloader_drop_last",
 })
 ZERO_KEYS = frozenset({
     "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",

@@ -99,7 +99,6 @@ def test_warnings_only_on_rank_zero():
 
 
 @pytest.mark.parametrize("config, key", [
-    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
     ({"communication_data_type": "fp16"}, "communication_data_type"),
     ({"bf16": {"enabled": True}, "communication_data_type": "fp32"}, "communication_data_type"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),

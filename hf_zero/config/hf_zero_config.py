@@ -55,7 +55,6 @@ class HfZeroConfig:
         "compile": "DeepCompile",
         "seq_parallel_communication_data_type": "Sequence-parallel communication dtype",
         "use_data_before_expert_parallelism": "Expert-parallel data ordering",
-        "dataloader_drop_last": "DeepSpeed's own dataloader option",
         "disable_allgather": "Legacy allgather switch",
         "timers": "DeepSpeed's timer configuration",
         "graph_harvesting": "Graph harvesting",
@@ -80,6 +79,8 @@ class HfZeroConfig:
     gradient_predivide_factor: float = spec(
         1.0, help="Divide gradients by this before the reduction and by world_size/this after.")
     sparse_gradients: bool = spec(False, help="Reduce embedding gradients as sparse tensors.")
+    dataloader_drop_last: bool = spec(
+        False, help="Drop the last, partial batch of the loader initialize(training_data=...) returns.")
     zero_allow_untested_optimizer: bool = spec(
         False, help="Allow a client optimizer hf_zero has not been tested with under ZeRO.")
     comms_timeout_s: float | None = spec(

@@ -210,7 +210,10 @@ def _normalise(tree: Mapping[str, Any], obj: Any) -> dict[str, Any]:
             by_key[alias] = f
     out: dict[str, Any] = {}
     for key, value in tree.items():
-        f = by_key[key]
+        f = by_key.get(key)
+        if f is None:  # a key parsing let through unread (an unknown top-level key, an option switched off)
+            out[key] = copy.deepcopy(value)
+            continue
         typed = getattr(obj, f.name)
         if dataclasses.is_dataclass(typed) and isinstance(value, Mapping):
             out[key] = _normalise(value, typed)

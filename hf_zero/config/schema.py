@@ -17,10 +17,12 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, Union
 
 from .errors import ConfigError, closest
+from .status import ConfigKeyIgnored
 
 __all__ = ["AUTO", "Auto", "parse", "doc", "json_fields", "json_key", "known_keys", "to_dict", "spec"]
 
@@ -82,6 +84,17 @@ def doc(cls: type) -> dict[str, str]:
     return {json_key(f): f.metadata.get("help", "") for f in json_fields(cls)}
 
 
+def _switched_off(raw: Any) -> bool:
+    """An option section that asks for nothing: false/null, or every on-switch in it false (``enabled``,
+    ``deepcompile``). An empty section is not off: it asks for the feature with its defaults."""
+    if raw is None or raw is False:
+        return True
+    if isinstance(raw, Mapping):
+        switches = [raw[k] for k in ("enabled", "deepcompile") if k in raw]
+        return bool(switches) and not any(switches)
+    return False
+
+
 def parse(cls: type, value: Any, path: str = "") -> Any:
     """Parse ``value`` (a JSON object) into an instance of the dataclass ``cls``; ``path`` prefixes error keys."""
     if isinstance(value, cls):
@@ -101,11 +114,19 @@ def parse(cls: type, value: Any, path: str = "") -> Any:
         key_path = f"{path}.{key}" if path else str(key)
         f = by_name.get(key)
         if f is None and key in getattr(cls, "_unsupported_keys", {}):
+            if _switched_off(raw):  # e.g. DeepSpeed-Chat's "hybrid_engine": {"enabled": false}: nothing to run
+                continue
             raise ConfigError(key_path, f"{cls._unsupported_keys[key]} is a DeepSpeed option hf_zero does not support; "
-                                        "remove it from the config")
+                                        "remove it from the config (or switch it off)")
         if f is None:
             guess = closest(str(key), by_name)
             hint = f"; did you mean '{guess}'?" if guess else f"; accepted keys: {', '.join(sorted(by_name))}"
+            if not path:
+                # DeepSpeed ignores top-level keys it does not know (only its sections refuse extra keys), so
+                # configs carry such keys: accepted, with a warning naming the key (a typo shows up here)
+                warnings.warn(f"hf_zero: config key '{key}' is unknown{hint}; ignored, as DeepSpeed ignores unknown "
+                              "top-level keys", ConfigKeyIgnored, stacklevel=2)
+                continue
             raise ConfigError(key_path, f"unknown key{hint}")
         if f.name in kwargs:
             raise ConfigError(key_path, f"given twice (as '{json_key(f)}' and one of its aliases); keep one")

@@ -129,10 +129,13 @@ STATUS: dict[str, KeyStatus] = {
     "dump_state": _todo("the engine state is not printed after initialisation"),
     "prescale_gradients": _no_op("hf_zero always divides gradients by the world size before reducing them, as "
                                  "DeepSpeed's ZeRO reduce-scatter path does"),
-    "gradient_predivide_factor": _refused("hf_zero divides gradients by the world size before the reduction and "
-                                          "applies no other factor; remove gradient_predivide_factor"),
+    "gradient_predivide_factor": _no_op("hf_zero divides each gradient by the data-parallel size before it is "
+                                        "reduced; DeepSpeed's factor splits that division between before and "
+                                        "after the reduction (1/f, then f/world), the same gradient up to "
+                                        "rounding"),
     "sparse_gradients": _todo("embedding gradients are reduced as dense tensors (same values)"),
     "zero_allow_untested_optimizer": HONOURED,
+    "dataloader_drop_last": HONOURED,
     "comms_timeout_s": HONOURED,
     "comms_divergence_check": HONOURED,
     "zero_force_ds_cpu_optimizer": _no_op("with optimizer offload hf_zero always runs its own CPU Adam (a client "
@@ -250,9 +253,19 @@ STATUS: dict[str, KeyStatus] = {
     "aio.single_submit": HONOURED,
     "aio.overlap_events": _no_op("submission and completion always overlap (background I/O threads)"),
     "aio.use_gds": _todo("NVMe transfers go through host memory"),
-    "activation_checkpointing": _todo("use the model's gradient_checkpointing_enable() (torch.utils.checkpoint); "
-                                      "these options are not applied",
-                                      active=lambda cfg: cfg.activation_checkpointing.enabled),
+    # Applied by deepspeed.checkpointing.configure(deepspeed_config=...) (hf_zero/runtime/activation_checkpointing.py)
+    # to the regions a script checkpoints with deepspeed.checkpointing.checkpoint -- as in DeepSpeed 0.19.8, whose
+    # engine parses this section but never reads it. Models checkpointed with gradient_checkpointing_enable() use
+    # torch.utils.checkpoint and do not see it, in DeepSpeed either.
+    "activation_checkpointing.partition_activations": HONOURED,
+    "activation_checkpointing.cpu_checkpointing": HONOURED,
+    "activation_checkpointing.synchronize_checkpoint_boundary": HONOURED,
+    "activation_checkpointing.profile": HONOURED,
+    "activation_checkpointing.contiguous_memory_optimization": _todo(
+        "checkpoint partitions are kept as separate tensors, not copied into one preallocated buffer (same values)"),
+    "activation_checkpointing.number_checkpoints": _no_op(
+        "it only sizes DeepSpeed's contiguous checkpoint buffer, which hf_zero does not build "
+        "(activation_checkpointing.contiguous_memory_optimization)"),
     "flops_profiler": HONOURED,  # hf_zero/profiling/step_profile.py
     "tensorboard": _todo("metrics are not written; the HF Trainer's report_to does", active=_enabled("tensorboard")),
     "csv_monitor": _todo("metrics are not written; the HF Trainer's report_to does", active=_enabled("csv_monitor")),
