@@ -88,17 +88,12 @@ class Accelerator:
     def random(self):
         return torch.random
 
-    def manual_seed(self, seed: int) -> None:
-        if self._cuda:
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
+    def manual_seed(self, seed: int):
+        """Returns what the torch call returns, as DeepSpeed's: None on CUDA, the CPU generator on CPU."""
+        return torch.cuda.manual_seed(seed) if self._cuda else torch.manual_seed(seed)
 
-    def manual_seed_all(self, seed: int) -> None:
-        if self._cuda:
-            torch.cuda.manual_seed_all(seed)
-        else:
-            torch.manual_seed(seed)
+    def manual_seed_all(self, seed: int):
+        return torch.cuda.manual_seed_all(seed) if self._cuda else torch.manual_seed(seed)
 
     def initial_seed(self) -> int:
         return torch.cuda.initial_seed() if self._cuda else torch.initial_seed()
@@ -114,9 +109,10 @@ class Accelerator:
         else:
             torch.set_rng_state(new_state)
 
-    @property
-    def default_generator(self):
-        return torch.cuda.default_generators[torch.cuda.current_device()] if self._cuda else torch.default_generator
+    def default_generator(self, device_index: int) -> torch.Generator:
+        """A method, as DeepSpeed's (``get_accelerator().default_generator(index)``): that device's generator; on CPU
+        the one CPU generator whatever the index."""
+        return torch.cuda.default_generators[device_index] if self._cuda else torch.default_generator
 
     # ---- memory (bytes) -------------------------------------------------------------------------------------------
     def empty_cache(self) -> None:
@@ -175,6 +171,59 @@ class Accelerator:
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == self._name
 
+    # ---- tensor constructors: DeepSpeed's ``get_accelerator().FloatTensor([...])`` -------------------------------
+    # CPU: torch's legacy CPU tensor types (as DeepSpeed's CPU accelerator). CUDA: torch.tensor on the GPU with that
+    # dtype (as DeepSpeed's CUDA accelerator; torch.cuda.FloatTensor & co. are deprecated).
+    def _tensor_type(self, dtype: torch.dtype, cpu_type):
+        return functools.partial(torch.tensor, dtype=dtype, device="cuda") if self._cuda else cpu_type
+
+    @property
+    def BFloat16Tensor(self):
+        return self._tensor_type(torch.bfloat16, torch.BFloat16Tensor)
+
+    @property
+    def ByteTensor(self):
+        return self._tensor_type(torch.uint8, torch.ByteTensor)
+
+    @property
+    def DoubleTensor(self):
+        return self._tensor_type(torch.float64, torch.DoubleTensor)
+
+    @property
+    def FloatTensor(self):
+        return self._tensor_type(torch.float32, torch.FloatTensor)
+
+    @property
+    def HalfTensor(self):
+        return self._tensor_type(torch.float16, torch.HalfTensor)
+
+    @property
+    def IntTensor(self):
+        return self._tensor_type(torch.int32, torch.IntTensor)
+
+    @property
+    def LongTensor(self):
+        return self._tensor_type(torch.int64, torch.LongTensor)
+
+    # ---- op builders ----------------------------------------------------------------------------------------------
+    def get_op_builder(self, class_name: str):
+        """The op builder class named ``class_name`` (``"CPUAdamBuilder"``, ``"FusedAdamBuilder"``, ...), or DeepSpeed's
+        ``NotImplementedBuilder`` for a name that has none here (as DeepSpeed answers, rather than None).
+
+        The builders are DeepSpeed's names, so they are looked up where DeepSpeed-style code finds them:
+        ``deepspeed.ops.op_builder`` -- hf_zero's compatibility layer, or a real DeepSpeed if one is installed. This
+        package never imports the layers above it; that namespace is the public face they give it.
+        """
+        import importlib
+
+        builders = importlib.import_module("deepspeed.ops.op_builder")
+        return getattr(builders, class_name, None) or builders.NotImplementedBuilder
+
+    def create_op_builder(self, op_name: str):
+        """An instance of :meth:`get_op_builder`'s class."""
+        builder_class = self.get_op_builder(op_name)
+        return None if builder_class is None else builder_class()
+
     # ---- capabilities ---------------------------------------------------------------------------------------------
     def communication_backend_name(self) -> str:
         return self._communication_backend_name
@@ -186,6 +235,9 @@ class Accelerator:
         return True  # CPU: torch computes fp16 on CPU (DeepSpeed's CPU accelerator says so when the CPU has AVX512)
 
     def supported_dtypes(self) -> list[torch.dtype]:
+        """DeepSpeed's order: CUDA float32, float16, bfloat16 (if supported); CPU float32, bfloat16, float16."""
+        if not self._cuda:
+            return [torch.float32, torch.bfloat16, torch.float16]
         dtypes = [torch.float32, torch.float16]
         return dtypes + [torch.bfloat16] if self.is_bf16_supported() else dtypes
 
@@ -227,11 +279,10 @@ class Accelerator:
         if self._cuda:
             torch.cuda.nvtx.range_pop()
 
-    def lazy_call(self, callback) -> None:
-        if self._cuda:
-            torch.cuda._lazy_call(callback)
-        else:
-            callback()
+    def lazy_call(self, callback):
+        """CUDA: run ``callback`` once CUDA is initialised (torch.cuda._lazy_call). CPU: run it now and return its
+        result, as DeepSpeed's CPU accelerator does."""
+        return torch.cuda._lazy_call(callback) if self._cuda else callback()
 
     def amp(self):
         return torch.amp

@@ -261,8 +261,38 @@ class FusedAdam(CPUAdam):
     """Adam/AdamW for CUDA parameters: fp32 parameters of a group that share a step count are updated with one
     multi-tensor kernel launch; anything else (16-bit params, CPU params) goes through ``adam_step_``.
 
-    Same constructor as CPUAdam / DeepSpeed's FusedAdam-compatible arguments.
+    DeepSpeed's FusedAdam constructor: ``adam_w_mode`` (True: AdamW's decoupled decay; False: Adam with the decay
+    added to the gradient, L2) and ``set_grad_none`` (``zero_grad`` drops gradients rather than zeroing them).
+    ``adamw_mode`` (CPUAdam's spelling) is accepted too; giving both with different values is an error.
     """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        *,
+        adamw_mode: bool | None = None,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        if adamw_mode is not None and bool(adamw_mode) != bool(adam_w_mode):
+            raise ValueError(f"FusedAdam: adam_w_mode={adam_w_mode!r} and adamw_mode={adamw_mode!r} disagree; "
+                             "give one of them")
+        mode = bool(adam_w_mode if adamw_mode is None else adamw_mode)
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, adamw_mode=mode,
+                         fp32_optimizer_states=fp32_optimizer_states)
+        self.adam_w_mode = int(mode)  # DeepSpeed's attribute (1/0)
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None):

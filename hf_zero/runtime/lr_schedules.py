@@ -41,6 +41,9 @@ __all__ = [
     "WarmupDecayLR",
     "WarmupCosineLR",
     "build_lr_scheduler",
+    "add_tuning_arguments",
+    "get_config_from_args",
+    "get_lr_from_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -490,3 +493,7 @@ def build_lr_scheduler(type_name: str, params: Mapping[str, Any] | None, optimiz
         return cls(optimizer, **params)
     except _ParamError as err:
         raise ConfigError(f"scheduler.params.{err.param}", f"{err.detail} (scheduler {type_name})") from None
+
+
+# DeepSpeed's command-line tuning helpers live in this module's namespace there; they are kept in their own file here.
+from .lr_tuning import add_tuning_arguments, get_config_from_args, get_lr_from_config, parse_arguments  # noqa: E402

@@ -38,10 +38,12 @@ from hf_zero.config.loader import read_config
 from hf_zero.config.policies import InitPrecision, init_precision, param_offload_device, param_offload_policy
 
 from .buffer_dtypes import CASTABLE_DTYPES, keep_buffers_in_fp32, keep_in_fp32_pattern
+from .gathered import GatheredParameters  # deepspeed.runtime.zero.partition_parameters.GatheredParameters
 from .stage3.gather import gatherer_for
-from .stage3.param import ShardedParam, sharded_param_of
+from .stage3.param import ShardedParam, ZeroParamStatus, sharded_param_of
 
-__all__ = ["Init", "zero_wrapper_for_fp_tensor_constructor", "get_accelerator", "partition_module"]
+__all__ = ["Init", "zero_wrapper_for_fp_tensor_constructor", "get_accelerator", "partition_module", "GatheredParameters",
+           "ZeroParamStatus"]
 
 _orig_torch_arange = torch.arange
 

@@ -16,5 +16,10 @@ _forward(__name__, {
     "tp_model_init": "hf_zero.tensor_parallel:tp_model_init",
     "zero": "deepspeed.runtime.zero",  # as in DeepSpeed, deepspeed.zero is deepspeed.runtime.zero
     "PipelineModule": "hf_zero.pipeline:PipelineModule",
-}, submodules=["accelerator", "checkpoint", "comm", "launcher", "moe", "ops", "pipe", "profiling", "runtime",
-                "utils"])
+    "PipelineEngine": "hf_zero.runtime.pipe_engine:PipelineEngine",
+    "DeepSpeedConfig": "hf_zero.integrations.ds_config:DeepSpeedConfig",
+    "get_accelerator": "hf_zero.comm.accelerator:get_accelerator",
+    # as in DeepSpeed, deepspeed.checkpointing is deepspeed.runtime.activation_checkpointing.checkpointing
+    "checkpointing": "deepspeed.runtime.activation_checkpointing.checkpointing",
+}, submodules=["accelerator", "checkpoint", "comm", "launcher", "moe", "monitor", "ops", "pipe", "profiling",
+                "runtime", "utils"])

@@ -1,10 +1,14 @@
-"""``deepspeed.utils``: logger, set_z3_leaf_modules, is_initialized, RepeatingLoader, the safe_get_*/safe_set_* accessors of
-sharded parameters, the ``groups`` module and ``zero_to_fp32`` (offline consolidation of a checkpoint)."""
+"""``deepspeed.utils``: logger, log_dist, print_dist, OnDevice, set_z3_leaf_modules, is_initialized, RepeatingLoader,
+the safe_get_*/safe_set_* accessors of sharded parameters, the ``groups``, ``logging`` and ``timer`` modules and
+``zero_to_fp32`` (offline consolidation of a checkpoint)."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
 _forward(__name__, {
     "logger": "hf_zero.integrations.compat:logger",
+    "log_dist": "hf_zero.integrations.ds_utils:log_dist",
+    "print_dist": "hf_zero.integrations.ds_utils:print_dist",
+    "OnDevice": "hf_zero.integrations.ds_utils:OnDevice",
     "set_z3_leaf_modules": "hf_zero.zero:set_z3_leaf_modules",
     "unset_z3_leaf_modules": "hf_zero.zero:unset_z3_leaf_modules",
     "get_z3_leaf_modules": "hf_zero.zero:get_z3_leaf_modules",
@@ -18,4 +22,4 @@ _forward(__name__, {
         "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
         "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
         "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state")},
-}, submodules=["groups", "zero_to_fp32"])
+}, submodules=["groups", "logging", "timer", "zero_to_fp32"])

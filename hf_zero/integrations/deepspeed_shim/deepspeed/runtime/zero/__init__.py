@@ -1,4 +1,5 @@
-"""``deepspeed.zero`` / ``deepspeed.runtime.zero``: Init, GatheredParameters, register_external_parameter."""
+"""``deepspeed.zero`` / ``deepspeed.runtime.zero``: Init, GatheredParameters, register_external_parameter, and
+ZeroParamStatus (the values of a ZeRO-3 parameter's ``ds_status``)."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
@@ -6,4 +7,5 @@ _forward(__name__, {
     "Init": "hf_zero.zero:Init",
     "GatheredParameters": "hf_zero.zero:GatheredParameters",
     "register_external_parameter": "hf_zero.zero:register_external_parameter",
+    "ZeroParamStatus": "hf_zero.zero.stage3.param:ZeroParamStatus",
 }, submodules=["offload_config", "partition_parameters", "stage3", "stage_1_and_2"])

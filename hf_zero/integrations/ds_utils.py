@@ -1,0 +1,169 @@
+"""DeepSpeed's small helpers that training scripts call directly, with DeepSpeed's signatures and results.
+
+``deepspeed.utils``: :func:`log_dist`, :func:`print_dist` (a message on the chosen ranks, prefixed
+``[Rank r]``), :class:`OnDevice` (build a module's tensors on a device, e.g. ``meta``, in a dtype).
+``deepspeed.runtime.utils``: :func:`see_memory_usage`, :func:`clip_grad_norm_`, :func:`get_global_norm`.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.comm.accelerator import get_accelerator
+from hf_zero.integrations.compat import logger
+
+__all__ = ["log_dist", "print_dist", "OnDevice", "see_memory_usage", "clip_grad_norm_", "get_global_norm"]
+
+
+# ---- rank-filtered messages ---------------------------------------------------------------------------------------
+def _dist_message(message, ranks: Iterable[int] | None) -> str | None:
+    """``"[Rank r] message"`` when this rank should say it: always before the process group exists (rank -1), else
+    when this rank is in ``ranks`` or ``ranks`` starts with -1 (every rank). None otherwise; no ranks: nobody."""
+    initialized = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialized else -1
+    ranks = list(ranks or [])
+    if initialized and not (ranks and (ranks[0] == -1 or rank in ranks)):
+        return None
+    return f"[Rank {rank}] {message}"
+
+
+def log_dist(message, ranks: Iterable[int] | None = None, level: int = logging.INFO) -> None:
+    """Log ``message`` on DeepSpeed's logger (hf_zero's) on the given ranks (``[-1]``: all)."""
+    text = _dist_message(message, ranks)
+    if text is not None:
+        logger.log(level, text)
+
+
+def print_dist(message, ranks: Iterable[int] | None = None) -> None:
+    """:func:`log_dist`, printed to stdout whatever the log level."""
+    text = _dist_message(message, ranks)
+    if text is not None:
+        print(text)
+
+
+# ---- OnDevice -----------------------------------------------------------------------------------------------------
+class OnDevice:
+    """``with OnDevice(dtype=torch.float16, device="meta"): model = MyModel()``: tensors created inside land on
+    ``device``, and floating-point ones default to ``dtype``.
+
+    DeepSpeed patches ``torch.empty``/``zeros``/``ones``/``full`` and ``Tensor.__new__``; here torch's own device
+    context (``with torch.device(...)``) and ``torch.set_default_dtype`` do it, restored on exit. One difference: a
+    tensor created with an explicit floating ``dtype=`` keeps it (DeepSpeed converts it too). ``dtype=None`` leaves
+    dtypes alone; ``enabled=False`` makes the block a no-op.
+    """
+
+    def __init__(self, dtype: torch.dtype | None, device="meta", enabled: bool = True):
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"OnDevice: dtype must be a floating-point dtype (or None), got {dtype}")
+        self.dtype = dtype
+        self.device = device
+        self.enabled = enabled
+        self._device_context = None
+        self._saved_dtype: torch.dtype | None = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        self._device_context = torch.device(self.device)
+        self._device_context.__enter__()
+        if self.dtype is not None:
+            self._saved_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        if self._saved_dtype is not None:
+            torch.set_default_dtype(self._saved_dtype)
+            self._saved_dtype = None
+        self._device_context.__exit__(*exc)
+        self._device_context = None
+
+
+# ---- memory report ------------------------------------------------------------------------------------------------
+_GB = 1024**3
+
+
+def see_memory_usage(message, force: bool = False) -> None:
+    """With ``force``, on rank 0: print ``message``, the accelerator's allocated/reserved bytes and their peaks (on
+    CPU: this process's resident memory, see ``hf_zero.comm.accelerator``) and the host's used memory, then start a
+    new peak. Without ``force``, nothing (as DeepSpeed)."""
+    if not force or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        return
+    gc.collect()  # Python frees cyclic garbage lazily; collect so the numbers are current
+    acc = get_accelerator()
+    print(message)
+    print(f"MA {round(acc.memory_allocated() / _GB, 2)} GB         Max_MA {round(acc.max_memory_allocated() / _GB, 2)} "
+          f"GB         CA {round(acc.memory_reserved() / _GB, 2)} GB         Max_CA "
+          f"{round(acc.max_memory_reserved() / _GB)} GB ")
+    import psutil
+
+    vm = psutil.virtual_memory()
+    print(f"CPU Virtual Memory:  used = {round((vm.total - vm.available) / _GB, 2)} GB, percent = {vm.percent}%")
+    acc.reset_peak_memory_stats()
+
+
+# ---- gradient norms -----------------------------------------------------------------------------------------------
+def _is_invalid_norm(norm) -> bool:
+    if torch.is_tensor(norm):
+        return bool((~torch.isfinite(norm) | (norm < 0)).any())
+    return not math.isfinite(float(norm)) or norm < 0
+
+
+def get_global_norm(norm_list) -> float:
+    """The 2-norm of per-group 2-norms, ``sqrt(sum(n**2))``; ``inf`` if any is inf, NaN or negative."""
+    if any(_is_invalid_norm(norm) for norm in norm_list):
+        return float("inf")
+    return math.sqrt(sum(norm**2.0 for norm in norm_list))
+
+
+def _is_model_parallel(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2, mpu=None) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` in place so their total ``norm_type``-norm is at most ``max_norm``;
+    returns that total norm (a tensor), as DeepSpeed's:
+
+    - with ``mpu``, each model-parallel rank adds its share (parameters marked ``model_parallel`` /
+      ``tensor_model_parallel``, the rest counted once on model-parallel rank 0) over
+      ``mpu.get_model_parallel_group()``;
+    - the norm is then *averaged* over the data-parallel ranks (DeepSpeed does this because MoE experts differ
+      per rank; for replicated gradients it changes nothing). Without a process group there is one rank.
+    - every gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = [p for p in parameters if p.grad is not None]
+    if not parameters:
+        raise ValueError("clip_grad_norm_: no parameter has a gradient")
+    norm_type = float(norm_type)
+    initialized = dist.is_available() and dist.is_initialized()
+    device = get_accelerator().current_device_name()  # where the collectives below can run
+    if norm_type == math.inf:
+        total = torch.stack([p.grad.detach().abs().max().float() for p in parameters]).max().to(device)
+        if mpu is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())
+    else:
+        norms = [p.grad.detach().float().norm(norm_type) for p in parameters
+                 if mpu is None or mpu.get_model_parallel_rank() == 0 or _is_model_parallel(p)]
+        # sum_i ||g_i||_p ** p, rooted after the model-parallel sum
+        total = (torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros(1)).to(device)
+        if mpu is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+        total = total.pow(1.0 / norm_type)
+    if initialized:
+        total = total / float(dist.get_world_size())
+        dist.all_reduce(total)
+    total = total.to(parameters[0].device)
+    clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for p in parameters:
+        p.grad.detach().mul_(clip_coef.to(p.grad.dtype))
+    return total
