@@ -161,3 +161,26 @@ def test_save_16bit_model_writes_the_format_its_file_name_says(tmp_path, stage, 
     for key, tensor in expected.items():
         assert saved[key].dtype == torch.bfloat16 and torch.equal(saved[key], tensor), key
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_named_parameters_are_accepted_as_model_parameters(grouped):
+    """DeepSpeed hands model_parameters to a torch optimizer, which takes (name, parameter) pairs too."""
+    runs = []
+    for named in (False, True):
+        torch.manual_seed(0)
+        model = _Net()
+        params = list(model.named_parameters()) if named else list(model.parameters())
+        if grouped:
+            params = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:]}]
+        config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+                  "steps_per_print": 1000}
+        engine, *_ = hf_zero.initialize(model=model, model_parameters=params, config=config)
+        for _ in range(2):
+            engine.backward(engine(torch.ones(2, 8)).square().sum())
+            engine.step()
+        runs.append(([g.get("weight_decay") for g in engine.optimizer.param_groups],
+                     [p.detach().clone() for p in engine.module.parameters()]))
+    assert runs[0][0] == runs[1][0] == ([0.1, 0.0] if grouped else [0.0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
