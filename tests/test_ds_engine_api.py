@@ -184,3 +184,52 @@ def test_named_parameters_are_accepted_as_model_parameters(grouped):
     assert runs[0][0] == runs[1][0] == ([0.1, 0.0] if grouped else [0.0])
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(a, b)
+
+
+def _stage0_grads_run():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _Net()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 0},
+              "steps_per_print": 1000}
+    engine, *_ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=config)
+    g = torch.Generator().manual_seed(10 + rank)
+    batches = [torch.randn(2, 8, generator=g) for _ in range(2)]
+    engine.backward(engine(batches[0]).square().mean())
+    local = [p.grad.clone() for p in engine.module.parameters()]  # not a boundary: this rank's own gradient
+    engine.step()
+    engine.backward(engine(batches[1]).square().mean())
+    reduced = [p.grad.clone() for p in engine.module.parameters()]  # the boundary: averaged over the ranks
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    engine.module.l2.weight.grad.zero_()  # a script's own edit of p.grad is what the step uses, as in DeepSpeed
+    engine.step()
+    after = [p.detach().clone() for p in engine.module.parameters()]
+    return local, reduced, before, after, [p.grad is None for p in engine.module.parameters()]
+
+
+def test_stage0_leaves_the_averaged_gradient_in_p_grad():
+    torch.manual_seed(0)
+    model = _Net()
+    locals_, total = [], 0
+    for rank in range(2):
+        g = torch.Generator().manual_seed(10 + rank)
+        batches = [torch.randn(2, 8, generator=g) for _ in range(2)]
+        first = torch.autograd.grad(model(batches[0]).square().mean() / 2, list(model.parameters()))
+        locals_.append(first)
+        total = total + (model(batches[0]).square().mean() + model(batches[1]).square().mean()) / 4
+    expected = torch.autograd.grad(total, list(model.parameters()))
+    for rank, (local, reduced, before, after, cleared) in enumerate(run_distributed(_stage0_grads_run, 2)):
+        for got, want in zip(local, locals_[rank]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        for got, want in zip(reduced, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        names = ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+        for name, b, a, grad in zip(names, before, after, reduced):
+            if name == "l2.weight":
+                assert torch.equal(a, b)  # its gradient was zeroed through p.grad
+            else:
+                torch.testing.assert_close(a, b - 0.1 * grad, rtol=1e-5, atol=1e-7)
+        assert cleared == [True] * 4  # the step consumed them, as DeepSpeed's zero_grad after it

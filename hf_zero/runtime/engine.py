@@ -349,7 +349,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
 
     def _end_backward(self) -> None:
         if self.reducer is not None:
+            reduced = self.reducer.reducing
             self.reducer.finish()
+            if reduced and self.stage == 0:  # DeepSpeed without ZeRO leaves the averaged gradients in p.grad
+                self.reducer.expose_grads()
         else:
             self.stage3.finish_backward()
 
@@ -361,6 +364,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         if boundary:
             with self.timers.phase("step"), self.step_profiler.step(self.global_steps):
                 self.optimizer.step()
+            if self.reducer is not None:
+                self.reducer.hide_grads()  # stage 0's p.grad views: the step has used them
             if self.lr_scheduler is not None and not self.optimizer.overflow:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.step_profiler.finish_step(self.global_steps)

@@ -106,11 +106,13 @@ class GroupGradReducer:
         self._next = 0  # index of the next bucket to launch
         self._in_flight: list[_InFlight] = []
         self._direct: set[int] = set()  # id() of the groups whose shard the collectives write in place
+        self._exposed: list[nn.Parameter] = []  # stage 0: parameters whose .grad views the reduced gradient
         self.timers = NO_TIMERS  # the engine's: time blocked in collectives counts as "communication"
 
     # ---- public -----------------------------------------------------------------------------------------------
     def begin(self, reducing: bool) -> None:
         """Called before backward. ``reducing=False`` lets gradients accumulate in ``param.grad`` untouched."""
+        self.hide_grads()
         self._reducing = reducing
         self._direct = set()
         if reducing:
@@ -127,6 +129,11 @@ class GroupGradReducer:
             b.launched = False
         if reducing and self.data_parallel_size > 1:
             self._check_pass()
+
+    @property
+    def reducing(self) -> bool:
+        """Whether the backward pass now running (between begin and finish) reduces its gradients."""
+        return self._reducing
 
     def _check_pass(self) -> None:
         """One divergence header for the whole pass (comm/faults.check_run) instead of one per bucket: the buckets
@@ -160,6 +167,29 @@ class GroupGradReducer:
         self._drain(0)
         self._reduce_late_gradients()
         self._reducing = False
+
+    def expose_grads(self) -> None:
+        """Stage 0, after a pass that reduced: each parameter's ``.grad`` becomes its slice of the group's reduced
+        gradient (a view: no copy, and an edit -- a script's own clipping -- is what the step uses), as DeepSpeed
+        leaves the all-reduced gradients in ``p.grad`` without ZeRO. Only where the slice can be the gradient: a
+        plain (not tensor-parallel) parameter of the gradient's dtype. :meth:`hide_grads` undoes it."""
+        if self.mode is not ReduceMode.ALL_REDUCE:
+            return
+        for g in self.groups:
+            if not _allocated(g):
+                continue
+            for i, p in enumerate(g.params):
+                if p.grad is None and local_tensor(p) is p and p.dtype == g.grad.dtype:
+                    lo, hi = g.layout.offsets[i], g.layout.offsets[i + 1]
+                    p.grad = g.grad[lo:hi].view_as(p)
+                    self._exposed.append(p)
+
+    def hide_grads(self) -> None:
+        """Drop the views :meth:`expose_grads` set (before the next backward, which must accumulate into fresh
+        gradients, and after the step, which may free the reduced buffer)."""
+        for p in self._exposed:
+            p.grad = None
+        self._exposed.clear()
 
     def remove(self) -> None:
         for h in self._handles:
