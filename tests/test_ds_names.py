@@ -3,23 +3,13 @@ per name: each must do what DeepSpeed's does, not merely exist."""
 
 from __future__ import annotations
 
-import importlib
 import random
 
 import numpy
 import pytest
 import torch
 
-from hf_zero.integrations.deepspeed_shim._finder import install
-
-install()  # as the start-up .pth line does in an installed hf_zero
-
-
-def _ds(module: str):
-    mod = importlib.import_module(module)
-    assert "hf_zero" in (mod.__file__ or "") or "hf_zero" in mod.__name__ or hasattr(mod, "_hf_zero_forward"), \
-        f"{module} is not hf_zero's compatibility layer"
-    return mod
+from _shim_util import ds as _ds
 
 
 def test_set_random_seed_seeds_python_numpy_and_torch():

@@ -16,16 +16,7 @@ import warnings
 import pytest
 import torch
 
-from hf_zero.integrations.deepspeed_shim._finder import install
-
-install()  # as the start-up .pth line does in an installed hf_zero
-
-
-def _ds(module: str):
-    mod = importlib.import_module(module)
-    assert "hf_zero" in (mod.__file__ or "") or "hf_zero" in mod.__name__ or hasattr(mod, "_hf_zero_forward"), \
-        f"{module} is not hf_zero's compatibility layer"
-    return mod
+from _shim_util import ds as _ds
 
 
 # ---- the top-level names and where they lead ----------------------------------------------------------------------
