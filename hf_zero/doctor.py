@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_zero.integrations.deepspeed_shim._finder import DISABLE_ENV as SHIM_DISABLE_ENV
-from hf_zero.integrations.deepspeed_shim._finder import disabled as shim_disabled
+from hf_zero.integrations.deepspeed_shim import DISABLE_ENV as SHIM_DISABLE_ENV
+from hf_zero.integrations.deepspeed_shim import disabled as shim_disabled
 
 __all__ = ["Report", "collect", "main", "render"]
 

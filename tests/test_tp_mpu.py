@@ -144,11 +144,15 @@ def _client_optimizer_worker():
     del cfg["optimizer"]  # the client's optimizer is the only one, as in the example
     model = make_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    before_groups = opt.param_groups
     engine, *_ = hf_zero.initialize(model=model, optimizer=opt, config=cfg)
-    held = [p for g in opt.param_groups for p in g["params"]]
+    held = [p for g in before_groups for p in g["params"]]  # the groups as the sharding left them
     current = list(model.parameters())
     out = {"adopted": (len(held), len(current), all(any(p is q for q in current) for p in held),
-                       sum(isinstance(p, DTensor) for p in held), sum(isinstance(p, DTensor) for p in current))}
+                       sum(isinstance(p, DTensor) for p in held), sum(isinstance(p, DTensor) for p in current)),
+           # then, as DeepSpeed's ZeRO optimizer, the engine's optimizer takes over the client's param_groups (a
+           # scheduler built on the client's optimizer sets the trained lr: tests/test_client_scheduler.py)
+           "groups_taken_over": opt.param_groups is engine.optimizer.param_groups}
     data = token_data(STEPS, batch=2)
     losses, norms = [], []
     for s in range(STEPS):
@@ -202,6 +206,7 @@ def test_optimizer_built_before_autotp_trains_as_one_process():
         held, in_model, same, dtensors_held, dtensors_model = out["adopted"]
         # the optimizer holds exactly the model's parameters, the sharded (DTensor) ones included
         assert held == in_model == 21 and same and dtensors_held == dtensors_model > 0, (rank, out["adopted"])
+        assert out["groups_taken_over"], rank
         for s in range(STEPS):
             assert abs(out["losses"][s] - ref_losses[s]) <= 1e-5 * ref_losses[s], (rank, s, out["losses"])
             assert abs(out["norms"][s] - ref_norms[s]) <= 1e-5 * ref_norms[s], (rank, s, out["norms"])

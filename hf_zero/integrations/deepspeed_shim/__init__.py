@@ -13,6 +13,6 @@ Switch it off with the environment variable ``HF_ZERO_DISABLE_DEEPSPEED_SHIM=1``
 DeepSpeed (installing DeepSpeed makes it stand aside) and is invisible to ``pip list`` and pip's resolver.
 """
 
-from ._finder import real_deepspeed_installed, shim_version
+from ._finder import DISABLE_ENV, disabled, real_deepspeed_installed, shim_version
 
-__all__ = ["real_deepspeed_installed", "shim_version"]
+__all__ = ["DISABLE_ENV", "disabled", "real_deepspeed_installed", "shim_version"]
