@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hf_zero.comm import get_rank
+from hf_zero.comm import all_gather_packed
 from hf_zero.comm.accelerator import get_accelerator
 from hf_zero.config import ActivationCheckpointingConfig, ConfigError, read_config
 from hf_zero.config.schema import parse
@@ -269,8 +269,11 @@ def _unstash(tensors: tuple[torch.Tensor, ...], slots: list[_Slot], mp: _ModelPa
         kept = tensors[slot.index]
         if slot.kind == "part":
             piece = kept.to(slot.device)
-            full = torch.empty(piece.numel() * mp.size, dtype=piece.dtype, device=slot.device)
-            dist.all_gather(list(full.chunk(mp.size)), piece, group=mp.group)
+            full = torch.empty(mp.size, piece.numel(), dtype=piece.dtype, device=slot.device)
+            # bounded and checked like every hf_zero collective: a rank that died or skipped this recomputation
+            # ends the job with its name instead of a hang
+            all_gather_packed(full, piece.reshape(-1), group=mp.group,
+                              what=f"the partition_activations gather of a checkpoint input {tuple(slot.shape)}")
             kept = full.view(slot.shape)
         elif slot.kind == "cpu":
             kept = kept.to(slot.device)
