@@ -23,16 +23,24 @@ hf_zero's arm takes them from hf_zero.ops.adam.zeros_state, as CPUAdam does: 2 M
 transparent huge pages (a product difference, not a bench setting; `--states torch` gives hf_zero's arm torch.zeros
 states instead, to see the kernel alone). Parameters and gradients are plain torch tensors of the same sizes in both.
 Without DeepSpeed importable the hf_zero rows are printed alone.
+
+The byte floor (fp32 at one thread): `_stream_floor.c`, built here with the system C compiler, moves the same 28
+bytes per parameter as an Adam step in one prefetched pass with almost no arithmetic (on states from the same
+allocator as hf_zero's arm). It steps in the same round-robin as the two optimizers, and each is printed as a
+multiple of it ("x floor"): how far each kernel is from what one core's memory allows. Skipped without a compiler.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,7 +69,35 @@ def _isa() -> str:
     return torch.ops.hf_zero.adam_cpu_isa() if hasattr(torch.ops.hf_zero, "adam_cpu_isa") else "(before adam_cpu_isa)"
 
 
-def _child(numel: int, threads: int, repeat: int, cases: list[str], isa: str, states: str) -> dict:
+def _build_floor(out_dir: str) -> str:
+    """The floor pass as a shared library, or "" (no C compiler, or it failed: the bench goes on without it)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return ""
+    lib = os.path.join(out_dir, "stream_floor.so")
+    done = subprocess.run([cc, "-O3", "-shared", "-fPIC", "-o", lib, str(Path(__file__).with_name("_stream_floor.c"))],
+                          capture_output=True, text=True)
+    return lib if done.returncode == 0 else ""
+
+
+def _floor_fn(lib_path: str, numel: int, zeros):
+    """A callable running the floor pass on arrays of its own (p, g: torch tensors; states: ``zeros``)."""
+    import torch
+
+    lib = ctypes.CDLL(lib_path)
+    lib.stream_floor.restype = ctypes.c_int
+    lib.stream_floor.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_size_t]
+    p, g, m, v = torch.randn(numel), torch.randn(numel), zeros((numel,)), zeros((numel,))
+    ptrs = [t.data_ptr() for t in (p, g, m, v)]
+
+    def floor(ptrs=ptrs, keep=(p, g, m, v)):
+        lib.stream_floor(*ptrs, numel)
+
+    return floor
+
+
+def _child(numel: int, threads: int, repeat: int, cases: list[str], isa: str, states: str,
+           floor_lib: str = "") -> dict:
     sys.path.insert(0, str(REPO))
     import torch
 
@@ -88,6 +124,8 @@ def _child(numel: int, threads: int, repeat: int, cases: list[str], isa: str, st
             adam_step_(p, g, m, v, step=step[0], adamw_mode=True, bias_correction=True, out16=out16, **HYPER)
 
         fns["hf_zero"] = ours
+        if case == "fp32" and threads == 1 and floor_lib:
+            fns["floor"] = _floor_fn(floor_lib, numel, zeros)
         if ds_cls is not None:
             dtype = torch.bfloat16 if case in ("bf16", "out16v") else torch.float32
             dp = torch.nn.Parameter(torch.randn(numel).to(dtype))
@@ -130,12 +168,16 @@ def main() -> None:
                         help="hf_zero's optimizer states: from zeros_state, as CPUAdam allocates them (default), or "
                              "torch.zeros")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-lib", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     numel = int(args.mparams * 1e6)
     if args.child:
         print("RESULT " + json.dumps(_child(numel, args.threads[0], args.repeat, args.cases, args.isa,
-                                            args.states)))
+                                            args.states, args.floor_lib)))
         return
+
+    build_dir = tempfile.mkdtemp(prefix="hf_zero_floor_")
+    floor_lib = _build_floor(build_dir) if "fp32" in args.cases and 1 in args.threads else ""
 
     has_ds = _deepspeed_adam() is not None
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3
@@ -144,9 +186,10 @@ def main() -> None:
     if not has_ds:
         print("DeepSpeed not importable (or its shim active): hf_zero alone. Run with DeepSpeed's interpreter and "
               "HF_ZERO_DISABLE_DEEPSPEED_SHIM=1 DS_ACCELERATOR=cpu to compare.")
-    print(f"hf_zero CPU Adam path: {args.isa or _isa()}; hf_zero's states: {args.states}")
+    print(f"hf_zero CPU Adam path: {args.isa or _isa()}; hf_zero's states: {args.states}; byte floor: "
+          f"{'built' if floor_lib else 'not built (no C compiler)'}")
     print(f"{'case':<7}{'threads':>8}{'hf_zero ms':>12}{'Mparam/s':>10}{'DeepSpeed ms':>14}{'Mparam/s':>10}"
-          f"{'speed-up':>10}")
+          f"{'speed-up':>10}{'floor ms':>10}{'hf_zero x floor':>17}{'DeepSpeed x floor':>19}")
     for threads in args.threads:
         # Passive waiting: two OpenMP runtimes share the process, and spinning idle threads of one would steal
         # the cores from the other between steps (microseconds of wake-up against steps of milliseconds).
@@ -154,7 +197,7 @@ def main() -> None:
                "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--mparams", str(args.mparams),
                "--threads", str(threads), "--repeat", str(args.repeat), "--cases", *args.cases, "--isa", args.isa,
-               "--states", args.states]
+               "--states", args.states, "--floor-lib", floor_lib]
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/tmp", timeout=3600)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         if not lines:
@@ -165,7 +208,14 @@ def main() -> None:
             if "deepspeed" in t:
                 ds = t["deepspeed"]
                 row += f"{ds * 1e3:>14.2f}{numel / ds / 1e6:>10.0f}{ds / ours:>9.2f}x"
+            if "floor" in t:
+                fl = t["floor"]
+                row += "" if "deepspeed" in t else " " * 34
+                row += f"{fl * 1e3:>10.2f}{ours / fl:>16.2f}x"
+                if "deepspeed" in t:
+                    row += f"{t['deepspeed'] / fl:>18.2f}x"
             print(row, flush=True)
+    shutil.rmtree(build_dir, ignore_errors=True)
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3
     print(f"load average {' '.join(load)} (end); target: speed-up >= 1.15x in every row")
 
