@@ -15,8 +15,9 @@ fi
 # --no-build-isolation: csrc/ compiles against the torch above, not a fresh (CUDA) one in a build env.
 # setuptools/wheel/ninja are the build tools that flag makes pip expect to find already installed.
 "$PY" -m pip install --quiet "setuptools>=64" wheel ninja
-# `setup.sh test` adds the test extras (pytest, bitsandbytes for the QLoRA tests); the main job needs none of them,
-# and bitsandbytes, once installed, logs a warning at every `import peft` on a CPU-only machine
+# `setup.sh test` adds the test extras (pytest, bitsandbytes for the QLoRA tests, tensorboard for the monitor tests);
+# the main job needs none of them, and bitsandbytes, once installed, logs a warning at every `import peft` on a
+# CPU-only machine
 TARGET="."
 [ "${1:-}" = "test" ] && TARGET=".[test]"
 MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --quiet --no-build-isolation -e "$TARGET"

@@ -22,6 +22,7 @@ from .sections import (
     AioConfig,
     BF16Config,
     CheckpointConfig,
+    CometConfig,
     CommsLoggerConfig,
     DataTypesConfig,
     FlopsProfilerConfig,
@@ -115,7 +116,7 @@ class HfZeroConfig:
     tensorboard: MonitorConfig = spec(default_factory=MonitorConfig, help="TensorBoard metrics.")
     csv_monitor: MonitorConfig = spec(default_factory=MonitorConfig, help="CSV metrics.")
     wandb: WandbConfig = spec(default_factory=WandbConfig, help="Weights & Biases metrics.")
-    comet: Mapping[str, Any] | None = spec(None, help="Comet metrics. " + _RAW_SECTION)
+    comet: CometConfig = spec(default_factory=CometConfig, help="Comet metrics.")
     comms_logger: CommsLoggerConfig = spec(default_factory=CommsLoggerConfig, help="Log collectives.")
     checkpoint: CheckpointConfig = spec(default_factory=CheckpointConfig, help="Checkpoint tagging and layout.")
     data_types: DataTypesConfig = spec(default_factory=DataTypesConfig, help="Dtypes of internal buffers.")

@@ -19,6 +19,7 @@ __all__ = [
     "AioConfig",
     "BF16Config",
     "CheckpointConfig",
+    "CometConfig",
     "CommsLoggerConfig",
     "DataTypesConfig",
     "FP16Config",
@@ -289,21 +290,38 @@ class FlopsProfilerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MonitorConfig:
-    """``tensorboard`` / ``csv_monitor``: write training metrics to files."""
+    """``tensorboard`` / ``csv_monitor``: training metrics written to files on global rank 0 (runtime/monitor.py)."""
 
-    enabled: bool = spec(False, help="Write metrics.")
-    output_path: str = spec("", help="Directory for the metric files.")
-    job_name: str = spec("DeepSpeedJobName", help="Sub-directory / run name.")
+    enabled: bool = spec(False, help="Write metrics (tensorboard needs the `tensorboard` package).")
+    output_path: str = spec("", help="Directory the job's directory is made in; empty: the working directory.")
+    job_name: str = spec("DeepSpeedJobName", help="The directory under output_path the files are written to.")
 
 
 @dataclass(frozen=True, kw_only=True)
 class WandbConfig:
-    """``wandb``: log training metrics to Weights & Biases."""
+    """``wandb``: log training metrics to Weights & Biases (needs the ``wandb`` package)."""
 
     enabled: bool = spec(False, help="Log metrics to W&B.")
-    group: str | None = spec(None, help="W&B group.")
-    team: str | None = spec(None, help="W&B team (entity).")
+    group: str | None = spec(None, help="W&B group (wandb.init's group).")
+    team: str | None = spec(None, help="W&B team (wandb.init's entity).")
     project: str = spec("deepspeed", help="W&B project.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CometConfig:
+    """``comet``: log training metrics to a Comet experiment (needs ``comet_ml`` >= 3.41.0). The keys left unset
+    fall back to Comet's own configuration (``.comet.config``, ``COMET_*`` environment variables)."""
+
+    enabled: bool = spec(False, help="Log metrics to Comet.")
+    samples_log_interval: int = spec(100, help="A metric is sent again only after this many more training samples.")
+    project: str | None = spec(None, help="Comet project name.")
+    workspace: str | None = spec(None, help="Comet workspace name.")
+    api_key: str | None = spec(None, help="Comet API key.")
+    experiment_name: str | None = spec(None, help="Name given to the experiment.")
+    experiment_key: str | None = spec(None, help="Key of the experiment (32-50 alphanumeric characters).")
+    online: bool | None = spec(None, help="Send to the Comet server (true) or keep an offline experiment (false).")
+    mode: Literal["get", "create", "get_or_create"] | None = spec(
+        None, help="Continue an existing experiment ('get'), always start one ('create'), or either.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -267,10 +267,11 @@ STATUS: dict[str, KeyStatus] = {
         "it only sizes DeepSpeed's contiguous checkpoint buffer, which hf_zero does not build "
         "(activation_checkpointing.contiguous_memory_optimization)"),
     "flops_profiler": HONOURED,  # hf_zero/profiling/step_profile.py
-    "tensorboard": _todo("metrics are not written; the HF Trainer's report_to does", active=_enabled("tensorboard")),
-    "csv_monitor": _todo("metrics are not written; the HF Trainer's report_to does", active=_enabled("csv_monitor")),
-    "wandb": _todo("metrics are not sent; the HF Trainer's report_to does", active=_enabled("wandb")),
-    "comet": _todo("metrics are not sent; the HF Trainer's report_to does", active=_switched_on("comet")),
+    # the engine's monitor writes DeepSpeed's events to them on global rank 0 (hf_zero/runtime/monitor.py)
+    "tensorboard": HONOURED,
+    "csv_monitor": HONOURED,
+    "wandb": HONOURED,
+    "comet": HONOURED,
     "comms_logger": _todo("collectives are not logged", active=_enabled("comms_logger")),
     # reliability (#14) owns checkpoint behaviour.
     "checkpoint.tag_validation": HONOURED,  # hf_zero/checkpoint/tags.py

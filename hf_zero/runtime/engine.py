@@ -28,6 +28,7 @@ from hf_zero.profiling.step_profile import StepProfiler
 from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.backward import BackwardSessions
 from hf_zero.runtime.ds_engine_api import DeepSpeedEngineAPI
+from hf_zero.runtime.monitor import MonitorMaster, boundary_events
 from hf_zero.runtime.optimizers import OptimizerPlan, adopt_client_groups
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.buffer_dtypes import cast_module_buffers, unusable_norms
@@ -48,6 +49,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
     # Refuse parameter gradients from backward passes the engine did not see (runtime/backward.py). An engine that
     # runs backward through its own schedule rather than engine.backward (PipelineEngine) turns this off.
     _guards_backward: ClassVar[bool] = True
+    # wall_clock_breakdown's elapsed_time_ms events (runtime/monitor.py): DeepSpeed's pipeline engine writes none
+    _monitors_phase_times: ClassVar[bool] = True
 
     def __init__(self, module: nn.Module, config: HfZeroConfig, plan: OptimizerPlan | None,
                  lr_scheduler: Any = None, process_group=None, model_parallel_group=None):
@@ -76,6 +79,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         place_module(module, self._device,
                      params_on_host=self.stage == 3 and self.zero_policy.offload_param is not None)
         self.timers = PhaseTimers(config.wall_clock_breakdown)
+        self.monitor = MonitorMaster(config)  # tensorboard / csv_monitor / wandb / comet, written on global rank 0
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -374,6 +378,11 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.step_time.boundary()
+            if self.monitor.enabled:
+                timed = self._config.wall_clock_breakdown and self._monitors_phase_times
+                self.monitor.write_events(boundary_events(
+                    self.global_samples, self.get_lr()[0], self.get_loss_scale() if self.fp16_enabled() else None,
+                    self.timers.seconds if timed else None))
             self._log_step()
         self.micro_steps += 1
         self._boundary_override = None
@@ -577,6 +586,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         backend = getattr(self.optimizer, "backend", None)
         if backend is not None:  # an offload back-end waits for swap I/O, deletes this rank's NVMe swap files
             backend.close()
+        self.monitor.close()
 
     # ---- Hugging Face integration surface (owned by the HF integration) ----
     def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule=None) -> None:

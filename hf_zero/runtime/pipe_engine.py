@@ -73,6 +73,7 @@ class PipelineEngine(HfZeroEngine):
     """``train_batch``/``eval_batch`` only: ``forward``, ``backward`` and ``step`` raise :class:`PipelineError`."""
 
     _guards_backward = False  # backward runs inside the pipeline schedule, never through engine.backward
+    _monitors_phase_times = False  # DeepSpeed's pipeline engine monitors train_loss / eval_loss instead
 
     def __init__(self, module, config: HfZeroConfig, plan: OptimizerPlan, lr_scheduler: Any = None):
         grid = module.grid
@@ -172,6 +173,8 @@ class PipelineEngine(HfZeroEngine):
                 HfZeroEngine.step(self)
             loss = self._step_loss if self._loss_rides_norm else self._broadcast_loss(self._step_loss)
         self._backward.last_loss = float(loss.item())  # what the step log prints
+        if self.monitor.enabled:  # after the step's lr event, at the same sample count (DeepSpeed's order)
+            self.monitor.write_events([("Train/Samples/train_loss", loss.mean().item(), self.global_samples)])
         return loss
 
     def eval_batch(self, data_iter: Iterable, return_logits: bool = False, compute_loss: bool = True,
@@ -192,9 +195,12 @@ class PipelineEngine(HfZeroEngine):
             schedule = self._schedule_for(args, kwargs, target)
             outputs = schedule.eval(*args, target=target if compute_loss else None,
                                     losses=losses if compute_loss else None, **kwargs)
-            loss = self._aggregate_loss(losses, reduce=reduce_output == "avg", bcast=bcast_loss) \
-                if compute_loss else None
+            # the monitor writes on global rank 0, a first-stage rank: it needs the loss too (as in DeepSpeed)
+            bcast = bcast_loss or self.monitor.enabled
+            loss = self._aggregate_loss(losses, reduce=reduce_output == "avg", bcast=bcast) if compute_loss else None
         self.module.train()
+        if loss is not None and self.monitor.enabled:
+            self.monitor.write_events([("Train/Samples/eval_loss", loss.mean().item(), self.global_samples)])
         if return_logits:
             return loss, (outputs if self.is_last_stage() else None)
         return loss

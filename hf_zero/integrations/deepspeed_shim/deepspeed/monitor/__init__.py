@@ -1,4 +1,4 @@
-"""``deepspeed.monitor``: ``monitor.MonitorMaster`` (hf_zero writes no metrics; it warns, naming the sections)."""
+"""``deepspeed.monitor``: ``monitor.MonitorMaster`` (hf_zero's metric monitors, hf_zero/runtime/monitor.py)."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
