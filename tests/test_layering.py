@@ -35,8 +35,9 @@ LAYERS = {
     "offload": 4,        # where off-device bytes live: swap files, optimizer-state tiers; knows nothing of zero
     "profiling": 3,      # timers and memory readers; imports nothing above comm
     "parallel": 2,       # ParallelDims and the run's one device mesh; imports comm and config only
+    "moe": 2,            # the MoE layer (gating, experts): a model building block; imports comm only (the
+                         # expert-parallel groups and the token all-to-all)
     "comm": 1,
-    "moe": 1,            # the MoE layer (gating, experts): a model building block, imports no other package
     "launcher": 1,       # the `hf-zero launch` / `deepspeed` command line over torch.distributed.run
     "ops": 1,
     "config": 1,

@@ -1,6 +1,7 @@
 """``deepspeed.moe.layer.MoE`` and ``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``:
 gating arithmetic checked by hand, the layer against a token-by-token computation, and training with
-data-parallel experts on 2 ranks (ZeRO-2 and ZeRO-3) against one process running each rank's micro-batch."""
+data-parallel experts on 2 ranks (ZeRO-2 and ZeRO-3) against one process running each rank's micro-batch.
+Expert parallelism (ep_size > 1): tests/test_moe_expert_parallel.py."""
 
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ def test_moe_output_equals_token_by_token_experts():
 
 
 def test_moe_refuses_what_it_does_not_do():
-    with pytest.raises(NotImplementedError, match="ep_size=2"):
-        MoE(H, _expert(), num_experts=4, ep_size=2)
+    with pytest.raises(ValueError, match="ep_size=3"):  # expert parallelism: tests/test_moe_expert_parallel.py
+        MoE(H, _expert(), num_experts=4, ep_size=3)
     with pytest.raises(NotImplementedError, match="use_tutel"):
         MoE(H, _expert(), num_experts=4, use_tutel=True)
     with pytest.raises(ValueError, match="k=3"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +87,8 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
     scalars = optimizer.scalar_state()
     tensors: dict[str, torch.Tensor] = {"rng.cpu": torch.get_rng_state()}
     unsharded = scalars["shard_world_size"] == 1
-    if not unsharded or rank == 0:
-        tensors.update(optimizer.shard_state())
+    # expert-parallel groups' pieces: each written by the first rank holding it (keys name the EP rank)
+    tensors.update(optimizer.shard_state(dense=not unsharded or rank == 0))
     if engine.stage3 is not None:
         tensors.update(engine.stage3.shard_state(exclude_frozen=exclude_frozen))
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / rank_file(rank)))
@@ -95,7 +96,8 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
         return [rank_file(rank)]
     written = [rank_file(rank), "meta.json", "engine_state.pt"]
     if unsharded and rank != 0:
-        save_file({k: v.detach().contiguous() for k, v in optimizer.shard_state().items()}, str(tmp / rank_file(0)))
+        save_file({k: v.detach().contiguous() for k, v in optimizer.shard_state(experts=False).items()},
+                  str(tmp / rank_file(0)))
         written.append(rank_file(0))
     if engine.stage3 is None and write_model:
         sd, aliases = dedupe_shared(module_state if module_state is not None else
@@ -135,6 +137,12 @@ def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_late
     check_client_state(client_state)  # refused here, not at resume time after the weights were overwritten
     root = Path(save_dir)
     group = engine.process_group
+    if module_state is None and write_model and engine.stage3 is None and getattr(engine, "_expert_groups", None):
+        # expert parallelism: the model file holds every rank's experts under their global indices, gathered here,
+        # on every rank, before any write can fail (a collective over each expert-parallel group)
+        from hf_zero.moe.state import global_state_dict
+
+        module_state = global_state_dict(engine.module, engine.module_state_dict(exclude_frozen_parameters))
     what = f"save_checkpoint({str(root)!r}, tag={tag!r})"  # for errors; collectives' labels name no path (with
     label = f"save_checkpoint(tag={tag!r})"                   # node-local storage it may differ between nodes)
     spot = place(engine.global_rank, engine.world_size, root, engine.use_node_local_storage(),
@@ -183,7 +191,7 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     if failed:
         raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
                               f"{reports[failed[0]]}")
-    reader = ShardFiles(handles, int(meta.get("shard_world_size", 0)))
+    reader = ShardFiles(handles, int(meta.get("shard_world_size", 0)), pieces=_expert_pieces(meta))
     if sd is not None and load_module_weights:
         engine.module.load_state_dict(sd, strict=load_module_strict)
     if engine.stage3 is None and meta.get("stage") == 3:
@@ -237,8 +245,12 @@ def _validate(engine, root: Path, tag: str, strict: bool, read_model: bool = Tru
     _check_groups(engine.optimizer.scalar_state()["groups"], meta, path)
     state = torch_load(path / "engine_state.pt")
     handles = {r: open_shard_file(path / name) for r, name in rank_names.items()}
+    pieces = _expert_pieces(meta)
     for prefix, layout, _, dtype in engine.optimizer.shard_layouts():
-        saved_layout = ShardLayout(layout.numels, saved_world)
+        saved_layout = ShardLayout(layout.numels, len(pieces[prefix]) if prefix in pieces else saved_world)
+        if re.search(r"\.ep\d+\.$", prefix) and prefix not in pieces:
+            raise CheckpointError(f"hf_zero: checkpoint {str(path)!r} holds no shards {prefix}* of this rank's "
+                                  "experts (saved without expert parallelism, or with another ep_size)")
         for r, h in handles.items():
             for key in (k for k in h.keys() if k.startswith(prefix)):
                 sl = h.get_slice(key)
@@ -287,12 +299,16 @@ def _shard_files_read(engine, path: Path, meta: dict, manifest: dict | None) -> 
     def here(r: int) -> bool:
         return rank_file(r) in manifest if manifest is not None else (path / rank_file(r)).is_file()
 
-    everything = list(range(saved_world))
+    everything = sorted(set(range(saved_world)) | {r for ranks in _expert_pieces(meta).values() for r in ranks})
     if all(here(r) for r in everything):
         return everything
     layouts = engine.optimizer.shard_layouts()
-    own = sorted({r for _, _, r, _ in layouts} | ({engine.stage3.rank} if engine.stage3 is not None else set()))
-    same_layout = (all(ShardLayout(layout.numels, saved_world) == layout for _, layout, _, _ in layouts)
+    pieces = _expert_pieces(meta)
+    # an expert group's piece is in the file of the saved rank that held it (pieces), the others' in their rank's
+    own = sorted({pieces[prefix][r] if prefix in pieces else r for prefix, _, r, _ in layouts}
+                 | ({engine.stage3.rank} if engine.stage3 is not None else set()))
+    same_layout = (all(ShardLayout(layout.numels, len(pieces[prefix]) if prefix in pieces else saved_world) == layout
+                       for prefix, layout, _, _ in layouts)
                    and not (engine.stage3 is None and int(meta.get("stage", 0)) == 3))
     needed = own if same_layout else everything
     missing = [r for r in needed if not here(r)]
@@ -316,6 +332,10 @@ def _shard_files_read(engine, path: Path, meta: dict, manifest: dict | None) -> 
 
 def _read_model_file(model_file: Path, engine, strict: bool) -> dict[str, torch.Tensor]:
     sd = read_model_file(model_file)
+    if getattr(engine, "_expert_groups", None):  # saved under global expert indices: this rank's experts
+        from hf_zero.moe.state import local_state_dict
+
+        sd = local_state_dict(engine.module, sd)
     current = engine.module.state_dict()
     missing = [k for k in current if k not in sd]
     unexpected = [k for k in sd if k not in current]
@@ -340,6 +360,16 @@ def _restore_stage3_extras(engine, reader: ShardFiles) -> None:
                 p.copy_(whole.view_as(p))
 
 
+def _expert_pieces(meta: dict) -> dict[str, list[int]]:
+    """``{"group<i>.ep<e>.": saved ranks whose files hold its pieces, in piece order}`` of every expert-parallel
+    group of a checkpoint (hf_zero/zero/optimizer.py writes them so)."""
+    out = {}
+    for gi, group in enumerate(meta.get("groups", ())):
+        for e, ranks in enumerate(group.get("expert", {}).get("piece_ranks", ())):
+            out[f"group{gi}.ep{e}."] = [int(r) for r in ranks]
+    return out
+
+
 def _check_groups(current: list[dict], meta: dict, path: Path) -> None:
     """The optimizer's groups (names and numels) as saved and as now: shards re-cut only between equal groups."""
     saved = meta["groups"]
@@ -347,6 +377,13 @@ def _check_groups(current: list[dict], meta: dict, path: Path) -> None:
         raise ValueError(f"hf_zero: checkpoint {str(path)!r} has {len(saved)} optimizer parameter groups, the engine "
                          f"has {len(current)}; build the optimizer with the same parameter groups")
     for gi, (s, g) in enumerate(zip(saved, current)):
+        ep_saved = s.get("expert", {}).get("ep_size", 1)
+        ep_now = g.get("expert", {}).get("ep_size", 1)
+        if ep_saved != ep_now:
+            raise ValueError(f"hf_zero: checkpoint {str(path)!r} group {gi} holds MoE experts saved with "
+                             f"ep_size={ep_saved}, the engine runs ep_size={ep_now}; an engine checkpoint loads at "
+                             f"the ep_size it was saved with (its model file holds every expert under its global "
+                             f"index: read it with safetensors to move the weights to another ep_size)")
         if list(s["numels"]) != list(g["numels"]):
             diff = [f"{n} (saved {a}, now {b})" for n, a, b in zip(g["names"], s["numels"], g["numels"]) if a != b]
             raise ValueError(f"hf_zero: checkpoint {str(path)!r} group {gi} does not match the model: "

@@ -49,20 +49,31 @@ class ShardFiles:
     file (a list), or -- a node-local directory loaded on the ranks that saved it -- ``{saved rank: file}`` of the
     ones this rank reads (validation made sure they are the ones it asks for)."""
 
-    def __init__(self, handles: list | dict, saved_world: int | None = None):
+    def __init__(self, handles: list | dict, saved_world: int | None = None,
+                 pieces: dict[str, list[int]] | None = None):
+        """``pieces``: ``{key prefix: saved ranks holding its pieces, in piece order}`` for tensors not cut over the
+        saved world (an expert-parallel group's, cut over its expert-data-parallel group)."""
         self._handles = dict(enumerate(handles)) if isinstance(handles, list) else dict(handles)
         self._saved_world = saved_world if saved_world is not None else len(self._handles)
+        self._pieces = dict(pieces or {})
         first = next(iter(self._handles.values()), None)
         self._keys = set(first.keys()) if first is not None else set()
+        for ranks in self._pieces.values():  # an expert group's keys are in its pieces' files only
+            if ranks and ranks[0] in self._handles:
+                self._keys |= {k for k in self._handles[ranks[0]].keys()
+                               if any(k.startswith(p) for p in self._pieces)}
 
     def keys(self) -> set[str]:
         return self._keys
 
     def shard(self, key: str, layout: ShardLayout, rank: int) -> torch.Tensor:
-        saved = ShardLayout(layout.numels, self._saved_world)  # the groups were checked equal at validation
+        ranks = next((r for p, r in self._pieces.items() if key.startswith(p)), None)
+        if ranks is None:
+            ranks = list(range(self._saved_world))
+        saved = ShardLayout(layout.numels, len(ranks))  # the groups were checked equal at validation
         if saved == layout:
-            return self._handles[rank].get_tensor(key)
-        handles = [self._handles[r] for r in range(self._saved_world)]
+            return self._handles[ranks[rank]].get_tensor(key)
+        handles = [self._handles[r] for r in ranks]
         out = torch.empty(layout.shard_numel, dtype=handles[0].get_slice(key)[0:0].dtype)
         for i in range(len(layout.numels)):
             full = full_param_from_shards(handles, key, saved, i)

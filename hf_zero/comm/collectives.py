@@ -1,5 +1,5 @@
-"""The two bulk collectives ZeRO is made of, on packed ``(world_size, span)`` buffers (see zero/layout.py), and the
-all-reduce, each bounded and checked (see faults.py).
+"""The two bulk collectives ZeRO is made of, on packed ``(world_size, span)`` buffers (see zero/layout.py), the
+all-reduce and the all-to-all of MoE tokens, each bounded and checked (see faults.py).
 
 torch renamed the single-tensor collectives (``*_tensor`` -> ``*_single``); both NCCL and gloo implement them in
 the torch versions hf_zero supports, so there is no fallback path to maintain. A world of one skips the call.
@@ -22,7 +22,7 @@ from .shm_collectives import (bounce_all_gather, bounce_reduce_scatter, deliver_
                               delivered_all_gather, fill_reduce_scatter, shm_all_gather)
 
 __all__ = ["reduce_scatter_packed", "reduce_scatter_filled", "all_gather_packed", "all_gather_delivered",
-           "all_reduce_", "barrier", "Work", "DoneWork", "BoundedWork"]
+           "all_reduce_", "all_to_all_single_", "barrier", "Work", "DoneWork", "BoundedWork"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -330,6 +330,17 @@ def all_reduce_(tensor: torch.Tensor, group=None, async_op: bool = False, op=dis
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return DoneWork()
     return _issue("all_reduce", dist.all_reduce, tensor, what, group, async_op, tensor, op=op)
+
+
+def all_to_all_single_(out: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False,
+                       what: str | None = None):
+    """``out`` <- the equal-split all-to-all of ``tensor`` (dim 0 cut in ``world_size`` blocks: block ``j`` goes to
+    rank ``j``, block ``i`` of ``out`` came from rank ``i``), bounded and checked like every hf_zero collective. gloo
+    implements it for CPU tensors (MoE expert parallelism's token exchange)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        out.copy_(tensor)
+        return DoneWork()
+    return _issue("all_to_all", dist.all_to_all_single, tensor, what, group, async_op, out, tensor)
 
 
 def barrier(group=None, what: str = "a barrier") -> None:

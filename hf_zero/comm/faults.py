@@ -245,7 +245,8 @@ def _crc(text: str) -> int:
 
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "barrier": 4, "broadcast": 5, "run": 6}
+_KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "barrier": 4, "broadcast": 5, "run": 6,
+          "all_to_all": 7}
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 
 

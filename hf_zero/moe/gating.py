@@ -9,7 +9,9 @@ Capacity is ``ceil(s / e * capacity_factor)`` (top-2: ``2 * capacity_factor``), 
 without, the capacity grows to the busiest expert's count. ``l_aux`` is the load-balancing loss (mean gate
 probability times fraction of tokens, per expert). Random parts -- ``use_rts`` (random token selection when an
 expert overflows), ``noisy_gate_policy`` ('Jitter' input noise, 'RSample' Gumbel logits noise) and top-2's
-sampled second expert -- draw from torch's generator (noise policies in training only), as in DeepSpeed.
+sampled second expert -- draw from torch's generator (noise policies in training only), as in DeepSpeed. With
+expert parallelism and ``drop_tokens=False`` the capacity is the busiest expert's count over the expert-parallel
+group (its ranks exchange equal blocks).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hf_zero.comm import all_reduce_, bookkeeping_device
 
 __all__ = ["TopKGate", "top1gating", "top2gating"]
 
@@ -47,8 +51,19 @@ def _keep_top(mask: torch.Tensor, capacity: int, use_rts: bool) -> torch.Tensor:
     return mask * torch.zeros_like(mask).scatter_(0, top, 1)
 
 
+def _busiest(exp_counts: torch.Tensor, ep_group) -> int:
+    """Capacity without token dropping: the busiest expert's count -- over the expert-parallel group, whose ranks
+    exchange equal blocks of ``capacity`` slots per expert (DeepSpeed all-reduces the max there too)."""
+    busiest = exp_counts.max().reshape(1).to(torch.int64)
+    if ep_group is not None:
+        busiest = busiest.to(bookkeeping_device(ep_group))  # NCCL reduces device tensors, gloo host ones
+        all_reduce_(busiest, group=ep_group, op=torch.distributed.ReduceOp.MAX,
+                    what="the MoE capacity all-reduce (drop_tokens=False)")
+    return max(int(busiest.item()), 1)
+
+
 def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: torch.Tensor | None = None,
-               noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True):
+               noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True, ep_group=None):
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     capacity = _capacity(num_tokens, num_experts, capacity_factor, min_capacity)
@@ -58,7 +73,7 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
         mask1 = mask1 * used_token.reshape(-1, 1).to(mask1.dtype)
     exp_counts = mask1.sum(dim=0).detach().to("cpu")
     if not drop_tokens:
-        capacity = max(int(exp_counts.max().item()), 1)
+        capacity = _busiest(exp_counts, ep_group)
     me = gates.mean(dim=0)
     ce = mask1.float().mean(dim=0)
     l_aux = (me * ce).sum() * num_experts
@@ -72,7 +87,7 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
 
 
 def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               top2_2nd_expert_sampling: bool = True):
+               top2_2nd_expert_sampling: bool = True, ep_group=None):
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     capacity = _capacity(num_tokens, num_experts, 2 * capacity_factor, min_capacity)
@@ -91,7 +106,7 @@ def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
         mask1 = mask1 * (locations1 < capacity)
         mask2 = mask2 * (locations2 < capacity)
     else:
-        capacity = max(int(exp_counts.max().item()), 1)
+        capacity = _busiest(exp_counts, ep_group)
     locations1_s = (locations1 * mask1).sum(dim=1)
     locations2_s = (locations2 * mask2).sum(dim=1)
     mask1_f, mask2_f = mask1.float(), mask2.float()
@@ -127,14 +142,20 @@ class TopKGate(nn.Module):
         self.drop_tokens = drop_tokens
         self.use_rts = use_rts
         self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+        self.ep_group = None  # set with expert parallelism (MOELayer._set_ep_group)
+
+    def _set_ep_group(self, ep_group) -> None:
+        self.ep_group = ep_group
 
     def forward(self, x: torch.Tensor, used_token: torch.Tensor | None = None):
         x = x.float()  # routing decisions in fp32, as DeepSpeed's gate
         if self.noisy_gate_policy == "Jitter" and self.training:
             x = x * torch.empty_like(x).uniform_(1.0 - 1e-2, 1.0 + 1e-2)
-        logits = self.wg(x)
+        logits = F.linear(x, self.wg.weight.float())  # fp32 even where the engine cast the weight to 16 bit
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
             return top1gating(logits, factor, self.min_capacity, used_token,
-                              self.noisy_gate_policy if self.training else None, self.drop_tokens, self.use_rts)
-        return top2gating(logits, factor, self.min_capacity, self.drop_tokens, self.top2_2nd_expert_sampling)
+                              self.noisy_gate_policy if self.training else None, self.drop_tokens, self.use_rts,
+                              self.ep_group)
+        return top2gating(logits, factor, self.min_capacity, self.drop_tokens, self.top2_2nd_expert_sampling,
+                          self.ep_group)

@@ -1,4 +1,4 @@
-"""``MoE``: DeepSpeed's mixture-of-experts layer (``deepspeed.moe.layer.MoE``), data-parallel experts.
+"""``MoE``: DeepSpeed's mixture-of-experts layer (``deepspeed.moe.layer.MoE``), with expert parallelism.
 
     self.moe = MoE(hidden_size=512, expert=MLP(512), num_experts=8, k=2)
     out, l_aux, exp_counts = self.moe(hidden)          # hidden (..., hidden_size)
@@ -11,8 +11,21 @@ Forward (``MOELayer``), for ``s`` tokens of width ``m``, ``e`` experts of capaci
     experts:   expert i runs on its (c, m) slots
     combine:   einsum("sec,ecm->sm")          each token's output = gate-weighted sum of its experts' outputs
 
+Expert parallelism (``ep_size > 1``): this rank holds ``num_local = e / ep_size`` experts, those of its EP rank
+(hf_zero/comm/expert_groups.py). Every rank still gates its own tokens over all ``e`` experts; the dispatched
+``(e, c, m)`` buffer is exchanged with one all-to-all over the EP group before the experts run and once more after::
+
+    dispatched (e, c, m) = (ep_size, num_local, c, m)   block j: this rank's tokens for EP rank j's experts
+    all-to-all            -> (ep_size, num_local, c, m)  block i: EP rank i's tokens for *this* rank's experts
+    experts               expert l runs on [:, l] (every rank's slots for it)
+    all-to-all            -> (e, c, m)                   block j: EP rank j's experts' outputs for this rank's tokens
+
+The all-to-all is its own backward (gradients go back the way the tokens came). The groups are created by the
+engine at initialize (``set_deepspeed_parallelism``, as DeepSpeed's engine does).
+
 Expert parameters carry DeepSpeed's marks (``allreduce = False``, ``group_name = "ep_size_<n>"``) that
-``split_params_into_different_moe_groups_for_optimizer`` sorts on.
+``split_params_into_different_moe_groups_for_optimizer`` sorts on, and the engine reduces their gradients over
+the expert-data-parallel group.
 """
 
 from __future__ import annotations
@@ -22,9 +35,29 @@ import copy
 import torch
 from torch import nn
 
+from hf_zero.comm import all_to_all_single_
+from hf_zero.comm.expert_groups import create_expert_and_data_parallel
+
 from hf_zero.moe.gating import TopKGate
 
 __all__ = ["MoE", "MOELayer", "Experts"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """The equal-split all-to-all over ``group`` (dim 0 in ``world_size`` blocks); its gradient is the same exchange
+    of the output's gradient."""
+
+    @staticmethod
+    def forward(ctx, group, what: str, tokens: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.what = group, what
+        tokens = tokens.contiguous()
+        out = torch.empty_like(tokens)
+        all_to_all_single_(out, tokens, group=group, what=what)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, None, _AllToAll.apply(ctx.group, f"the backward of {ctx.what}", grad)
 
 
 class Experts(nn.Module):
@@ -59,16 +92,29 @@ class MOELayer(nn.Module):
         self.ep_group_name = ep_group_name
         self.ep_size = ep_size
         self.num_local_experts = num_local_experts
+        self.ep_group = None  # with ep_size > 1: this rank's expert-parallel group (_set_ep_group)
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
 
+    def _set_ep_group(self, ep_group) -> None:
+        self.ep_group = ep_group
+        self.gate._set_ep_group(ep_group)
+
     def forward(self, hidden: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
+        if self.ep_size > 1 and self.ep_group is None:
+            raise RuntimeError(f"MoE(ep_size={self.ep_size}): no expert-parallel group yet; the engine creates it at "
+                               "initialize (hf_zero.initialize / deepspeed.initialize with this model), or call "
+                               "moe.set_deepspeed_parallelism() on every rank first")
         d_model = hidden.shape[-1]
         tokens = hidden.reshape(-1, d_model)  # (s, m)
         self.l_aux, combine_weights, dispatch_mask, self.exp_counts = self.gate(tokens, used_token)
         dispatched = torch.einsum("sec,sm->ecm", dispatch_mask.type_as(hidden), tokens)  # (e, c, m)
+        if self.ep_size > 1:
+            dispatched = _AllToAll.apply(self.ep_group, f"the MoE token dispatch of {self.ep_group_name}", dispatched)
         dispatched = dispatched.reshape(self.ep_size, self.num_local_experts, -1, d_model)
         expert_out = self.experts(dispatched).reshape(self.ep_size * self.num_local_experts, -1, d_model)
+        if self.ep_size > 1:
+            expert_out = _AllToAll.apply(self.ep_group, f"the MoE expert combine of {self.ep_group_name}", expert_out)
         combined = torch.einsum("sec,ecm->sm", combine_weights.type_as(hidden), expert_out)
         return combined.reshape(hidden.shape)
 
@@ -78,8 +124,8 @@ class MoE(nn.Module):
     ``(output, l_aux, exp_counts)``.
 
     ``use_residual``: Residual-MoE -- the output mixes the MoE output with a dense copy of ``expert`` through a
-    learned 2-way softmax coefficient. ``ep_size`` must be 1 (data-parallel experts); ``use_tutel`` and
-    ``enable_expert_tensor_parallelism`` are refused.
+    learned 2-way softmax coefficient. ``ep_size``: ranks the experts are spread over (must divide ``num_experts``
+    and the world size); ``use_tutel`` and ``enable_expert_tensor_parallelism`` are refused.
     """
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
@@ -88,13 +134,11 @@ class MoE(nn.Module):
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
                  top2_2nd_expert_sampling: bool = True):
         super().__init__()
-        if ep_size != 1:
-            raise NotImplementedError(
-                f"MoE(ep_size={ep_size}): hf_zero runs data-parallel experts only (every rank holds all "
-                f"{num_experts} experts); expert parallelism with all-to-all token exchange is not implemented. "
-                "Use ep_size=1")
+        if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+            raise ValueError(f"MoE: ep_size={ep_size!r} must be a positive integer")
         if num_experts < 1 or num_experts % ep_size:
-            raise ValueError(f"MoE: num_experts={num_experts} must be >= 1 and divisible by ep_size={ep_size}")
+            raise ValueError(f"MoE: num_experts={num_experts} must be >= 1 and divisible by ep_size={ep_size} "
+                             f"(each of the {ep_size} expert-parallel ranks holds num_experts / ep_size experts)")
         if use_tutel:
             raise NotImplementedError("MoE(use_tutel=True): Tutel's fused kernels are not available in hf_zero; "
                                       "use use_tutel=False (same results, DeepSpeed's einsum path)")
@@ -112,6 +156,15 @@ class MoE(nn.Module):
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Create (once per ep_size) the expert-parallel groups and give this layer its own; collective over the
+        world. The engine calls it at initialize for every module that has it, as DeepSpeed's does."""
+        if self.ep_size == 1 and not torch.distributed.is_initialized():
+            return  # data-parallel experts in one process: no group to create, none needed
+        groups = create_expert_and_data_parallel(self.ep_size, use_data_before_expert_parallel_)
+        if self.ep_size > 1:
+            self.deepspeed_moe._set_ep_group(groups.ep_group)
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
         output = self.deepspeed_moe(hidden_states, used_token)

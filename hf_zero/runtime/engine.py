@@ -121,6 +121,12 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             raise ConfigError("zero_optimization.stage", "3 does not compose with tensor_parallel in hf_zero (ZeRO-3 "
                                                          "would gather DTensor shards it cannot see into); use stage "
                                                          "0, 1 or 2 over the data-parallel dimension")
+        # MoE layers get their expert-parallel groups here, as DeepSpeed's engine gives them (runtime/moe_setup.py)
+        from hf_zero.runtime.moe_setup import setup_expert_parallel
+
+        self._expert_groups = setup_expert_parallel(module, stage=self.stage, process_group=process_group,
+                                                    tensor_parallel=tp is not None,
+                                                    pipeline=model_parallel_group is not None)
         if self.stage == 3:
             self.groups = self._init_stage3(plan, names, grad_dtype)
             if plan is None:
@@ -232,17 +238,25 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
 
     # ---- construction ---------------------------------------------------------------------------------------------
     def _init_stages_0_to_2(self, plan: OptimizerPlan, names: dict, grad_dtype: torch.dtype) -> list[ShardedGroup]:
+        from hf_zero.runtime.moe_setup import expert_placement, split_plan_groups
+
         shard_world = 1 if self.stage == 0 else self.world_size
         shard_rank = 0 if self.stage == 0 else self.global_rank
         self._broadcast_module_from_rank0()
+        if plan is not None:
+            split_plan_groups(plan, self._expert_groups)  # expert-parallel parameters in groups of their own
         groups = []
         seen: set[nn.Parameter] = set()
         for params, _ in (plan.groups if plan is not None else ()):  # no plan: an evaluation engine
             trainable = [p for p in params if p.requires_grad and p not in seen]
             seen.update(trainable)
-            groups.append(ShardedGroup(trainable, [names.get(p, "?") for p in trainable], world_size=shard_world,
-                                       rank=shard_rank, compute_dtype=self.compute_dtype, grad_dtype=grad_dtype,
-                                       persistent_grad=False, master_dtype=self._master_dtype))
+            expert = expert_placement(trainable, self._expert_groups)
+            world, rank = shard_world, shard_rank
+            if expert is not None and self.stage > 0:  # cut over the ranks holding the same experts (EDP group)
+                world, rank = expert.edp_size, self._expert_groups[expert.group_name].edp_rank
+            groups.append(ShardedGroup(trainable, [names.get(p, "?") for p in trainable], world_size=world,
+                                       rank=rank, compute_dtype=self.compute_dtype, grad_dtype=grad_dtype,
+                                       persistent_grad=False, master_dtype=self._master_dtype, expert=expert))
         # masters were taken in fp32 before this cast; the model computes in 16 bit from here on
         if self.compute_dtype != torch.float32:
             for p in self.module.parameters():
@@ -266,6 +280,11 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         one). ``broadcast`` names its source by global rank: the group's first member, which is global rank 0 only
         when the group is the whole world."""
         if self.world_size == 1:
+            return
+        if self._expert_groups:  # expert-parallel experts from the first rank holding the same ones
+            from hf_zero.runtime.moe_setup import broadcast_module
+
+            broadcast_module(self.module, self._expert_groups, self.process_group)
             return
         src = torch.distributed.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         with torch.no_grad():
@@ -543,6 +562,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         """Full 16-bit state dict on rank 0 (None on other ranks); called on every rank."""
         if self.stage3 is None:
             sd = self.module_state_dict(exclude_frozen_parameters)
+            if self._expert_groups:  # every expert under its global index (a collective): the ep_size=1 model's
+                from hf_zero.moe.state import global_state_dict
+
+                sd = global_state_dict(self.module, sd)
             return {k: v.detach().clone() for k, v in sd.items()} if self.global_rank == 0 else None
         from hf_zero.zero.stage3.consolidate import consolidated_state_dict
 

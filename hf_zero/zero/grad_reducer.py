@@ -15,6 +15,11 @@ Buffers, sized by need: a bucket holds at most ``reduce_bucket_size`` elements a
 window (``ShardedGroup.grad_fresh``), the collective writes straight into the shard: no result buffer, no add
 (stage 0 packs into the shard itself and all-reduces it in place).
 
+MoE expert parameters under expert parallelism (``ShardedGroup.expert``) are groups of their own, reduced over
+their expert-data-parallel group (the ranks holding the same experts) and cut over it at stages 1/2, but divided by
+the whole data-parallel world like every gradient: an expert's gradient already sums, through the token
+all-to-all's backward, what every rank of its expert-parallel group routed to it (DeepSpeed divides the same way).
+
 Why buckets are launched strictly in a fixed order: every rank must issue the same collectives in the same order.
 Readiness order can differ between ranks (unused parameters, data-dependent branches), so bucket k is launched
 only after buckets 0..k-1; whatever is not ready when backward ends is flushed in that same order, with zeros for
@@ -37,7 +42,7 @@ from hf_zero.comm.process_group import bookkeeping_device
 from hf_zero.profiling.timers import NO_TIMERS
 from hf_zero.zero.layout import capped_bucket_numel
 from hf_zero.zero.local import local_grad, local_tensor
-from hf_zero.zero.sharded_group import ShardedGroup, bucket_ranges
+from hf_zero.zero.sharded_group import ShardedGroup, bucket_ranges, comm_group
 
 __all__ = ["GroupGradReducer", "ReduceMode"]
 
@@ -78,7 +83,8 @@ class GroupGradReducer:
         self.overlap = overlap
         self.process_group = process_group
         self.max_in_flight = max_in_flight
-        self.world_size = groups[0].world_size if groups else 1
+        # the dense groups' shard world (expert groups have their own: ShardedGroup.world_size)
+        self.world_size = next((g.world_size for g in groups if getattr(g, "expert", None) is None), 1)
         # stage 0 averages over the real world, though its layout is a world of one
         self.data_parallel_size = (torch.distributed.get_world_size(process_group)
                                    if torch.distributed.is_initialized() else 1)
@@ -91,7 +97,7 @@ class GroupGradReducer:
         # buckets run in reverse parameter order: the order backward produces gradients in most models
         for g in groups:
             capped = capped_bucket_numel(bucket_numel, g.grad.element_size())
-            for start, stop in bucket_ranges(g.layout.shard_numels, self.world_size, capped):
+            for start, stop in bucket_ranges(g.layout.shard_numels, g.world_size, capped):
                 self.buckets.append(_Bucket(g, start, stop))
         self.buckets.reverse()
         for b in self.buckets:
@@ -99,7 +105,7 @@ class GroupGradReducer:
                 self._where[b.group.params[i]] = (b, i)
         # Alone (a data-parallel world of one) there is nothing to overlap with backward: no per-parameter hook
         # (each is a call into Python from autograd's thread), the gradients are taken in one batch by finish()
-        self.alone = self.data_parallel_size == 1 and self.world_size == 1
+        self.alone = self.data_parallel_size == 1 and all(g.world_size == 1 for g in groups)
         self._handles = ([] if self.alone else
                          [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where])
         self._reducing = False
@@ -140,19 +146,25 @@ class GroupGradReducer:
         are launched in a fixed order with fixed sizes, then the late-gradient flag is all-reduced, and no other
         checked collective runs on this group in a stage 0-2 backward -- each header is a wait on every rank, in
         the middle of backward. Ranks about to run different passes (one reduces, one does not) fail here."""
-        items = []
+        runs: dict[int, tuple[object, list, list[_Bucket]]] = {}  # id(process group) -> (group, items, buckets)
         for b in self.buckets:
             lo, hi = b.group.layout.span(b.start, b.stop)
+            pg = comm_group(b.group, self.process_group)
+            _, items, buckets = runs.setdefault(id(pg), (pg, [], []))
+            buckets.append(b)
             if self.mode is ReduceMode.REDUCE_SCATTER:
-                items.append(("reduce_scatter", self.world_size * (hi - lo), b.group.grad.dtype))
+                items.append(("reduce_scatter", b.group.world_size * (hi - lo), b.group.grad.dtype))
             else:
                 items.append(("all_reduce", hi - lo, b.group.grad.dtype))
+        _, items, _ = runs.setdefault(id(self.process_group), (self.process_group, [], []))
         items.append(("all_reduce", 1, torch.float32))  # _reduce_late_gradients' flag
-        first = self.buckets[0] if self.buckets else None
-        # deferred: verified when the first bucket leaves, so the header's round trip overlaps backward compute
-        faults.check_run(items, f"the gradient reductions of a backward ({len(self.buckets)} buckets"
-                                + (f", from [{first.group.names[first.start]} ...])" if first else ")"),
-                         self.process_group, defer=True)
+        # one run per process group (expert groups reduce over their own); each is issued in this fixed order
+        for pg, items, buckets in runs.values():
+            first = buckets[0] if buckets else None
+            # deferred: verified when the first bucket leaves, so the header's round trip overlaps backward compute
+            faults.check_run(items, f"the gradient reductions of a backward ({len(buckets)} buckets"
+                                    + (f", from [{first.group.names[first.start]} ...])" if first else ")"),
+                             pg, defer=True)
 
     def finish(self) -> None:
         """Called after backward: flush the buckets not yet launched, wait for all, catch late gradients."""
@@ -240,20 +252,21 @@ class GroupGradReducer:
             # The collective holds the gradients (through fill) until it has packed them: at issue off the ring
             # (NCCL, gloo by rows), then they are freed while it is in flight; at wait() through the ring.
             with self.timers.phase("communication"):
-                work = reduce_scatter_filled(fill, (self.world_size, hi - lo), g.grad.dtype, g.grad.device,
-                                             filled=flats.clear, group=self.process_group, what=what, **where)
+                work = reduce_scatter_filled(fill, (g.world_size, hi - lo), g.grad.dtype, g.grad.device,
+                                             filled=flats.clear, group=comm_group(g, self.process_group),
+                                             what=what, **where)
             del fill
             self._in_flight.append(_InFlight(work, None, bucket, accumulate=False))
         else:
             if direct:
                 packed = g.grad[lo:hi].view(1, hi - lo)  # a world of one in the layout: the shard is the bucket
             else:
-                packed = buffer_pool.take((self.world_size, hi - lo), g.grad.dtype, g.grad.device)
+                packed = buffer_pool.take((g.world_size, hi - lo), g.grad.dtype, g.grad.device)
             g.layout.pack(flats, bucket.start, packed, scale=scale)
             del flats
             out = packed[0]
             with self.timers.phase("communication"):
-                work = all_reduce_(out, group=self.process_group, async_op=self.overlap, what=what)
+                work = all_reduce_(out, group=comm_group(g, self.process_group), async_op=self.overlap, what=what)
             self._in_flight.append(_InFlight(work, out, bucket, accumulate=not direct,
                                              packed=None if direct else packed))
         self._drain(self.max_in_flight if self.overlap else 0)

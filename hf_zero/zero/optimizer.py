@@ -6,7 +6,9 @@ state each rank holds is 1/N of the full optimizer state.
 
 One ``step()``:
   1. global gradient norm: sum of squares of the local gradient shards, all-reduced once (each element lives on
-     exactly one rank, so this is the true norm of the full gradient, not a local one);
+     exactly one rank, so this is the true norm of the full gradient, not a local one; a shard several ranks hold
+     -- stage 0, or MoE experts replicated over their expert-data-parallel group -- counts once: divided by its
+     number of holders, as DeepSpeed's ZeRO counts every expert once);
   2. fp16 overflow decision from that norm -- identical on every rank because the norm is; skip the step if so;
   3. one combined divisor = loss scale / clip coefficient, applied inside the update;
   4. the update, by the one optimizer back-end (optimizer_backend.py): the fused Adam kernel (one pass reads
@@ -30,7 +32,7 @@ from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import ShardLayout
 from hf_zero.zero.loss_scaler import LossScaler
 from hf_zero.zero.optimizer_backend import FusedAdamBackend, OptimizerBackend, TorchOptimizerBackend
-from hf_zero.zero.sharded_group import ShardedGroup
+from hf_zero.zero.sharded_group import ShardedGroup, comm_group, holders
 
 __all__ = ["ZeroOptimizer", "UpdateRule"]
 
@@ -150,7 +152,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._publisher()
             return
         for g in self.groups:
-            g.publish(self.publish_bucket_numel, group=self.process_group)
+            g.publish(self.publish_bucket_numel, group=comm_group(g, self.process_group))
 
     # internals ---------------------------------------------------------------------------------------------------
     def _global_norm(self) -> float:
@@ -160,17 +162,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         # accumulated where the gradient shards are (the GPU: one .item() below is the step's only sync for it)
         sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].grad.device if self.groups else "cpu")
+        world = torch.distributed.get_world_size(self.process_group) if torch.distributed.is_initialized() else 1
+        # every group replicated on the whole data-parallel world (stage 0 without expert parallelism): the local
+        # sum is the norm; otherwise each rank adds its shards' squares divided by their number of holders
+        replicated = all(holders(g, world) == world for g in self.groups)
         for i, g in enumerate(self.groups):
             if not g.grad.numel() or i in self.norm_excluded_groups:
                 continue
+            part = torch.zeros_like(sq)
             start = 0
             for lo, hi in self.norm_excluded_spans.get(i, ()):
                 if lo > start:
-                    sq += sum_of_squares(g.grad[start:lo])
+                    part += sum_of_squares(g.grad[start:lo])
                 start = hi
             if start < g.grad.numel():
-                sq += sum_of_squares(g.grad[start:])
-        if any(g.world_size > 1 for g in self.groups):
+                part += sum_of_squares(g.grad[start:])
+            copies = holders(g, world)
+            sq += part if replicated or copies == 1 else part / copies
+        if not replicated:
             all_reduce_(sq, group=self.process_group, what="the gradient-norm all-reduce of the optimizer step")
         if self.model_parallel_sum is not None:
             sq = self.model_parallel_sum(sq)
@@ -203,34 +212,43 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return sd
 
     # checkpoint state (hf_zero/checkpoint/engine.py chooses the files; these say what the state is) ------------
-    def shard_state(self) -> dict[str, torch.Tensor]:
-        """This rank's flat shards, by name: ``group<i>.master`` and each per-element optimizer state
-        ``group<i>.state.<name>`` (Adam's moments once stepped), read back whole from where the back-end keeps them
-        (CPU memory, NVMe). Cut by :meth:`shard_layouts`."""
+    def shard_state(self, dense: bool = True, experts: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's flat shards, by name: ``<prefix>master`` and each per-element optimizer state
+        ``<prefix>state.<name>`` (Adam's moments once stepped), read back whole from where the back-end keeps them
+        (CPU memory, NVMe). Cut by :meth:`shard_layouts`. ``dense``: include the groups of ordinary parameters;
+        ``experts``: the expert-parallel groups' pieces this rank is the writer of (the first of their holders)."""
         out: dict[str, torch.Tensor] = {}
         for gi, g in enumerate(self.groups):
+            include = (experts and _writes_piece(g)) if getattr(g, "expert", None) is not None else dense
+            if not include:
+                continue
+            prefix = _prefix(gi, g)
             state = self.state.get(g.master, {})
             if self.offload is not None:
                 full = self.offload.state_tensors(gi)
-                out[f"group{gi}.master"] = full["master"]
+                out[f"{prefix}master"] = full["master"]
                 if state:  # moments exist once the optimizer has stepped
-                    out.update({f"group{gi}.state.{k}": full[k] for k in ("exp_avg", "exp_avg_sq")})
+                    out.update({f"{prefix}state.{k}": full[k] for k in ("exp_avg", "exp_avg_sq")})
                 continue
-            out[f"group{gi}.master"] = g.master
-            out.update({f"group{gi}.state.{k}": v for k, v in state.items() if _per_element(v, g.master)})
+            out[f"{prefix}master"] = g.master
+            out.update({f"{prefix}state.{k}": v for k, v in state.items() if _per_element(v, g.master)})
         return out
 
     def shard_layouts(self) -> list[tuple[str, ShardLayout, int, torch.dtype]]:
         """``(name prefix, layout, rank, master dtype)`` of each group: every shard named ``<prefix>...`` is cut by
-        that layout and this rank holds piece ``rank``."""
-        return [(f"group{gi}.", g.layout, g.rank, g.master.dtype) for gi, g in enumerate(self.groups)]
+        that layout and this rank holds piece ``rank``. An expert-parallel group's prefix names its EP rank
+        (``group<i>.ep<e>.``): ranks of different EP ranks hold different experts under the same parameter names,
+        and its pieces are those of its EDP group (``scalar_state()["groups"][i]["expert"]["piece_ranks"]``)."""
+        return [(_prefix(gi, g), g.layout, g.rank, g.master.dtype) for gi, g in enumerate(self.groups)]
 
     def scalar_state(self) -> dict:
         """The JSON-able rest: per-group parameter names and numels (what the shards are cut from), per-group
         scalar optimizer state (Adam's step), the param_groups' hyper-parameters, the skipped-step count."""
         return {
-            "groups": [{"names": list(g.names), "numels": list(g.layout.numels)} for g in self.groups],
-            "shard_world_size": self.groups[0].world_size if self.groups else 1,
+            "groups": [{"names": list(g.names), "numels": list(g.layout.numels), **_expert_info(g)}
+                       for g in self.groups],
+            # the ordinary groups' (an expert-parallel group's own is in its "expert" entry)
+            "shard_world_size": next((g.world_size for g in self.groups if getattr(g, "expert", None) is None), 1),
             "optimizer_scalar_state": [
                 {k: (v.item() if torch.is_tensor(v) else v) for k, v in self.state.get(g.master, {}).items()
                  if not _per_element(v, g.master)} for g in self.groups],
@@ -244,7 +262,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         rank's layout; the 16-bit copies are refreshed from the loaded masters (publish with :meth:`publish`)."""
         keys = reader.keys()
         for gi, g in enumerate(self.groups):
-            prefix = f"group{gi}."
+            prefix = _prefix(gi, g)
             loaded = {k[len(prefix):]: reader.shard(k, g.layout, g.rank) for k in sorted(keys)
                       if k.startswith(prefix) and (optimizer_states or k == prefix + "master")}
             if self.offload is not None:
@@ -279,6 +297,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 _PLAIN = (int, float, bool, str, list, tuple, type(None))
+
+
+def _prefix(gi: int, g: ShardedGroup) -> str:
+    expert = getattr(g, "expert", None)  # (a Stage3Group has none)
+    return f"group{gi}.ep{expert.ep_rank}." if expert is not None else f"group{gi}."
+
+
+def _writes_piece(g: ShardedGroup) -> bool:
+    """Whether this rank writes its piece of expert group ``g``: the first of the ranks holding it (stage 0: the
+    EDP group's first rank; stages 1/2: every rank holds a piece of its own)."""
+    return g.world_size > 1 or g.expert.all_edp_ranks[g.expert.ep_rank][0] == torch.distributed.get_rank()
+
+
+def _expert_info(g: ShardedGroup) -> dict:
+    """An expert-parallel group's layout for the checkpoint: its ep_size, and per EP rank the global ranks whose
+    files hold its pieces, in piece order (stage 0: one piece, written by the EDP group's first rank)."""
+    if getattr(g, "expert", None) is None:
+        return {}
+    pieces = [list(ranks) if g.world_size > 1 else [ranks[0]] for ranks in g.expert.all_edp_ranks]
+    return {"expert": {"group_name": g.expert.group_name, "ep_size": g.expert.ep_size, "piece_ranks": pieces}}
 
 
 def _per_element(value, master: torch.Tensor) -> bool:

@@ -39,6 +39,7 @@ Where each tensor lives after a step, per configuration (the one table of it; st
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -48,7 +49,26 @@ from hf_zero.comm import all_gather_delivered, faults
 from hf_zero.zero.layout import ShardLayout, capped_bucket_numel
 from hf_zero.zero.local import local_tensor
 
-__all__ = ["ShardedGroup", "bucket_ranges"]
+__all__ = ["ShardedGroup", "ExpertPlacement", "bucket_ranges", "comm_group", "holders"]
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where a group of MoE expert parameters lives under expert parallelism (hf_zero/comm/expert_groups.py):
+    this rank holds the experts of EP rank ``ep_rank``; the ranks holding the same experts are its
+    expert-data-parallel (EDP) group, over which the group's gradients are reduced and (stages 1/2) its shards
+    cut. ``all_edp_ranks[e]``: the global ranks of EP rank ``e``'s EDP group, in EDP-rank order (who holds which
+    piece, for checkpoints)."""
+
+    group_name: str                              # "ep_size_<n>"
+    ep_size: int
+    ep_rank: int
+    edp_group: object                            # torch.distributed.ProcessGroup
+    all_edp_ranks: tuple[tuple[int, ...], ...]
+
+    @property
+    def edp_size(self) -> int:
+        return len(self.all_edp_ranks[self.ep_rank])
 
 
 def bucket_ranges(shard_numels: Sequence[int], world_size: int, bucket_numel: int) -> list[tuple[int, int]]:
@@ -67,16 +87,34 @@ def bucket_ranges(shard_numels: Sequence[int], world_size: int, bucket_numel: in
     return ranges
 
 
+def comm_group(group, default=None):
+    """The process group ``group``'s (a ShardedGroup's or a Stage3Group's) shards are reduced and gathered over: its
+    EDP group for expert-parallel parameters, else ``default`` (the engine's data-parallel group)."""
+    expert = getattr(group, "expert", None)
+    return expert.edp_group if expert is not None else default
+
+
+def holders(group, data_parallel_size: int) -> int:
+    """How many ranks hold a copy of ``group``'s shard on this rank: a world of one (stage 0) is held by every rank
+    of the data-parallel group (``data_parallel_size``), or of the EDP group for experts; a cut group by one."""
+    expert = getattr(group, "expert", None)
+    ranks = expert.edp_size if expert is not None else data_parallel_size
+    return ranks // group.world_size
+
+
 class ShardedGroup:
     """The shard of one parameter group held by ``rank`` of ``world_size``."""
 
     def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], *, world_size: int, rank: int,
                  compute_dtype: torch.dtype, grad_dtype: torch.dtype, persistent_grad: bool,
-                 master_dtype: torch.dtype = torch.float32):
+                 master_dtype: torch.dtype = torch.float32, expert: ExpertPlacement | None = None):
+        """``expert``: a group of expert-parallel MoE parameters; ``world_size`` / ``rank`` are then over its EDP
+        group (1 / 0 at stage 0)."""
         self.params = list(params)
         self.names = list(names)
         self.world_size = world_size
         self.rank = rank
+        self.expert = expert
         self.compute_dtype = compute_dtype
         # sizes and storage are this rank's: a tensor-parallel DTensor parameter contributes its local shard
         self.layout = ShardLayout(tuple(local_tensor(p).numel() for p in self.params), world_size)

@@ -32,6 +32,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hf_zero.comm import all_gather_packed
+from hf_zero.zero.sharded_group import comm_group
 
 if TYPE_CHECKING:
     from hf_zero.zero.optimizer import ZeroOptimizer
@@ -102,7 +103,7 @@ def _full(frag: _Fragment, shard: torch.Tensor, like: torch.Tensor) -> torch.Ten
     if group.world_size == 1:
         return shard[lo:lo + numel].float().reshape(shape).clone()
     packed = torch.empty(group.world_size, hi - lo, dtype=shard.dtype, device=shard.device)
-    all_gather_packed(packed, shard[lo:hi], group=frag.optimizer.process_group)
+    all_gather_packed(packed, shard[lo:hi], group=comm_group(group, frag.optimizer.process_group))
     return packed.reshape(-1)[:numel].float().reshape(shape)
 
 

@@ -1,4 +1,5 @@
-"""``deepspeed.utils.groups``: the process-group getters transformers and accelerate call."""
+"""``deepspeed.utils.groups``: the process-group getters transformers and accelerate call, and the MoE
+expert-parallel ones (hf_zero.integrations.ds_groups)."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
@@ -7,4 +8,11 @@ _forward(__name__, {
     **{f"_{name}": f"hf_zero.comm.sequence_groups:{name}" for name in (
         "get_sequence_parallel_world_size", "get_sequence_parallel_rank", "get_sequence_data_parallel_group",
         "get_sequence_data_parallel_world_size", "get_sequence_data_parallel_rank")},
+    **{f"_{name}": f"hf_zero.integrations.ds_groups:{name}" for name in (
+        "create_expert_and_data_parallel", "get_expert_parallel_group", "get_expert_parallel_group_ranks",
+        "get_expert_parallel_group_dict", "get_expert_data_parallel_group", "get_expert_data_parallel_group_ranks",
+        "get_expert_data_parallel_group_dict", "get_expert_parallel_world_size", "get_expert_parallel_rank",
+        "get_expert_parallel_src_rank", "get_expert_data_parallel_world_size", "get_expert_data_parallel_rank",
+        "get_expert_broadcast_src_rank", "get_max_expert_size", "get_max_expert_size_name",
+        "get_max_expert_parallel_group")},
 })
