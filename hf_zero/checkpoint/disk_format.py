@@ -1,7 +1,9 @@
 """The on-disk format of one engine checkpoint tag, as every front-end and the offline converter read it.
 
-    <tag>/meta.json                    world size, stage, per group: parameter names and numels; scalar optimizer
-                                       state; the module's shapes, tied names, frozen parameters, buffers
+    <tag>/meta.json                    world size, stage, per group: parameter names and numels (an expert-parallel
+                                       group's: its ep_size and which ranks' files hold its pieces); scalar
+                                       optimizer state; the module's shapes, tied names, frozen parameters,
+                                       buffers; the expert-parallel MoE layers (``expert_parallel``)
     <tag>/model.safetensors            the module's state dict (stages 0-2), tied names in its ``aliases`` metadata
     <tag>/zero_rank<r:05d>.safetensors rank r's shards: fp32 masters, optimizer states, stage-3 extras, RNG state
     <tag>/engine_state.pt              counters, loss scaler, LR scheduler, client_state (loaded weights_only)
@@ -24,7 +26,7 @@ from safetensors.torch import load_file
 from hf_zero.checkpoint.files import CheckpointError, read_json, read_manifest, verify_files
 
 __all__ = ["FORMAT_VERSION", "rank_file", "read_latest_tag", "dedupe_shared", "open_shard_file", "open_saved",
-           "read_model_file"]
+           "read_model_file", "expert_pieces", "expert_layers"]
 
 FORMAT_VERSION = 2  # 2: manifest.json with every file's size and sha256
 
@@ -89,3 +91,28 @@ def read_model_file(model_file: Path) -> dict[str, torch.Tensor]:
     for alias, src in aliases.items():
         sd[alias] = sd[src]
     return sd
+
+
+def expert_pieces(meta: dict) -> dict[str, list[int]]:
+    """``{"group<i>.ep<e>.": saved ranks whose files hold its pieces, in piece order}`` of every expert-parallel
+    group of a checkpoint (hf_zero/zero/optimizer.py writes them so: EP rank ``e``'s experts, cut over its
+    expert-data-parallel group; one piece at stage 0)."""
+    out = {}
+    for gi, group in enumerate(meta.get("groups", ())):
+        for e, ranks in enumerate(group.get("expert", {}).get("piece_ranks", ())):
+            out[f"group{gi}.ep{e}."] = [int(r) for r in ranks]
+    return out
+
+
+def expert_layers(meta: dict, where: Path) -> list[tuple[str, int, int]]:
+    """``(state-dict prefix of its experts, ep_size, num_local_experts)`` of every expert-parallel MoE layer a
+    checkpoint was saved with (meta.json's ``expert_parallel``): expert ``i`` of EP rank ``e`` is global expert
+    ``e * num_local_experts + i``. ``where``: the meta.json, for the error about a checkpoint that lacks them."""
+    layers = [(str(d["prefix"]), int(d["ep_size"]), int(d["num_local_experts"]))
+              for d in meta.get("expert_parallel", ())]
+    if not layers and expert_pieces(meta):
+        raise CheckpointError(f"hf_zero: checkpoint file {str(where)!r} has expert-parallel optimizer groups but "
+                              "no 'expert_parallel' entry (saved by an hf_zero before it recorded its MoE layers): "
+                              "load it into an engine with the same ep_size (engine.load_checkpoint) and save it "
+                              "again")
+    return layers

@@ -35,8 +35,8 @@ from safetensors.torch import save_file
 
 from hf_zero import comm
 from hf_zero.checkpoint.commit import agree, check_tag, commit_tag
-from hf_zero.checkpoint.disk_format import (FORMAT_VERSION, dedupe_shared, open_shard_file, rank_file,
-                                            read_latest_tag, read_model_file)
+from hf_zero.checkpoint.disk_format import (FORMAT_VERSION, dedupe_shared, expert_pieces, open_shard_file,
+                                            rank_file, read_latest_tag, read_model_file)
 from hf_zero.checkpoint.files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
                                       read_manifest, resolve_checkpoint, torch_load, verify_files)
 from hf_zero.checkpoint.module_info import describe_module, persistent_buffers, write_recovery_script
@@ -106,7 +106,7 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
         written.append("model.safetensors")
     meta = {"format_version": FORMAT_VERSION, "world_size": engine.world_size, "stage": engine.stage,
             **{k: v for k, v in scalars.items() if k != "skipped_steps"}, "global_steps": engine.global_steps,
-            "module": describe_module(engine.module)}
+            "module": describe_module(engine.module), **_expert_layers_entry(engine)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     torch.save({
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
@@ -117,6 +117,18 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
         "config": dict(engine.config),
     }, tmp / "engine_state.pt")
     return written
+
+
+def _expert_layers_entry(engine) -> dict:
+    """meta.json's ``expert_parallel``: each expert-parallel MoE layer's expert prefix, ep_size and experts per
+    rank -- what the offline converter needs to name every expert by its global index (disk_format.expert_layers)."""
+    if not getattr(engine, "_expert_groups", None):
+        return {}
+    from hf_zero.moe.state import expert_parallel_layers
+
+    return {"expert_parallel": [{"prefix": prefix, "ep_size": layer.ep_size,
+                                 "num_local_experts": layer.num_local_experts}
+                                for prefix, layer in expert_parallel_layers(engine.module)]}
 
 
 def save_checkpoint(engine, save_dir, *, tag=None, client_state: dict, save_latest: bool,
@@ -191,7 +203,7 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     if failed:
         raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
                               f"{reports[failed[0]]}")
-    reader = ShardFiles(handles, int(meta.get("shard_world_size", 0)), pieces=_expert_pieces(meta))
+    reader = ShardFiles(handles, int(meta.get("shard_world_size", 0)), pieces=expert_pieces(meta))
     if sd is not None and load_module_weights:
         engine.module.load_state_dict(sd, strict=load_module_strict)
     if engine.stage3 is None and meta.get("stage") == 3:
@@ -245,7 +257,7 @@ def _validate(engine, root: Path, tag: str, strict: bool, read_model: bool = Tru
     _check_groups(engine.optimizer.scalar_state()["groups"], meta, path)
     state = torch_load(path / "engine_state.pt")
     handles = {r: open_shard_file(path / name) for r, name in rank_names.items()}
-    pieces = _expert_pieces(meta)
+    pieces = expert_pieces(meta)
     for prefix, layout, _, dtype in engine.optimizer.shard_layouts():
         saved_layout = ShardLayout(layout.numels, len(pieces[prefix]) if prefix in pieces else saved_world)
         if re.search(r"\.ep\d+\.$", prefix) and prefix not in pieces:
@@ -299,11 +311,11 @@ def _shard_files_read(engine, path: Path, meta: dict, manifest: dict | None) -> 
     def here(r: int) -> bool:
         return rank_file(r) in manifest if manifest is not None else (path / rank_file(r)).is_file()
 
-    everything = sorted(set(range(saved_world)) | {r for ranks in _expert_pieces(meta).values() for r in ranks})
+    everything = sorted(set(range(saved_world)) | {r for ranks in expert_pieces(meta).values() for r in ranks})
     if all(here(r) for r in everything):
         return everything
     layouts = engine.optimizer.shard_layouts()
-    pieces = _expert_pieces(meta)
+    pieces = expert_pieces(meta)
     # an expert group's piece is in the file of the saved rank that held it (pieces), the others' in their rank's
     own = sorted({pieces[prefix][r] if prefix in pieces else r for prefix, _, r, _ in layouts}
                  | ({engine.stage3.rank} if engine.stage3 is not None else set()))
@@ -358,16 +370,6 @@ def _restore_stage3_extras(engine, reader: ShardFiles) -> None:
             if not p.requires_grad:
                 whole = reader.shard(f"stage3.frozen.{name}", ShardLayout((p.numel(),), 1), 0)
                 p.copy_(whole.view_as(p))
-
-
-def _expert_pieces(meta: dict) -> dict[str, list[int]]:
-    """``{"group<i>.ep<e>.": saved ranks whose files hold its pieces, in piece order}`` of every expert-parallel
-    group of a checkpoint (hf_zero/zero/optimizer.py writes them so)."""
-    out = {}
-    for gi, group in enumerate(meta.get("groups", ())):
-        for e, ranks in enumerate(group.get("expert", {}).get("piece_ranks", ())):
-            out[f"group{gi}.ep{e}."] = [int(r) for r in ranks]
-    return out
 
 
 def _check_groups(current: list[dict], meta: dict, path: Path) -> None:

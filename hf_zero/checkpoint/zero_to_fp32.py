@@ -15,6 +15,13 @@ every name of a tied weight pointing at one tensor; ``tag=None`` reads ``latest`
   load); an ``output_dir`` ending in ``.bin``/``.pt``/``.pth``/``.safetensors`` is written as that one file (the
   ``output_file`` of DeepSpeed before 0.15).
 
+MoE layers with ``ep_size > 1`` (expert parallelism, stages 0-2): every rank holds ``num_experts / ep_size``
+experts, their fp32 masters saved per EP rank (``group<i>.ep<e>.*``, cut over the ranks meta.json names); the result
+holds every expert under its global index -- the ``ep_size=1`` model's names, as ``model.safetensors`` and the
+consolidated 16-bit state dict do. DeepSpeed 0.19.8's converter has no native-MoE path: on its own checkpoint of
+``MoE(ep_size=2)`` on 2 ranks (stages 1 and 2) it raises ``ValueError: .../layer_0_expert_0_mp_rank_00_model_states.pt
+is not a model state checkpoint`` (its ``*_model_states.pt`` glob picks up the per-expert files).
+
 The shards are reassembled by the checkpoint loader's own re-cut (``reshard.full_param_from_shards``) from the files as
 saved, each verified against the checkpoint's manifest first. Pipeline and tensor-parallel checkpoints are
 refused naming what does read them.
@@ -31,7 +38,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hf_zero.checkpoint.disk_format import dedupe_shared, open_saved, read_latest_tag, read_model_file
+from hf_zero.checkpoint.disk_format import (dedupe_shared, expert_layers, expert_pieces, open_saved, open_shard_file,
+                                            rank_file, read_latest_tag, read_model_file)
 from hf_zero.checkpoint.files import CheckpointError, read_manifest, resolve_checkpoint, verify_files
 from hf_zero.checkpoint.reshard import full_param_from_shards
 from hf_zero.zero.layout import ShardLayout
@@ -48,46 +56,52 @@ _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters: bool = False,
                                              lazy_mode: bool = False) -> dict[str, torch.Tensor]:
     """The full model's state dict (CPU) from ``<checkpoint_dir>/<tag>``; ``tag=None``: the one ``latest`` names.
-    ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``."""
+    ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``. A checkpoint of MoE layers
+    with ``ep_size > 1`` gives every expert under its global index (the ``ep_size=1`` model's names)."""
     path = _tag_dir(Path(checkpoint_dir), tag)
     meta, handles = open_saved(path)
     stage, world = int(meta.get("stage", 0)), int(meta.get("shard_world_size", 0))
     model_sd = _model_file(path) if stage < 3 else None
     module = meta.get("module") or _legacy_description(path, meta, model_sd, exclude_frozen_parameters)
-    where = {name: (gi, i, ShardLayout(tuple(g["numels"]), world))  # trainable name -> group, index, saved cut
-             for gi, g in enumerate(meta["groups"]) for i, name in enumerate(g["names"])}
+    experts = _ExpertNames(expert_layers(meta, path / "meta.json"))
+    pieces = _PieceFiles(path, handles, meta, world)
+    where = {name: (gi, i) for gi, g in enumerate(meta["groups"]) for i, name in enumerate(g["names"])}
     rank0_keys = set(handles[0].keys()) if handles else set()
     out: dict[str, torch.Tensor] = {}
     for entry in module["params"]:
         names, shape = entry["names"], torch.Size(entry["shape"])
         hit = next((n for n in names if n in where), None)
-        if hit is not None:
-            gi, i, layout = where[hit]
-            if shape.numel() != layout.numels[i]:
-                raise CheckpointError(f"hf_zero: checkpoint file {str(path / 'meta.json')!r}: {hit} has shape "
-                                      f"{tuple(shape)} but {layout.numels[i]} elements in optimizer group {gi}")
-            value = _fp32(full_param_from_shards(handles, f"group{gi}.master", layout, i).view(shape))
-        elif entry["trainable"] and stage == 3:
-            raise CheckpointError(f"hf_zero: checkpoint {str(path)!r}: {names[0]} requires grad but is in no "
-                                  f"optimizer group, so a ZeRO-3 checkpoint holds no values for it")
-        elif entry["trainable"] or not exclude_frozen_parameters:
-            value = _saved_whole(path, names, shape, model_sd, handles, rank0_keys)
-            if value is None:
-                continue  # saved with exclude_frozen_parameters=True: not in the checkpoint, as in DeepSpeed's
-        else:
-            continue
-        for name in names:
-            out[name] = value
-    for name in module["buffers"]:
-        if model_sd is not None and name in model_sd:
-            value = model_sd[name]
-        elif f"stage3.buffer.{name}" in rank0_keys:
-            value = handles[0].get_tensor(f"stage3.buffer.{name}")
-        else:
-            raise CheckpointError(f"hf_zero: checkpoint {str(path)!r} has no saved value for the buffer {name!r}")
-        out[name] = value.float() if value.is_floating_point() else value
+        # an expert-parallel layer's expert: one tensor per EP rank (meta.json names the experts of EP rank 0)
+        for ep_rank, out_names in experts.copies(names):
+            if hit is not None:
+                gi, i = where[hit]
+                files, key, layout = pieces.master(gi, ep_rank)
+                if shape.numel() != layout.numels[i]:
+                    raise CheckpointError(f"hf_zero: checkpoint file {str(path / 'meta.json')!r}: {hit} has shape "
+                                          f"{tuple(shape)} but {layout.numels[i]} elements in optimizer group {gi}")
+                value = _fp32(full_param_from_shards(files, key, layout, i).view(shape))
+            elif entry["trainable"] and stage == 3:
+                raise CheckpointError(f"hf_zero: checkpoint {str(path)!r}: {names[0]} requires grad but is in no "
+                                      f"optimizer group, so a ZeRO-3 checkpoint holds no values for it")
+            elif entry["trainable"] or not exclude_frozen_parameters:
+                value = _saved_whole(path, out_names, shape, model_sd, handles, rank0_keys)
+                if value is None:
+                    continue  # saved with exclude_frozen_parameters=True: not in the checkpoint, as in DeepSpeed's
+            else:
+                continue
+            for name in out_names:
+                out[name] = value
+    for local_name in module["buffers"]:
+        for _, (name,) in experts.copies([local_name]):
+            if model_sd is not None and name in model_sd:
+                value = model_sd[name]
+            elif f"stage3.buffer.{name}" in rank0_keys:
+                value = handles[0].get_tensor(f"stage3.buffer.{name}")
+            else:
+                raise CheckpointError(f"hf_zero: checkpoint {str(path)!r} has no saved value for the buffer {name!r}")
+            out[name] = value.float() if value.is_floating_point() else value
     logger.info("hf_zero: zero_to_fp32: %s (ZeRO stage %d, %d shard file(s)): %d tensors, %d elements", path,
-                stage, len(handles), len(out), sum(t.numel() for t in {id(t): t for t in out.values()}.values()))
+                stage, len(pieces.opened), len(out), sum(t.numel() for t in {id(t): t for t in out.values()}.values()))
     return out
 
 
@@ -183,6 +197,61 @@ def _tag_dir(root: Path, tag) -> Path:
             raise CheckpointError(f"hf_zero: zero_to_fp32: {str(path)!r} is {what}; or load it into an engine "
                                   f"and call engine.save_16bit_model()")
     return path
+
+
+class _ExpertNames:
+    """Names of expert-parallel layers' experts: meta.json describes EP rank 0's module, whose local expert ``i``
+    is global expert ``i``; EP rank ``e``'s local expert ``i`` is global expert ``e * num_local_experts + i``
+    (hf_zero/moe/state.py names them so in model.safetensors, as the consolidated 16-bit state dict does)."""
+
+    def __init__(self, layers: list[tuple[str, int, int]]):
+        self.layers = layers  # (prefix, ep_size, num_local_experts)
+
+    def copies(self, names: list[str]) -> list[tuple[int, list[str]]]:
+        """``[(ep_rank, names of that EP rank's copy)]``: one per EP rank for an expert's names, else
+        ``[(0, names)]``."""
+        for prefix, ep_size, local in self.layers:
+            if names[0].startswith(prefix):
+                return [(e, [_global_expert_name(n, prefix, e * local) for n in names]) for e in range(ep_size)]
+        return [(0, list(names))]
+
+
+def _global_expert_name(name: str, prefix: str, first: int) -> str:
+    index, _, rest = name[len(prefix):].partition(".")
+    return f"{prefix}{first + int(index)}.{rest}"
+
+
+class _PieceFiles:
+    """Where each optimizer group's fp32 masters are: an ordinary group's cut over the saved data-parallel world
+    (every ``zero_rank*`` file of ``open_saved``); an expert-parallel group's, per EP rank, over the ranks meta.json
+    names for it (``group<i>.ep<e>.master``; at stage 0 one piece, in its expert-data-parallel group's first rank's
+    file) -- those files opened here, verified against the manifest first."""
+
+    def __init__(self, path: Path, handles: list, meta: dict, world: int):
+        self.path, self.meta, self.world = path, meta, world
+        self.opened = dict(enumerate(handles))
+        self.pieces = expert_pieces(meta)
+        self.manifest = read_manifest(path)
+
+    def master(self, gi: int, ep_rank: int) -> tuple[list, str, ShardLayout]:
+        """``(files in piece order, key, saved layout)`` of group ``gi``'s masters (of EP rank ``ep_rank``)."""
+        numels = tuple(self.meta["groups"][gi]["numels"])
+        prefix = f"group{gi}.ep{ep_rank}."
+        if prefix not in self.pieces:
+            return [self.opened[r] for r in range(self.world)], f"group{gi}.master", ShardLayout(numels, self.world)
+        ranks = self.pieces[prefix]
+        return [self._file(r) for r in ranks], f"{prefix}master", ShardLayout(numels, len(ranks))
+
+    def _file(self, rank: int):
+        if rank not in self.opened:
+            name = rank_file(rank)
+            if self.manifest is not None:
+                verify_files(self.path, self.manifest, [name])
+            elif not (self.path / name).is_file():
+                raise CheckpointError(f"hf_zero: checkpoint file {str(self.path / name)!r} is missing: it holds "
+                                      "expert-parallel MoE experts' fp32 masters")
+            self.opened[rank] = open_shard_file(self.path / name)
+        return self.opened[rank]
 
 
 def _model_file(path: Path) -> dict[str, torch.Tensor] | None:

@@ -55,7 +55,6 @@ class HfZeroConfig:
         "nebula": "Nebula checkpointing service",
         "compile": "DeepCompile",
         "seq_parallel_communication_data_type": "Sequence-parallel communication dtype",
-        "use_data_before_expert_parallelism": "Expert-parallel data ordering",
         "disable_allgather": "Legacy allgather switch",
         "timers": "DeepSpeed's timer configuration",
         "graph_harvesting": "Graph harvesting",
@@ -91,6 +90,10 @@ class HfZeroConfig:
     comms_divergence_check: bool = spec(
         True, help="hf_zero: before every collective, check (one 5-integer all-gather) that all ranks issue the "
                    "same one, so a rank running other modules fails with their names instead of hanging.")
+    use_data_before_expert_parallelism: bool = spec(
+        False, help="MoE expert parallelism's rank layout, as DeepSpeed's: false (E + D), expert-parallel groups of "
+                    "consecutive ranks; true (D + E), expert-data-parallel groups of consecutive ranks and "
+                    "expert-parallel groups strided by world_size / ep_size.")
     zero_force_ds_cpu_optimizer: bool = spec(
         True, help="With optimizer offload, require hf_zero's CPU optimizer rather than a client one.")
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = spec(

@@ -136,6 +136,7 @@ STATUS: dict[str, KeyStatus] = {
     "sparse_gradients": _todo("embedding gradients are reduced as dense tensors (same values)"),
     "zero_allow_untested_optimizer": HONOURED,
     "dataloader_drop_last": HONOURED,
+    "use_data_before_expert_parallelism": HONOURED,
     "comms_timeout_s": HONOURED,
     "comms_divergence_check": HONOURED,
     "zero_force_ds_cpu_optimizer": _no_op("with optimizer offload hf_zero always runs its own CPU Adam (a client "

@@ -126,7 +126,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
 
         self._expert_groups = setup_expert_parallel(module, stage=self.stage, process_group=process_group,
                                                     tensor_parallel=tp is not None,
-                                                    pipeline=model_parallel_group is not None)
+                                                    pipeline=model_parallel_group is not None,
+                                                    data_before_expert=config.use_data_before_expert_parallelism)
         if self.stage == 3:
             self.groups = self._init_stage3(plan, names, grad_dtype)
             if plan is None:
@@ -153,7 +154,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         offload = build_optimizer_offload(self.groups, zero, rank=self.global_rank,
                                           fused_adam=plan.fused_adam, torch_adam=plan.torch_adam)
         self.optimizer = ZeroOptimizer(
-            self.groups, [h for _, h in plan.groups], inner_cls=plan.inner_cls, inner_defaults=plan.defaults,
+            self.groups, [h for _, h in plan.groups], param_group_of=getattr(self, "_param_group_of", None),
+            inner_cls=plan.inner_cls, inner_defaults=plan.defaults,
             fused_adam=plan.fused_adam, loss_scaler=self.loss_scaler, clip_norm=float(config.gradient_clipping),
             publish_bucket_numel=zero.allgather_bucket_numel, check_overflow=self._checks_overflow(config),
             process_group=process_group, model_parallel_group=model_parallel_group, publisher=publisher,
@@ -243,8 +245,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         shard_world = 1 if self.stage == 0 else self.world_size
         shard_rank = 0 if self.stage == 0 else self.global_rank
         self._broadcast_module_from_rank0()
-        if plan is not None:
-            split_plan_groups(plan, self._expert_groups)  # expert-parallel parameters in groups of their own
+        if plan is not None:  # expert-parallel parameters in groups of their own (a client's stay one param group)
+            self._param_group_of = split_plan_groups(plan, self._expert_groups, self.stage)
         groups = []
         seen: set[nn.Parameter] = set()
         for params, _ in (plan.groups if plan is not None else ()):  # no plan: an evaluation engine

@@ -6,7 +6,8 @@ expert-parallel groups (hf_zero/comm/expert_groups.py). Expert parameters of a l
 
 - each optimizer parameter group holds either no such parameter or only those of one ``group_name`` (DeepSpeed's
   ``split_params_into_different_moe_groups_for_optimizer`` makes them; a config-built optimizer's groups are split
-  here, as DeepSpeed's engine splits them); the expert groups become ZeRO groups over the expert-data-parallel
+  here, as DeepSpeed's engine splits them; a client optimizer's mixed group is split at stage 0 only, staying one
+  parameter group, and refused at stages 1/2, as DeepSpeed does); the expert groups become ZeRO groups over the expert-data-parallel
   (EDP) group (:class:`~hf_zero.zero.sharded_group.ExpertPlacement`);
 - the initial broadcast sends expert parameters over their EDP group, from its first rank, and everything else
   over the data-parallel group from its first rank (DeepSpeed's ``_broadcast_model``).
@@ -31,8 +32,11 @@ __all__ = ["setup_expert_parallel", "expert_placement", "split_plan_groups", "br
 
 
 def setup_expert_parallel(module: nn.Module, *, stage: int, process_group, tensor_parallel: bool,
-                          pipeline: bool) -> dict[str, ExpertGroups]:
-    """Give every MoE layer its groups; returns the expert-parallel ones (``ep_size > 1``) by group name."""
+                          pipeline: bool, data_before_expert: bool = False) -> dict[str, ExpertGroups]:
+    """Give every MoE layer its groups; returns the expert-parallel ones (``ep_size > 1``) by group name.
+    ``data_before_expert``: the config's ``use_data_before_expert_parallelism`` (DeepSpeed's D + E rank layout;
+    groups an earlier call created, e.g. the script's own ``_create_expert_and_data_parallel``, are kept, as
+    DeepSpeed keeps them)."""
     layers = [m for m in module.modules() if hasattr(m, "set_deepspeed_parallelism")]
     ep_sizes = sorted({m.ep_size for m in layers if isinstance(m, MoE) and m.ep_size > 1})
     if ep_sizes:
@@ -47,7 +51,7 @@ def setup_expert_parallel(module: nn.Module, *, stage: int, process_group, tenso
                                       "expert parallelism runs over a data-parallel world of its own (ZeRO stages "
                                       "0-2, no mpu); use ep_size=1 there")
     for m in layers:
-        m.set_deepspeed_parallelism(False)
+        m.set_deepspeed_parallelism(data_before_expert)
     return {f"ep_size_{n}": expert_groups(f"ep_size_{n}") for n in ep_sizes}
 
 
@@ -69,34 +73,46 @@ def expert_placement(params, groups: dict[str, ExpertGroups]) -> ExpertPlacement
                            all_edp_ranks=g.all_edp_ranks)
 
 
-def split_plan_groups(plan, groups: dict[str, ExpertGroups]) -> None:
+def split_plan_groups(plan, groups: dict[str, ExpertGroups], stage: int) -> list[int]:
     """Make each of ``plan.groups`` hold ordinary parameters only or one expert group's only, as DeepSpeed's engine
     does for an optimizer it builds from the config (``configure_moe_param_groups``): a mixed group keeps its
     ordinary parameters, and its experts follow as new groups with the same hyperparameters, ``"moe": True`` and
-    ``"name"``. A client optimizer's groups are its own (schedulers hold them): mixed ones are refused, naming the
-    helper that splits them."""
+    ``"name"``. Returns, per resulting group, the index of the optimizer parameter group it belongs to.
+
+    A client optimizer's groups are its own (schedulers hold them). At stage 0 a mixed one is split here too, but its
+    parts stay one parameter group (``ZeroOptimizer(param_group_of=...)``: one dict holding each part's master), so
+    the client's ``param_groups`` keep their number and hyperparameters -- DeepSpeed's stage 0 steps the client's
+    optimizer as it is and reduces gradients per parameter (``_reduce_expert_gradients``). At stages 1/2 a mixed
+    group is refused, naming the helper that splits it: DeepSpeed's ZeRO optimizer asserts the same
+    (``_configure_moe_settings``: a group marked ``moe`` must hold MoE parameters only, and one must be marked)."""
     if not groups:
-        return
-    out = []
+        return list(range(len(plan.groups)))
+    out, owners = [], []
     for params, hyper in plan.groups:
         names = [_expert_name(p, groups) for p in params]
         kinds = set(names)
+        first = owners[-1] + 1 if owners else 0  # this group's parameter-group index
         if len(kinds) <= 1:
             name = names[0] if params else None
             out.append((params, {**hyper, "moe": True, "name": name} if name is not None else hyper))
+            owners.append(first)
             continue
-        if plan.client is not None:
+        if plan.client is not None and stage > 0:
             raise ValueError(
                 "hf_zero: the optimizer passed to initialize has a parameter group mixing expert-parallel MoE "
                 f"parameters ({sorted(n for n in kinds if n is not None)}) with other parameters; build it from "
                 "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(param_groups) (expert "
-                "gradients are reduced over another process group than the rest), as DeepSpeed requires")
-        dense = [p for p, n in zip(params, names) if n is None]
-        if dense:
-            out.append((dense, hyper))
-        for name in sorted(n for n in kinds if n is not None):
-            out.append(([p for p, n in zip(params, names) if n == name], {**hyper, "moe": True, "name": name}))
+                "gradients are reduced over another process group than the rest), as DeepSpeed requires at "
+                f"zero_optimization.stage {stage} (stage 0 accepts it)")
+        one = plan.client is not None  # the client's group: its parts stay one parameter group
+        parts = [([p for p, n in zip(params, names) if n is None], hyper)]
+        parts += [([p for p, n in zip(params, names) if n == name], hyper if one else
+                   {**hyper, "moe": True, "name": name}) for name in sorted(n for n in kinds if n is not None)]
+        for i, part in enumerate(p for p in parts if p[0]):
+            out.append(part)
+            owners.append(first if one else first + i)
     plan.groups[:] = out
+    return owners
 
 
 def broadcast_module(module: nn.Module, groups: dict[str, ExpertGroups], process_group) -> None:

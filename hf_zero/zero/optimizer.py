@@ -45,13 +45,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """Partitioned optimizer. Built by the engine; ``inner`` is the torch optimizer doing the math (or None)."""
 
     def __init__(self, groups: Sequence[ShardedGroup], hyperparams: Sequence[dict], *,
-                 inner_cls: type[torch.optim.Optimizer], inner_defaults: dict, fused_adam: bool,
+                 param_group_of: Sequence[int] | None = None, inner_cls: type[torch.optim.Optimizer],
+                 inner_defaults: dict, fused_adam: bool,
                  loss_scaler: LossScaler | None, clip_norm: float, publish_bucket_numel: int,
                  check_overflow: bool, process_group=None, model_parallel_group=None,
                  publisher: Callable[[], None] | None = None, offload=None,
                  state_dtype: torch.dtype = torch.float32):
         self.groups = list(groups)
-        masters = [{"params": [g.master], **h} for g, h in zip(self.groups, hyperparams)]
+        # param_groups[param_group_of[i]] holds groups[i]'s master: one param group per group, or several groups in
+        # one (a client's stage-0 group mixing MoE experts with other parameters, split by the process group
+        # reducing them, stays the one group its scheduler holds); its hyperparameters are its first group's
+        self._param_group_of = list(param_group_of) if param_group_of is not None else list(range(len(self.groups)))
+        masters: list[dict] = []
+        for g, h, pg in zip(self.groups, hyperparams, self._param_group_of):
+            if pg == len(masters):
+                masters.append({**h, "params": []})
+            masters[pg]["params"].append(g.master)
         self.inner = inner_cls(masters, **inner_defaults)
         super().__init__(self.inner.param_groups, self.inner.defaults)
         # one set of param_groups / state, shared with the inner optimizer: schedulers see what is stepped
@@ -196,7 +205,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _next_adam_hypers(self, states: list[dict]) -> list[AdamHyper]:
         """Count this step in each group's state and freeze its Adam hyper-parameters for it (once per group)."""
         hyper = []
-        for state, group in zip(states, self.param_groups):
+        for state, pg in zip(states, self._param_group_of):
+            group = self.param_groups[pg]
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
             state["step"] += 1
