@@ -13,6 +13,8 @@ _forward(__name__, {
     "add_config_arguments": "hf_zero.runtime.arguments:add_config_arguments",
     "init_distributed": "hf_zero.comm:init_distributed",
     "DeepSpeedEngine": "hf_zero.runtime.engine:HfZeroEngine",
+    "init_inference": "hf_zero.runtime.inference:init_inference",
+    "InferenceEngine": "hf_zero.runtime.inference:InferenceEngine",
     "tp_model_init": "hf_zero.tensor_parallel:tp_model_init",
     "zero": "deepspeed.runtime.zero",  # as in DeepSpeed, deepspeed.zero is deepspeed.runtime.zero
     "PipelineModule": "hf_zero.pipeline:PipelineModule",
@@ -21,5 +23,5 @@ _forward(__name__, {
     "get_accelerator": "hf_zero.comm.accelerator:get_accelerator",
     # as in DeepSpeed, deepspeed.checkpointing is deepspeed.runtime.activation_checkpointing.checkpointing
     "checkpointing": "deepspeed.runtime.activation_checkpointing.checkpointing",
-}, submodules=["accelerator", "checkpoint", "comm", "launcher", "moe", "monitor", "ops", "pipe", "profiling",
-                "runtime", "utils"])
+}, submodules=["accelerator", "checkpoint", "comm", "inference", "launcher", "moe", "monitor", "ops", "pipe",
+                "profiling", "runtime", "utils"])
