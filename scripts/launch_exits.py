@@ -1,15 +1,18 @@
-"""Launch the DeepSpeed-style training script of tests/test_launcher.py N times and count the abnormal exits.
+"""Launch a 2-rank training script N times and count the abnormal exits (docs/reliability.md, the exit abort).
 
-Issue #25: bound-cores launcher runs were seen to abort after training finished ('terminate called without an
-active exception', launcher exit code 250 / a rank killed by SIGABRT). This runs the launch that test makes
-(``hf-zero launch --num_gpus 2 --bind_cores_to_rank``, ZeRO-2, 2 CPU ranks) ``--runs`` times per arm -- the shared
--memory ring on (``HF_ZERO_SHM_COMM=1``) and off (``=0``) -- and prints each run's exit code, then per arm how many
-exited 0. A run that exits otherwise keeps its directory: output, and with ``--cores`` a core file per aborted rank
-(core dumps enabled for the launch, PYTHONFAULTHANDLER=1 for the Python stacks) and ``gdb``'s backtrace of every
-thread when gdb is installed.
+Runs aborted after training finished ('terminate called without an active exception', a rank killed by SIGABRT):
+bound-cores launcher runs (issue #25) and once the Trainer + sequence-parallel test. ``--launch launcher`` runs the
+launch tests/test_launcher.py makes (``hf-zero launch --num_gpus 2 --bind_cores_to_rank``, ZeRO-2, 2 CPU ranks);
+``--launch sp-trainer`` the one of test_sequence_parallel.py's Trainer test (torchrun, 2 gloo ranks,
+tests/_sequence_parallel_script.py --trainer). Each runs ``--runs`` times per arm -- the shared-memory ring on
+(``HF_ZERO_SHM_COMM=1``) and off (``=0``) -- and prints each run's exit code, then per arm how many exited 0. A run
+that exits otherwise keeps its directory: output, and with ``--cores`` a core file per aborted rank (core dumps
+enabled for the launch, PYTHONFAULTHANDLER=1 for the Python stacks) and ``gdb``'s backtrace of every thread when
+gdb is installed (core_pattern must write into the working directory: ``core``).
 
     python scripts/launch_exits.py --runs 20                 # both arms, bound to the first two cores
     python scripts/launch_exits.py --runs 20 --arms on --no-bind
+    python scripts/launch_exits.py --launch sp-trainer --runs 50 --arms off --cores
 
 Exit status: 0 when every run exited 0, 1 otherwise.
 """
@@ -62,6 +65,16 @@ def _backtraces(job: Path, python: str) -> str:
     return "\n".join(out) or "(no core file: see /proc/sys/kernel/core_pattern)"
 
 
+def run_sp_trainer(python: Path, job: Path, ring: bool, dump: bool) -> tuple[int, str]:
+    job.mkdir(parents=True, exist_ok=True)
+    cmd = [str(python), "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(REPO / "tests" / "_sequence_parallel_script.py"), str(job / "out.json"), "--trainer"]
+    env = clean_env(HF_ZERO_SHM_COMM="1" if ring else "0", PYTHONFAULTHANDLER="1", MASTER_ADDR="127.0.0.1")
+    r = subprocess.run(cmd, cwd=job, env=env, capture_output=True, text=True, timeout=600,
+                       preexec_fn=_enable_cores if dump else None)
+    return r.returncode, r.stdout + r.stderr
+
+
 def run_once(hf_zero_cmd: Path, job: Path, ring: bool, bind: bool, cores: list[int], dump: bool) -> tuple[int, str]:
     (job / "out").mkdir(parents=True, exist_ok=True)
     (job / "train.py").write_text(TRAIN)
@@ -78,6 +91,8 @@ def run_once(hf_zero_cmd: Path, job: Path, ring: bool, bind: bool, cores: list[i
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--launch", choices=["launcher", "sp-trainer"], default="launcher",
+                   help="test_launcher.py's bound-cores launch, or test_sequence_parallel.py's Trainer launch")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--arms", choices=["both", "on", "off"], default="both", help="the shared-memory ring")
     p.add_argument("--no-bind", dest="bind", action="store_false", help="leave the ranks unbound")
@@ -85,6 +100,7 @@ def main() -> int:
     p.add_argument("--keep", type=Path, default=None, help="directory for the failed runs (default: a temp dir)")
     args = p.parse_args()
     cores = sorted(os.sched_getaffinity(0))
+    args.bind = args.bind and args.launch == "launcher"  # torchrun does not bind
     if args.bind and len(cores) < 2:
         print("needs 2 usable cores to bind 2 ranks")
         return 2
@@ -98,7 +114,10 @@ def main() -> int:
         for ring in arms:
             job = root / f"{'ring' if ring else 'noring'}_{i}"
             start = time.monotonic()
-            rc, output = run_once(python.parent / "hf-zero", job, ring, args.bind, cores, args.dump)
+            if args.launch == "sp-trainer":
+                rc, output = run_sp_trainer(python, job, ring, args.dump)
+            else:
+                rc, output = run_once(python.parent / "hf-zero", job, ring, args.bind, cores, args.dump)
             aborted = "terminate called" in output
             counts.setdefault(ring, []).append(rc)
             print(f"run {i:2d} ring={'on ' if ring else 'off'} rc={rc} {time.monotonic() - start:5.1f}s"

@@ -13,7 +13,8 @@ stop and join the fault monitor, drop the ring's mapping and the gatherer -- run
 - from :func:`destroy_process_group` (hf_zero's, which ``deepspeed.comm.destroy_process_group`` is) before the
   group itself is destroyed;
 - from process_group's destroy hook, which its exit handler runs before it destroys the group hf_zero created;
-- at interpreter exit (atexit) for any context still open;
+- at interpreter exit (atexit) for any context still open -- then, where the application created the group,
+  gloo's workers are let finish with the GIL before teardown (process_group.quiesce_gloo_workers);
 - lazily, for a group destroyed directly with ``torch.distributed.destroy_process_group``: the next lookup that
   misses finds contexts whose group is gone and closes them.
 
@@ -218,4 +219,15 @@ def _install_hooks() -> None:
     # process_group destroys the group hf_zero created at exit; it runs this first, whatever the order the exit
     # handlers were registered in (a second init_distributed registers its handler after this module's)
     process_group.before_destroy(close_all)
-    atexit.register(close_all)
+    atexit.register(_close_all_at_exit)
+
+
+def _close_all_at_exit() -> None:
+    """atexit: close every context still open. Where hf_zero created the group, process_group's exit handler runs
+    after this one (registered first), destroys the group and quiesces gloo's workers; otherwise that is done here,
+    as the group is left to the application (docs/reliability.md, the exit abort)."""
+    try:
+        close_all()
+    finally:
+        if not process_group.created_by_hf_zero():
+            process_group.quiesce_gloo_workers()

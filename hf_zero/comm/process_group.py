@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
 import socket
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,9 +26,10 @@ from .settings import created_by_hf_zero
 
 __all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_node_id",
            "default_backend", "backend_for", "bookkeeping_device", "free_port", "created_by_hf_zero", "before_destroy",
-           "all_reduce", "broadcast", "all_gather", "ReduceOp"]
+           "quiesce_gloo_workers", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
 
 ReduceOp = dist.ReduceOp
+logger = logging.getLogger("hf_zero")
 
 
 def default_backend() -> str:
@@ -108,9 +112,9 @@ def before_destroy(hook) -> None:
 
 def _destroy_at_exit() -> None:
     """atexit, normal exit of a script whose process group hf_zero created: tear the group down while the
-    interpreter still runs. Left to interpreter teardown, a gloo group's threads can be destroyed while joinable and
-    the process aborts ('terminate called without an active exception', exit -6) after training succeeded -- DeepSpeed
-    scripts never call destroy_process_group themselves. A fault exit never gets here: it leaves with os._exit."""
+    interpreter still runs (DeepSpeed scripts never call destroy_process_group themselves), then let gloo's worker
+    threads finish with the GIL (:func:`quiesce_gloo_workers`). A fault exit never gets here: it leaves with
+    os._exit."""
     for hook in _BEFORE_DESTROY:
         try:
             hook()
@@ -121,6 +125,67 @@ def _destroy_at_exit() -> None:
             dist.destroy_process_group()
         except Exception:  # exiting anyway; a failure here must not turn a finished run into an error
             pass
+    quiesce_gloo_workers()
+
+
+# The name torch gives ProcessGroupGloo's worker threads (c10::setThreadName in its constructor).
+_GLOO_WORKER = "pt_gloo_runloop"
+
+
+def _gloo_worker_states() -> dict[str, tuple[str, int]]:
+    """thread id -> (scheduler state, context switches so far) of this process's gloo worker threads, from /proc
+    (empty where there is none, or no /proc)."""
+    out: dict[str, tuple[str, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != _GLOO_WORKER:
+                    continue
+            with open(f"/proc/self/task/{tid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:  # the thread ended meanwhile
+            continue
+        switches = int(fields.get("voluntary_ctxt_switches", "0")) + int(fields.get("nonvoluntary_ctxt_switches", "0"))
+        out[tid] = (fields.get("State", "?").split()[0], switches)
+    return out
+
+
+def quiesce_gloo_workers(timeout_s: float = 2.0) -> bool:
+    """At exit, before the interpreter finalizes: wait, with the GIL released, until every gloo worker thread of
+    this process is asleep and stays asleep. Returns False if they did not within ``timeout_s``.
+
+    Why (docs/reliability.md, the exit abort): ``destroy_process_group`` does not stop gloo's threads while anything
+    still references the group -- the engine, its optimizer, the sequence-parallel groups do, until interpreter
+    teardown. A worker that finishes a collective frees its tensors, and a tensor whose Python object was dropped
+    first (a temporary passed to ``all_gather``) takes the GIL to free that object. If the worker was descheduled
+    and asks for the GIL only once the interpreter finalizes, CPython ends it with ``pthread_exit``; the unwind
+    meets the tensor's noexcept destructor and ``std::terminate`` aborts the process ('terminate called without an
+    active exception', exit -6) after the run succeeded.
+
+    The check: every worker in state S with its context-switch count unchanged across a sleep of twice the
+    interpreter's switch interval (10 to 100 ms). A worker waiting for the GIL is woken when the sleep releases it
+    (and by its own timed wait every switch interval), so it cannot look unchanged; one still running, or
+    descheduled, is in state R. A
+    worker asleep through the whole sleep waits for work (or for a peer that never comes) and frees nothing until
+    woken; in a finished run nothing wakes it again."""
+    before = _gloo_worker_states()
+    if not before:
+        return True
+    pause = min(0.1, max(0.01, 2 * sys.getswitchinterval()))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        time.sleep(pause)  # the GIL released: a worker waiting for it takes it now
+        now = _gloo_worker_states()
+        if now == before and all(state == "S" for state, _ in now.values()):
+            return True
+        if time.monotonic() > deadline:
+            logger.debug("hf_zero: gloo worker threads still active at exit after %.1fs: %s", timeout_s, now)
+            return False
+        before = now
 
 
 def is_initialized() -> bool:
