@@ -7,8 +7,8 @@ expert-parallel groups (hf_zero/comm/expert_groups.py). Expert parameters of a l
 - each optimizer parameter group holds either no such parameter or only those of one ``group_name`` (DeepSpeed's
   ``split_params_into_different_moe_groups_for_optimizer`` makes them; a config-built optimizer's groups are split
   here, as DeepSpeed's engine splits them; a client optimizer's mixed group is split at stage 0 only, staying one
-  parameter group, and refused at stages 1/2, as DeepSpeed does); the expert groups become ZeRO groups over the expert-data-parallel
-  (EDP) group (:class:`~hf_zero.zero.sharded_group.ExpertPlacement`);
+  parameter group, and refused at stages 1/2, as DeepSpeed does); the expert groups become ZeRO groups over the
+  expert-data-parallel (EDP) group (:class:`~hf_zero.zero.sharded_group.ExpertPlacement`);
 - the initial broadcast sends expert parameters over their EDP group, from its first rank, and everything else
   over the data-parallel group from its first rank (DeepSpeed's ``_broadcast_model``).
 
