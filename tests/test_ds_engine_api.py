@@ -76,6 +76,22 @@ def test_was_step_applied_is_false_after_an_fp16_overflow():
     assert engine.was_step_applied() is False and engine.skipped_steps == 1
 
 
+def test_optimizer_cur_scale_reads_and_sets_the_fp16_loss_scale():
+    engine = _engine(stage=1, fp16={"enabled": True, "initial_scale_power": 4, "hysteresis": 1},
+                     gradient_accumulation_steps=1, train_batch_size=2)
+    assert engine.optimizer.cur_scale == engine.optimizer.loss_scale == engine.get_loss_scale() == 16.0
+    engine.optimizer.cur_scale = 4.0  # DeepSpeed's setter: the scale the next backward multiplies by
+    assert engine.get_loss_scale() == 4.0
+    engine.backward(engine(torch.ones(2, 8).half()).float().sum() * float("inf"))
+    engine.step()  # an overflow halves the scale that was set (hysteresis 1), not the initial one
+    assert engine.skipped_steps == 1 and engine.optimizer.cur_scale == engine.get_loss_scale() == 2.0
+    plain = _engine(stage=1)
+    assert plain.optimizer.cur_scale == plain.optimizer.loss_scale == 1.0
+    plain.optimizer.cur_scale = 1.0
+    with pytest.raises(ValueError, match=r"optimizer.cur_scale = 2.0: this run has no loss scaling"):
+        plain.optimizer.cur_scale = 2.0
+
+
 def test_set_train_batch_size_changes_accumulation_and_micro_batch_changes_the_batch():
     engine = _engine()
     engine.set_train_batch_size(8)  # micro 2 kept: 4 accumulation steps

@@ -141,6 +141,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.backend if self.backend.offloaded else None
 
     @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's ZeRO optimizer attribute (also ``loss_scale``): the current fp16 loss scale; 1.0 without
+        loss scaling (bf16, fp32), as DeepSpeed's static scaler reads there. Setting it sets the scale the next
+        backward multiplies by (DeepSpeed's setter); without fp16 only 1.0 can be set."""
+        return float(self.loss_scaler.scale) if self.loss_scaler is not None else 1.0
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        if self.loss_scaler is None:
+            if float(value) != 1.0:
+                raise ValueError(f"optimizer.cur_scale = {value!r}: this run has no loss scaling (fp16.enabled is "
+                                 "false), so its scale is 1.0 and cannot be changed")
+            return
+        self.loss_scaler.scale = float(value)
+
+    loss_scale = cur_scale
+
+    @property
     def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
         """DeepSpeed's ZeRO-1/2 optimizer attribute: this rank's fp32 master partition of each group (transformers'
         DeepSpeed tests read it to check the masters stay fp32 under bf16). Under an optimizer offload, read back
