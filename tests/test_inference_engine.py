@@ -178,6 +178,8 @@ def test_config_file_kwargs_merge_and_conflict(tmp_path):
         warnings.simplefilter("ignore", FutureWarning)
         assert DeepSpeedInferenceConfig(mp_size=2).tensor_parallel.tp_size == 2
     assert DeepSpeedInferenceConfig(tp={"tp_size": 2}).tensor_parallel.tp_size == 2
+    assert isinstance(DeepSpeedInferenceConfig(dtype="bf16"), DeepSpeedInferenceConfig)
+    assert isinstance(engine._config, DeepSpeedInferenceConfig) and not isinstance({}, DeepSpeedInferenceConfig)
 
 
 @pytest.mark.parametrize("fields, key", [

@@ -267,7 +267,17 @@ def parse_inference_config(raw: Mapping[str, Any] | None = None) -> InferenceCon
         speed_only_set=speed, no_effect_set=tuple(no_effect))
 
 
-def DeepSpeedInferenceConfig(**fields: Any) -> InferenceConfig:  # noqa: N802 -- DeepSpeed's class name
+class _DeepSpeedInferenceConfigType(type):
+    """Calling the class parses (one parser, one config type); ``isinstance(x, DeepSpeedInferenceConfig)`` holds for
+    every parsed :class:`InferenceConfig`, as scripts check it against DeepSpeed's pydantic class."""
+
+    def __call__(cls, **fields: Any) -> InferenceConfig:
+        return parse_inference_config(fields)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, InferenceConfig)
+
+
+class DeepSpeedInferenceConfig(metaclass=_DeepSpeedInferenceConfigType):
     """DeepSpeed's ``DeepSpeedInferenceConfig(**fields)``: the parsed :class:`InferenceConfig`, which
     ``InferenceEngine(model, config=...)`` takes."""
-    return parse_inference_config(fields)
