@@ -255,7 +255,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             expert = expert_placement(trainable, self._expert_groups)
             world, rank = shard_world, shard_rank
             if expert is not None and self.stage > 0:  # cut over the ranks holding the same experts (EDP group)
-                world, rank = expert.edp_size, self._expert_groups[expert.group_name].edp_rank
+                world, rank = expert.edp_size, expert.edp_rank
             groups.append(ShardedGroup(trainable, [names.get(p, "?") for p in trainable], world_size=world,
                                        rank=rank, compute_dtype=self.compute_dtype, grad_dtype=grad_dtype,
                                        persistent_grad=False, master_dtype=self._master_dtype, expert=expert))

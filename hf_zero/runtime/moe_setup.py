@@ -8,7 +8,7 @@ expert-parallel groups (hf_zero/comm/expert_groups.py). Expert parameters of a l
   ``split_params_into_different_moe_groups_for_optimizer`` makes them; a config-built optimizer's groups are split
   here, as DeepSpeed's engine splits them; a client optimizer's mixed group is split at stage 0 only, staying one
   parameter group, and refused at stages 1/2, as DeepSpeed does); the expert groups become ZeRO groups over the
-  expert-data-parallel (EDP) group (:class:`~hf_zero.zero.sharded_group.ExpertPlacement`);
+  expert-data-parallel (EDP) group (``ShardedGroup.expert``: the layer's :class:`ExpertGroups`);
 - the initial broadcast sends expert parameters over their EDP group, from its first rank, and everything else
   over the data-parallel group from its first rank (DeepSpeed's ``_broadcast_model``).
 
@@ -26,7 +26,6 @@ from hf_zero.comm.expert_groups import ExpertGroups, expert_groups
 from hf_zero.config.errors import ConfigError
 from hf_zero.moe import MoE, is_moe_param
 from hf_zero.zero.local import local_tensor
-from hf_zero.zero.sharded_group import ExpertPlacement
 
 __all__ = ["setup_expert_parallel", "expert_placement", "split_plan_groups", "broadcast_module"]
 
@@ -62,15 +61,11 @@ def _expert_name(p: torch.Tensor, groups: dict[str, ExpertGroups]) -> str | None
     return None
 
 
-def expert_placement(params, groups: dict[str, ExpertGroups]) -> ExpertPlacement | None:
-    """Where an optimizer group's parameters live: None for ordinary ones, the EDP placement for experts
+def expert_placement(params, groups: dict[str, ExpertGroups]) -> ExpertGroups | None:
+    """Where an optimizer group's parameters live: None for ordinary ones, their expert groups for experts
     (:func:`split_plan_groups` made every group one or the other)."""
-    name = next((_expert_name(p, groups) for p in params if _expert_name(p, groups) is not None), None)
-    if name is None:
-        return None
-    g = groups[name]
-    return ExpertPlacement(group_name=name, ep_size=g.ep_size, ep_rank=g.ep_rank, edp_group=g.edp_group,
-                           all_edp_ranks=g.all_edp_ranks)
+    name = next((n for n in (_expert_name(p, groups) for p in params) if n is not None), None)
+    return groups[name] if name is not None else None
 
 
 def split_plan_groups(plan, groups: dict[str, ExpertGroups], stage: int) -> list[int]:

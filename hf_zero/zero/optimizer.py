@@ -335,7 +335,7 @@ def _prefix(gi: int, g: ShardedGroup) -> str:
 def _writes_piece(g: ShardedGroup) -> bool:
     """Whether this rank writes its piece of expert group ``g``: the first of the ranks holding it (stage 0: the
     EDP group's first rank; stages 1/2: every rank holds a piece of its own)."""
-    return g.world_size > 1 or g.expert.all_edp_ranks[g.expert.ep_rank][0] == torch.distributed.get_rank()
+    return g.world_size > 1 or g.expert.edp_ranks[0] == torch.distributed.get_rank()
 
 
 def _expert_info(g: ShardedGroup) -> dict:
@@ -344,7 +344,7 @@ def _expert_info(g: ShardedGroup) -> dict:
     if getattr(g, "expert", None) is None:
         return {}
     pieces = [list(ranks) if g.world_size > 1 else [ranks[0]] for ranks in g.expert.all_edp_ranks]
-    return {"expert": {"group_name": g.expert.group_name, "ep_size": g.expert.ep_size, "piece_ranks": pieces}}
+    return {"expert": {"group_name": g.expert.name, "ep_size": g.expert.ep_size, "piece_ranks": pieces}}
 
 
 def _per_element(value, master: torch.Tensor) -> bool:

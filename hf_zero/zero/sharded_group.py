@@ -39,36 +39,17 @@ Where each tensor lives after a step, per configuration (the one table of it; st
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from hf_zero.comm import all_gather_delivered, faults
+from hf_zero.comm.expert_groups import ExpertGroups
 from hf_zero.zero.layout import ShardLayout, capped_bucket_numel
 from hf_zero.zero.local import local_tensor
 
-__all__ = ["ShardedGroup", "ExpertPlacement", "bucket_ranges", "comm_group", "holders"]
-
-
-@dataclass(frozen=True)
-class ExpertPlacement:
-    """Where a group of MoE expert parameters lives under expert parallelism (hf_zero/comm/expert_groups.py):
-    this rank holds the experts of EP rank ``ep_rank``; the ranks holding the same experts are its
-    expert-data-parallel (EDP) group, over which the group's gradients are reduced and (stages 1/2) its shards
-    cut. ``all_edp_ranks[e]``: the global ranks of EP rank ``e``'s EDP group, in EDP-rank order (who holds which
-    piece, for checkpoints)."""
-
-    group_name: str                              # "ep_size_<n>"
-    ep_size: int
-    ep_rank: int
-    edp_group: object                            # torch.distributed.ProcessGroup
-    all_edp_ranks: tuple[tuple[int, ...], ...]
-
-    @property
-    def edp_size(self) -> int:
-        return len(self.all_edp_ranks[self.ep_rank])
+__all__ = ["ShardedGroup", "bucket_ranges", "comm_group", "holders"]
 
 
 def bucket_ranges(shard_numels: Sequence[int], world_size: int, bucket_numel: int) -> list[tuple[int, int]]:
@@ -107,9 +88,9 @@ class ShardedGroup:
 
     def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], *, world_size: int, rank: int,
                  compute_dtype: torch.dtype, grad_dtype: torch.dtype, persistent_grad: bool,
-                 master_dtype: torch.dtype = torch.float32, expert: ExpertPlacement | None = None):
-        """``expert``: a group of expert-parallel MoE parameters; ``world_size`` / ``rank`` are then over its EDP
-        group (1 / 0 at stage 0)."""
+                 master_dtype: torch.dtype = torch.float32, expert: ExpertGroups | None = None):
+        """``expert``: a group of expert-parallel MoE parameters, held by this rank's place in those expert groups
+        (hf_zero/comm/expert_groups.py); ``world_size`` / ``rank`` are then over its EDP group (1 / 0 at stage 0)."""
         self.params = list(params)
         self.names = list(names)
         self.world_size = world_size
