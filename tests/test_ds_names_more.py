@@ -368,3 +368,26 @@ def test_partition_parameters_names_are_the_zero_packages():
 
     assert pp.GatheredParameters is zero.GatheredParameters and pp.ZeroParamStatus is ZeroParamStatus
     assert [s.name for s in pp.ZeroParamStatus] == ["NOT_AVAILABLE", "INFLIGHT", "AVAILABLE"]
+
+
+# ---- what DeepSpeed's own test utilities and ds_report read --------------------------------------------------------
+def test_required_torch_version_accelerator_support_and_version_info():
+    required = _ds("deepspeed.utils.torch").required_torch_version
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    assert required(min_version=f"{major}.{minor}") and required(min_version=1.10)
+    assert not required(min_version=f"{major}.{minor + 1}")
+    assert required(max_version=f"{major}.{minor + 1}") and not required(max_version=f"{major - 1}.0")
+    assert required(min_version=f"{major}.{minor}", max_version=f"{major}.{minor}.99")
+    with pytest.raises(ValueError, match="min_version or max_version"):
+        required()
+    accel = _ds("deepspeed.accelerator")
+    assert accel.is_current_accelerator_supported() is True
+    assert accel.get_accelerator().device_name() in accel.SUPPORTED_ACCELERATOR_LIST
+    info = _ds("deepspeed.git_version_info")
+    assert info.version == _ds("deepspeed").__version__
+    assert info.torch_info["version"] == f"{major}.{minor}"
+    assert info.torch_info["cuda_version"] == (torch.version.cuda or "0.0")
+    from hf_zero.ops import native_available
+
+    assert info.installed_ops["cpu_adam"] is native_available("cpu")
+    assert info.accelerator_name == accel.get_accelerator().device_name()

@@ -297,3 +297,12 @@ def get_accelerator() -> Accelerator:
     from .device import accelerator_type
 
     return Accelerator(accelerator_type())
+
+
+# the accelerators hf_zero runs on (DeepSpeed's list is longer: xpu, npu, hpu, mps, ...)
+SUPPORTED_ACCELERATOR_LIST = ["cuda", "cpu"]
+
+
+def is_current_accelerator_supported() -> bool:
+    """``deepspeed.accelerator.is_current_accelerator_supported``."""
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST

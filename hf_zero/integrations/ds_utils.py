@@ -14,14 +14,27 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from hf_zero.comm.accelerator import get_accelerator
 from hf_zero.integrations.compat import logger
 
-__all__ = ["log_dist", "print_dist", "OnDevice", "see_memory_usage", "clip_grad_norm_", "get_global_norm"]
+__all__ = ["log_dist", "print_dist", "OnDevice", "see_memory_usage", "clip_grad_norm_", "get_global_norm",
+           "required_torch_version"]
 
 
 # ---- rank-filtered messages ---------------------------------------------------------------------------------------
+def required_torch_version(min_version=None, max_version=None) -> bool:
+    """``deepspeed.utils.torch.required_torch_version``: whether the installed torch lies in [min, max] (versions as
+    numbers or strings, "2.4" meaning 2.4.0). Scripts gate features on it."""
+    if min_version is None and max_version is None:
+        raise ValueError("required_torch_version: give min_version or max_version")
+    installed = TorchVersion(torch.__version__.split("+")[0])  # compares with version strings, as DeepSpeed's does
+    if min_version is not None and installed < str(min_version):
+        return False
+    return max_version is None or installed <= str(max_version)
+
+
 def _dist_message(message, ranks: Iterable[int] | None) -> str | None:
     """``"[Rank r] message"`` when this rank should say it: always before the process group exists (rank -1), else
     when this rank is in ``ranks`` or ``ranks`` starts with -1 (every rank). None otherwise; no ranks: nobody."""

@@ -2,4 +2,5 @@
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
-_forward(__name__, {"get_accelerator": "hf_zero.comm.accelerator:get_accelerator"})
+_forward(__name__, {name: f"hf_zero.comm.accelerator:{name}" for name in (
+    "get_accelerator", "is_current_accelerator_supported", "SUPPORTED_ACCELERATOR_LIST")})
