@@ -3,9 +3,11 @@ per name: each must do what DeepSpeed's does, not merely exist."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy
+
 import pytest
 import torch
 
@@ -30,7 +32,16 @@ def test_accelerator_interface_on_cpu(monkeypatch):
     acc.set_device(1)  # nothing to select on CPU, and no error (scripts call it unconditionally)
     assert (acc.device_name(), acc.device_name(1), acc.current_device_name(), acc.current_device()) == \
         ("cpu", "cpu", "cpu", 1)
-    assert acc.device(0) == torch.device("cpu") and acc.device_count() == 1 and acc.is_available()
+    assert acc.device(0) == torch.device("cpu") and acc.is_available()
+    # DeepSpeed's CPU accelerator counts LOCAL_SIZE devices when the launcher sets it, else NUMA nodes with cores
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    nodes = acc.device_count()
+    sysfs = "/sys/devices/system/node"
+    assert 1 <= nodes <= (len([n for n in os.listdir(sysfs) if n.startswith("node")]) if os.path.isdir(sysfs) else 1)
+    monkeypatch.setenv("LOCAL_SIZE", "3")
+    assert acc.device_count() == 3
+    monkeypatch.setenv("LOCAL_SIZE", "0")
+    assert acc.device_count() == nodes
     assert acc.communication_backend_name() == "gloo"
     assert acc.is_bf16_supported() and acc.is_fp16_supported()
     assert torch.bfloat16 in acc.supported_dtypes()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
+import os
 
 import psutil
 import torch
@@ -62,7 +64,12 @@ class Accelerator:
         return f"cuda:{torch.cuda.current_device()}" if self._cuda else "cpu"
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._cuda else 1
+        """CUDA's device count. On CPU, DeepSpeed's CPU accelerator's answer: ``LOCAL_SIZE`` when the launcher set
+        it, else the NUMA nodes that have cores (scripts size their worlds and skip on it)."""
+        if self._cuda:
+            return torch.cuda.device_count()
+        local_size = int(os.environ.get("LOCAL_SIZE", "0") or 0)
+        return local_size if local_size > 0 else _numa_nodes_with_cores()
 
     def is_available(self) -> bool:
         return torch.cuda.is_available() if self._cuda else True
@@ -289,6 +296,17 @@ class Accelerator:
 
     def __repr__(self) -> str:
         return f"Accelerator({self._name!r})"
+
+
+def _numa_nodes_with_cores() -> int:
+    """NUMA nodes listing CPUs (HBM-only nodes list none), 1 where sysfs shows no nodes."""
+    lists = []
+    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist")):
+        with open(path) as f:
+            cpus = f.read().strip()
+        if cpus and cpus not in lists:
+            lists.append(cpus)
+    return max(1, len(lists))
 
 
 @functools.cache
