@@ -10,6 +10,8 @@ when the float is integral, a JSON list -> tuple. Anything else of the wrong typ
 
 A section class may name DeepSpeed keys it knowingly rejects in a ``_unsupported_keys: ClassVar[dict[str, str]]``
 (key -> what the option is), so the user reads "not supported, remove it" rather than a typo suggestion.
+Unknown top-level keys warn and are ignored, as DeepSpeed's training config ignores them; a root class that sets
+``_strict_keys: ClassVar[bool] = True`` refuses them like any other unknown key (DeepSpeed's inference config).
 """
 
 from __future__ import annotations
@@ -48,13 +50,14 @@ AUTO = Auto()
 
 
 def spec(default: Any = dataclasses.MISSING, *, help: str, aliases: tuple[str, ...] = (), auto: bool = False,
-         default_factory: Any = dataclasses.MISSING, key: str | None = None, json: bool = True) -> Any:
+         default_factory: Any = dataclasses.MISSING, key: str | None = None, json: bool = True, **extra: Any) -> Any:
     """A dataclass field with its help text. ``auto=True`` lets the user write ``"auto"`` for it.
 
     ``key`` is the JSON key when it differs from the attribute name (``zero`` is read from ``zero_optimization``).
     ``json=False`` marks a field computed by the loader (``raw``, ``world_size``): it is never read from JSON.
+    ``extra`` entries go into the field's metadata as they are, for the section's own code (parsing ignores them).
     """
-    metadata = {"help": help, "aliases": aliases, "auto": auto, "key": key, "json": json}
+    metadata = {"help": help, "aliases": aliases, "auto": auto, "key": key, "json": json, **extra}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -121,7 +124,7 @@ def parse(cls: type, value: Any, path: str = "") -> Any:
         if f is None:
             guess = closest(str(key), by_name)
             hint = f"; did you mean '{guess}'?" if guess else f"; accepted keys: {', '.join(sorted(by_name))}"
-            if not path:
+            if not path and not getattr(cls, "_strict_keys", False):
                 # DeepSpeed ignores top-level keys it does not know (only its sections refuse extra keys), so
                 # configs carry such keys: accepted, with a warning naming the key (a typo shows up here)
                 warnings.warn(f"hf_zero: config key '{key}' is unknown{hint}; ignored, as DeepSpeed ignores unknown "

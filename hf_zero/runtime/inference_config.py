@@ -1,34 +1,28 @@
 """``deepspeed.init_inference``'s configuration, parsed once into a frozen :class:`InferenceConfig`.
 
-Every field DeepSpeed 0.19.8's ``DeepSpeedInferenceConfig`` accepts, under its name and its aliases, has one status
-here (``FIELDS``), so nothing set is silently dropped:
-
-- honoured: ``dtype``, ``tensor_parallel`` (``tp_size``, ``mpu``), ``keep_module_on_host``, ``max_out_tokens``,
-  ``injection_policy``, ``config``;
-- speed only (DeepSpeed's fused kernels; the model runs with its own modules, one warning names them):
-  ``replace_with_kernel_inject``, ``enable_cuda_graph``, ``use_triton``, ``triton_autotune``;
-- no effect (read only by DeepSpeed's injected kernels, its checkpoint-free engine ignores them too; a value other
-  than the default warns, naming the field): ``triangular_masking``, ``return_tuple``, ``min_out_tokens``,
-  ``transposed_mode``, ``zero``, ``moe`` and its deprecated flat forms, ``tensor_parallel.enabled`` /
-  ``tp_grain_size``, ``injection_policy_tuple``, ``replace_method``;
-- refused (they change the weights or the numbers and are not implemented; an error names the field): ``int8``
-  dtype and ``quant``, ``checkpoint`` and what goes with it (``base_dir``, ``checkpoint_config``,
-  ``save_mp_checkpoint_path``, ``training_mp_size``), ``set_empty_params``, ``tensor_parallel.tp_group``.
-
-Deprecated flat names move to their sections as DeepSpeed moves them (``mp_size`` -> ``tensor_parallel.tp_size``,
-``mpu`` -> ``tensor_parallel.mpu``, ``ep_size`` -> ``moe.ep_size``, ...); giving both is refused, as DeepSpeed does.
+The sections declare every field of DeepSpeed 0.19.8's ``DeepSpeedInferenceConfig`` (names, aliases, defaults) and
+are read by the training config's parser (hf_zero/config/schema.py). Each field's metadata ``status`` says what
+hf_zero does with it, so nothing set is silently dropped: none, honoured; ``SPEED``, DeepSpeed's fused kernels / CUDA
+graphs (one warning names them; the model runs with its own modules); ``NO_EFFECT``, read only by DeepSpeed's injected
+kernels (a value other than the default warns, naming it); ``REFUSED``, changes the weights or the numbers and is not
+implemented (a value other than the default is an error naming it). Explicit code keeps DeepSpeed's dtype spellings
+(int8 refused), ``moe``'s bool form and the deprecated flat names, which move to their sections as DeepSpeed moves
+them (``mp_size`` -> ``tensor_parallel.tp_size``, ...; giving both is refused, as DeepSpeed does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from hf_zero.config.errors import ConfigError, closest
+from hf_zero.config.errors import ConfigError
+from hf_zero.config.schema import AUTO, Auto, json_fields, parse, spec, to_dict
 
 __all__ = ["InferenceConfig", "TPInferenceConfig", "parse_inference_config", "merge_inference_config",
            "DeepSpeedInferenceConfig", "SPEED_ONLY"]
@@ -40,93 +34,127 @@ _DTYPES = {
     torch.bfloat16: ("torch.bfloat16", "bf16", "bfloat16", "bfloat"),
     torch.int8: ("torch.int8", "int8"),
 }
-SPEED_ONLY = ("replace_with_kernel_inject", "enable_cuda_graph", "use_triton", "triton_autotune")
-
-# field -> (default, status); statuses as in the module docstring
-FIELDS: dict[str, tuple[Any, str]] = {
-    "replace_with_kernel_inject": (False, "speed"),
-    "dtype": (torch.float16, "honoured"),
-    "tensor_parallel": ({}, "honoured"),
-    "enable_cuda_graph": (False, "speed"),
-    "use_triton": (False, "speed"),
-    "triton_autotune": (False, "speed"),
-    "zero": ({}, "no_effect"),
-    "triangular_masking": (True, "no_effect"),
-    "moe": ({}, "no_effect"),
-    "keep_module_on_host": (False, "honoured"),
-    "quant": ({}, "refused"),
-    "checkpoint": (None, "refused"),
-    "base_dir": ("", "refused"),
-    "set_empty_params": (False, "refused"),
-    "save_mp_checkpoint_path": (None, "refused"),
-    "checkpoint_config": ({}, "refused"),
-    "return_tuple": (True, "no_effect"),
-    "training_mp_size": (1, "refused"),
-    "replace_method": ("auto", "no_effect"),
-    "injection_policy": (None, "honoured"),
-    "injection_policy_tuple": (None, "no_effect"),
-    "config": (None, "honoured"),
-    "max_out_tokens": (1024, "honoured"),
-    "min_out_tokens": (1, "no_effect"),
-    "transposed_mode": (False, "no_effect"),
-}
-_ALIASES = {"kernel_inject": "replace_with_kernel_inject", "tp": "tensor_parallel", "tm": "triangular_masking",
-            "ckpt_config": "checkpoint_config", "injection_dict": "injection_policy", "args": "config",
-            "max_tokens": "max_out_tokens", "min_tokens": "min_out_tokens"}
-# deprecated flat name -> (section, key in it, default), moved as DeepSpeed moves them
-_DEPRECATED = {"mp_size": ("tensor_parallel", "tp_size", 1), "mpu": ("tensor_parallel", "mpu", None),
-               "ep_size": ("moe", "ep_size", 1), "ep_group": ("moe", "ep_group", None),
-               "expert_group": ("moe", "ep_group", None), "ep_mp_group": ("moe", "ep_mp_group", None),
-               "expert_mp_group": ("moe", "ep_mp_group", None), "moe_experts": ("moe", "moe_experts", [1]),
-               "moe_type": ("moe", "type", "standard")}
-_TP_FIELDS = {"enabled": True, "tp_size": 1, "tp_grain_size": 64, "mpu": None, "tp_group": None}
-_MOE_FIELDS = {"enabled": True, "ep_size": 1, "moe_experts": [1], "type": "standard", "ep_mp_group": None,
-               "ep_group": None}
-_MOE_ALIASES = {"num_experts": "moe_experts", "expert_group": "ep_group"}
+SPEED, NO_EFFECT, REFUSED = "speed", "no_effect", "refused"  # a field's metadata "status"; honoured fields have none
 _NO_EFFECT_WHY = "it is read only by DeepSpeed's injected inference kernels; the model runs with its own modules"
+_LOAD_FIRST = ("is not implemented by hf_zero; load the weights into the model first (from_pretrained, "
+               "load_state_dict or hf_zero's engine.load_checkpoint), then call init_inference without it")
+_CHECKPOINT = f"DeepSpeed's inference checkpoint loading (a checkpoint JSON / mp_rank_* files) {_LOAD_FIRST}"
+# deprecated flat name -> (section, its key there), moved as DeepSpeed moves them
+_DEPRECATED = {"mp_size": ("tensor_parallel", "tp_size"), "mpu": ("tensor_parallel", "mpu"),
+               "ep_size": ("moe", "ep_size"), "ep_group": ("moe", "ep_group"), "expert_group": ("moe", "ep_group"),
+               "ep_mp_group": ("moe", "ep_mp_group"), "expert_mp_group": ("moe", "ep_mp_group"),
+               "moe_experts": ("moe", "moe_experts"), "moe_type": ("moe", "type")}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TPInferenceConfig:
     """``tensor_parallel``: ``tp_size`` ranks share each layer (hf_zero's tensor parallelism); ``mpu``: the caller's
     model-parallel unit, whose groups then decide the layout."""
 
-    tp_size: int = 1
-    mpu: Any = None
-    enabled: bool = True
-    tp_grain_size: int = 64
-    tp_group: Any = None
+    no_effect_why: ClassVar[str] = ("DeepSpeed's AutoTP shards by tp_size whatever tensor_parallel.enabled says, and "
+                                    "hf_zero splits layers evenly (no tp_grain_size rounding)")
+
+    tp_size: int = spec(1, minimum=1, help="Ranks that share each layer.")
+    mpu: Any = spec(None, help="Model-parallel unit (get_model_parallel_group / get_data_parallel_group).")
+    enabled: bool = spec(True, status=NO_EFFECT, help="DeepSpeed's AutoTP switch.")
+    tp_grain_size: int = spec(64, minimum=1, status=NO_EFFECT, help="DeepSpeed's AutoTP shard rounding.")
+    tp_group: Any = spec(None, status=REFUSED, help="A tensor-parallel process group.", refused=(
+        "a bare process group does not say the data-parallel layout; pass tensor_parallel.mpu (an object with "
+        "get_model_parallel_group / get_data_parallel_group) or tp_size"))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class MoEInferenceConfig:
+    """``moe`` (or a bool, its ``enabled``): DeepSpeed's expert-parallel groups for its injected MoE kernels."""
+
+    no_effect_why: ClassVar[str] = "the model's MoE layers keep the expert groups they were built with"
+
+    enabled: bool = spec(True, status=NO_EFFECT, help="The model is a mixture of experts.")
+    ep_size: int = spec(1, status=NO_EFFECT, help="Expert-parallel ranks.")
+    moe_experts: tuple[int, ...] = spec((1,), aliases=("num_experts",), status=NO_EFFECT, help="Experts per layer.")
+    type: str | None = spec("standard", status=NO_EFFECT, help="'standard' or 'residual' (None: standard).")
+    ep_mp_group: Any = spec(None, status=NO_EFFECT, help="Expert model-parallel process group.")
+    ep_group: Any = spec(None, aliases=("expert_group",), status=NO_EFFECT, help="Expert-parallel process group.")
+
+
+@dataclass(frozen=True, kw_only=True)
 class InferenceConfig:
     """The parsed inference config; attribute names are DeepSpeed's, so ``engine._config.dtype`` and
     ``engine._config.tensor_parallel.tp_size`` read as they do there."""
 
-    dtype: torch.dtype = torch.float16
-    tensor_parallel: TPInferenceConfig = field(default_factory=TPInferenceConfig)
-    keep_module_on_host: bool = False
-    max_out_tokens: int = 1024
-    injection_policy: dict | None = None
-    config: dict | None = None                 # replaces the model's config as ``engine.config`` when given
-    replace_with_kernel_inject: bool = False   # speed only: warned, the model's own modules run
-    enable_cuda_graph: bool = False
-    use_triton: bool = False
-    triton_autotune: bool = False
-    speed_only_set: tuple[str, ...] = ()       # the speed-only fields set, for the one warning
-    no_effect_set: tuple[str, ...] = ()        # the no-effect fields given a non-default value
+    _strict_keys: ClassVar[bool] = True  # DeepSpeed's inference config refuses unknown keys, top level included
+
+    dtype: Any = spec(torch.float16, help="The model's dtype: a torch.dtype or a DeepSpeed spelling ('fp16', ...).")
+    tensor_parallel: TPInferenceConfig = spec(default_factory=TPInferenceConfig, aliases=("tp",),
+                                              help="Tensor parallelism over the ranks.")
+    keep_module_on_host: bool = spec(False, help="Leave the model where it is instead of moving it to the device.")
+    max_out_tokens: int = spec(1024, aliases=("max_tokens",), minimum=1, help="Longest input generate() takes.")
+    injection_policy: Mapping | None = spec(None, aliases=("injection_dict",),
+                                            help="{module class: (its row-parallel linears' names...)}: the plan.")
+    config: Mapping | None = spec(None, aliases=("args",), help="Replaces the model's config as engine.config.")
+    replace_with_kernel_inject: bool = spec(False, aliases=("kernel_inject",), status=SPEED,
+                                            help="DeepSpeed's fused inference kernels.")
+    enable_cuda_graph: bool = spec(False, status=SPEED, help="Capture and replay CUDA graphs.")
+    use_triton: bool = spec(False, status=SPEED, help="DeepSpeed's Triton kernels.")
+    triton_autotune: bool = spec(False, status=SPEED, help="Autotune DeepSpeed's Triton kernels.")
+    zero: Mapping = spec(default_factory=dict, status=NO_EFFECT, help="ZeRO settings of DeepSpeed's injected engine.")
+    moe: MoEInferenceConfig = spec(default_factory=MoEInferenceConfig, help="Mixture-of-experts settings.")
+    triangular_masking: bool = spec(True, aliases=("tm",), status=NO_EFFECT, help="Causal masking in the kernels.")
+    return_tuple: bool = spec(True, status=NO_EFFECT, help="Injected layers return a tuple.")
+    min_out_tokens: int = spec(1, aliases=("min_tokens",), status=NO_EFFECT, help="Tokens the kernels reserve.")
+    transposed_mode: bool = spec(False, status=NO_EFFECT, help="Transposed weights in the kernels.")
+    injection_policy_tuple: Any = spec(None, status=NO_EFFECT, help="DeepSpeed's internal form of injection_policy.")
+    replace_method: str | Auto = spec(AUTO, auto=True, status=NO_EFFECT, help="Deprecated in DeepSpeed.")
+    quant: Mapping = spec(default_factory=dict, status=REFUSED, refused=f"int8 quantization {_LOAD_FIRST}",
+                          help="int8 weight quantization.")
+    checkpoint: str | Mapping | None = spec(None, status=REFUSED, refused=_CHECKPOINT,
+                                            help="A DeepSpeed checkpoint, or a JSON naming its files.")
+    base_dir: str = spec("", status=REFUSED, refused=_CHECKPOINT, help="The checkpoint files' directory.")
+    set_empty_params: bool = spec(False, status=REFUSED, help="Build the model on the meta device.",
+                                  refused=f"meta-device modules filled by DeepSpeed's kernel injection {_LOAD_FIRST}")
+    save_mp_checkpoint_path: str | None = spec(None, status=REFUSED, refused=_CHECKPOINT,
+                                               help="Save the loaded checkpoint resharded.")
+    checkpoint_config: Mapping = spec(default_factory=dict, aliases=("ckpt_config",), status=REFUSED,
+                                      refused=_CHECKPOINT, help="How the checkpoint is loaded.")
+    training_mp_size: int = spec(1, status=REFUSED, refused=_CHECKPOINT, help="The checkpoint's model-parallel size.")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _dtype(self.dtype))
+        for key in ("injection_policy", "config"):  # plain dicts, as DeepSpeed's engine holds them
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, dict(getattr(self, key)))
+        for path, f, value in _set_fields(self):
+            minimum = f.metadata.get("minimum")
+            if minimum is not None and value < minimum:
+                raise ConfigError(path, f"expected an integer >= {minimum}, got {value!r}")
+            if f.metadata.get("status") == REFUSED:
+                raise ConfigError(path, f"{to_dict(value)!r}: {f.metadata['refused']}")
+
+    @property
+    def speed_only_set(self) -> tuple[str, ...]:  # the speed-only fields set, for the one warning
+        return _set_paths(self, SPEED)
+
+    @property
+    def no_effect_set(self) -> tuple[str, ...]:  # the no-effect fields (key paths) given a non-default value
+        return _set_paths(self, NO_EFFECT)
 
 
-def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(key, f"expected true or false, got {value!r}")
-    return value
+SPEED_ONLY = tuple(f.name for f in json_fields(InferenceConfig) if f.metadata.get("status") == SPEED)
 
 
-def _int(key: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(key, f"expected an integer >= {minimum}, got {value!r}")
-    return value
+def _set_fields(obj: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """(key path, field, value) for each field of ``obj`` and of its sections whose value is not the default
+    (``None`` counts as the default: DeepSpeed's ``moe_type=None`` is its standard type)."""
+    for f in json_fields(type(obj)):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _set_fields(value, f"{prefix}{f.name}.")
+        elif value not in (f.default if f.default_factory is dataclasses.MISSING else f.default_factory(), None):
+            yield f"{prefix}{f.name}", f, value
+
+
+def _set_paths(obj: Any, status: str) -> tuple[str, ...]:
+    return tuple(path for path, f, _ in _set_fields(obj) if f.metadata.get("status") == status)
 
 
 def _dtype(value: Any) -> torch.dtype:
@@ -147,17 +175,29 @@ def _dtype(value: Any) -> torch.dtype:
     return value
 
 
-def _section(name: str, value: Any, fields: Mapping[str, Any], aliases: Mapping[str, str] = {}) -> dict:
-    if not isinstance(value, Mapping):
-        raise ConfigError(name, f"expected a dict of {sorted(fields)}, got {type(value).__name__}")
-    out = {}
-    for key, v in value.items():
-        real = aliases.get(key, key)
-        if real not in fields:
-            hint = closest(key, fields)
-            raise ConfigError(f"{name}.{key}", "unknown key" + (f" (did you mean {hint!r}?)" if hint else "") +
-                              f"; accepted: {sorted(fields)}")
-        out[real] = v
+def _names(cls: type, name: str) -> tuple[str, ...]:
+    """The keys a field of ``cls`` is given under: its name and its aliases."""
+    return (name, *cls.__dataclass_fields__[name].metadata["aliases"])
+
+
+def _move_deprecated(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` with ``moe``'s bool form as its ``enabled`` and each deprecated flat name moved into its section
+    (warned); a flat name whose new key is given too is refused."""
+    out = dict(raw)
+    if isinstance(out.get("moe"), bool):
+        out["moe"] = {"enabled": out["moe"]}
+    for key in [k for k in out if k in _DEPRECATED]:
+        section, sub = _DEPRECATED[key]
+        value = out.pop(key)
+        name = next((n for n in _names(InferenceConfig, section) if n in out), section)
+        given = out.get(name, {})
+        if not isinstance(given, Mapping):
+            continue  # parsing names the section's wrong type
+        if any(n in given for n in _names(InferenceConfig.__dataclass_fields__[section].default_factory, sub)):
+            raise ConfigError(key, f"is deprecated and replaced by {section}.{sub}; give one of them, not both")
+        warnings.warn(f"hf_zero: inference config key {key!r} is deprecated; use {section}.{sub}", FutureWarning,
+                      stacklevel=4)
+        out[name] = {**given, sub: value}
     return out
 
 
@@ -184,87 +224,19 @@ def parse_inference_config(raw: Mapping[str, Any] | None = None) -> InferenceCon
 
     Raises :class:`ConfigError` naming the key for an unknown key, a wrong type, or a refused field; warns once
     for speed-only fields that are on, and once for no-effect fields given a non-default value."""
-    fields: dict[str, Any] = {}
-    deprecated: list[tuple[str, Any]] = []
-    for key, value in (raw or {}).items():
-        real = _ALIASES.get(key, key)
-        if real in _DEPRECATED:
-            deprecated.append((key, value))
-        elif real in FIELDS:
-            if real in fields:
-                raise ConfigError(key, f"given twice (as {real!r} and its alias)")
-            fields[real] = value
-        else:
-            hint = closest(key, [*FIELDS, *_ALIASES, *_DEPRECATED])
-            raise ConfigError(key, "unknown inference config key" + (f" (did you mean {hint!r}?)" if hint else ""))
-    tp = _section("tensor_parallel", fields.get("tensor_parallel", {}), _TP_FIELDS)
-    moe_value = fields.get("moe", {})
-    moe = {"enabled": _bool("moe", moe_value)} if isinstance(moe_value, bool) else \
-        _section("moe", moe_value, _MOE_FIELDS, _MOE_ALIASES)
-    for key, value in deprecated:
-        section, sub, _ = _DEPRECATED[key]
-        target = tp if section == "tensor_parallel" else moe
-        if sub in target:
-            raise ConfigError(key, f"is deprecated and replaced by {section}.{sub}; give one of them, not both")
-        warnings.warn(f"hf_zero: inference config key {key!r} is deprecated; use {section}.{sub}", FutureWarning,
-                      stacklevel=3)
-        target[sub] = value
-
-    refused = {k: v for k, v in fields.items() if FIELDS[k][1] == "refused" and v != FIELDS[k][0]}
-    if refused:
-        key = next(iter(refused))
-        what = ("int8 quantization" if key == "quant" else
-                "meta-device modules filled by DeepSpeed's kernel injection" if key == "set_empty_params" else
-                "DeepSpeed's inference checkpoint loading (a checkpoint JSON / mp_rank_* files)")
-        raise ConfigError(key, f"{refused[key]!r}: {what} is not implemented by hf_zero; load the weights into the "
-                               "model first (from_pretrained, load_state_dict or hf_zero's engine.load_checkpoint), "
-                               "then call init_inference without it")
-    if tp.get("tp_group") is not None:
-        raise ConfigError("tensor_parallel.tp_group", "a bare process group does not say the data-parallel "
-                                                      "layout; pass tensor_parallel.mpu (an object with "
-                                                      "get_model_parallel_group / get_data_parallel_group) or "
-                                                      "tp_size")
-
-    no_effect = [k for k, v in fields.items() if FIELDS[k][1] == "no_effect" and v != FIELDS[k][0]
-                 and k != "moe"]
-    no_effect += [f"tensor_parallel.{k}" for k in ("enabled", "tp_grain_size") if k in tp and tp[k] !=
-                  _TP_FIELDS[k]]
-    no_effect += [f"moe.{k}" for k, v in moe.items() if v != _MOE_FIELDS[k] and not (k == "type" and v in
-                                                                                     ("standard", None))]
+    config = parse(InferenceConfig, _move_deprecated(raw or {}))
+    no_effect = config.no_effect_set
     if no_effect:
-        why = [_NO_EFFECT_WHY]
-        if any(k.startswith("tensor_parallel.") for k in no_effect):
-            why.append("DeepSpeed's AutoTP shards by tp_size whatever tensor_parallel.enabled says, and hf_zero "
-                       "splits layers evenly (no tp_grain_size rounding)")
-        if any(k.startswith("moe") for k in no_effect):
-            why.append("the model's MoE layers keep the expert groups they were built with")
+        sections = dict.fromkeys(path.split(".")[0] for path in no_effect if "." in path)
+        why = [_NO_EFFECT_WHY, *(getattr(config, section).no_effect_why for section in sections)]
         warnings.warn(f"hf_zero: inference config {', '.join(no_effect)} set but has no effect: {'; '.join(why)}",
                       UserWarning, stacklevel=3)
-    speed = tuple(k for k in SPEED_ONLY if _bool(k, fields.get(k, False)))
+    speed = config.speed_only_set
     if speed:
         warnings.warn(f"hf_zero: {', '.join(speed)} asks for DeepSpeed's fused inference kernels / CUDA graphs, which "
                       "hf_zero does not have; the model runs with its own modules (same results, without those "
                       "kernels' speed)", UserWarning, stacklevel=3)
-
-    policy = fields.get("injection_policy")
-    if policy is not None and not isinstance(policy, Mapping):
-        raise ConfigError("injection_policy", f"expected {{module class: (linear names...)}}, got {policy!r}")
-    model_config = fields.get("config")
-    if model_config is not None and not isinstance(model_config, Mapping):
-        raise ConfigError("config", f"expected a dict, got {type(model_config).__name__}")
-    return InferenceConfig(
-        dtype=_dtype(fields.get("dtype", torch.float16)),
-        tensor_parallel=TPInferenceConfig(tp_size=_int("tensor_parallel.tp_size", tp.get("tp_size", 1), 1),
-                                          mpu=tp.get("mpu"),
-                                          enabled=_bool("tensor_parallel.enabled", tp.get("enabled", True)),
-                                          tp_grain_size=_int("tensor_parallel.tp_grain_size",
-                                                             tp.get("tp_grain_size", 64), 1)),
-        keep_module_on_host=_bool("keep_module_on_host", fields.get("keep_module_on_host", False)),
-        max_out_tokens=_int("max_out_tokens", fields.get("max_out_tokens", 1024), 1),
-        injection_policy=dict(policy) if policy is not None else None,
-        config=dict(model_config) if model_config is not None else None,
-        **{k: k in speed for k in SPEED_ONLY},
-        speed_only_set=speed, no_effect_set=tuple(no_effect))
+    return config
 
 
 class _DeepSpeedInferenceConfigType(type):
