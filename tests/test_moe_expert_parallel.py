@@ -329,3 +329,23 @@ def test_bad_ep_size_and_stage3_are_refused_by_name():
     for key, stage in (("mixed1", 1), ("mixed2", 2)):
         assert "split_params_into_different_moe_groups_for_optimizer" in errors[key], errors[key]
         assert f"zero_optimization.stage {stage}" in errors[key], errors[key]
+
+
+def test_saved_pieces_names_and_files():
+    """The one statement of where expert-parallel pieces are (hf_zero/zero/saved_pieces.py): the prefixes it names
+    parse back, nothing else does, and each key's pieces are in the files meta.json names."""
+    from hf_zero.zero.layout import ShardLayout
+    from hf_zero.zero.saved_pieces import SavedPieces, group_prefix, parse_group_prefix
+
+    assert (group_prefix(3), group_prefix(3, 1)) == ("group3.", "group3.ep1.")
+    assert [parse_group_prefix(p) for p in ("group3.", "group12.ep10.")] == [(3, None), (12, 10)]
+    assert all(parse_group_prefix(p) is None for p in ("group3.ep1.master", "group.", "group+3.", "group3.ep01.",
+                                                       "group3.x.", "xgroup3.", "group3.."))
+    pieces = SavedPieces.of({"shard_world_size": 2, "groups": [{"names": ["w"], "numels": [5]},
+                                                              {"expert": {"piece_ranks": [[0, 2], [1, 3]]}}]})
+    assert pieces.all_ranks() == [0, 1, 2, 3]
+    assert (pieces.prefix(0, 1), pieces.prefix(1, 1)) == ("group0.", "group1.ep1.")
+    assert pieces.ranks("group1.ep1.master") == (1, 3) and pieces.ranks("group0.master") == (0, 1)
+    assert pieces.file_of("group1.ep1.state.exp_avg", 1) == 3 and pieces.file_of("group0.master", 5) == 5
+    assert pieces.layout("group1.ep0.master", (5,)) == ShardLayout((5,), 2)
+    assert [pieces.missing(p) for p in ("group1.ep1.", "group1.ep2.", "group0.")] == [False, True, False]

@@ -10,7 +10,8 @@
     <tag>/manifest.json                every file's size and sha256 (files.py)
 
 Which engine writes which file is engine.py's; this module only names the files and opens them, verified against
-the manifest before anything is parsed.
+the manifest before anything is parsed. Which rank files hold which optimizer group's pieces, and the names of
+expert-parallel groups' tensors, are hf_zero/zero/saved_pieces.py's.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hf_zero.checkpoint.files import CheckpointError, read_json, read_manifest, verify_files
+from hf_zero.zero.saved_pieces import SavedPieces
 
 __all__ = ["FORMAT_VERSION", "rank_file", "read_latest_tag", "dedupe_shared", "open_shard_file", "open_saved",
-           "read_model_file", "expert_pieces", "expert_layers"]
+           "read_model_file", "expert_layers"]
 
 FORMAT_VERSION = 2  # 2: manifest.json with every file's size and sha256
 
@@ -93,24 +95,13 @@ def read_model_file(model_file: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def expert_pieces(meta: dict) -> dict[str, list[int]]:
-    """``{"group<i>.ep<e>.": saved ranks whose files hold its pieces, in piece order}`` of every expert-parallel
-    group of a checkpoint (hf_zero/zero/optimizer.py writes them so: EP rank ``e``'s experts, cut over its
-    expert-data-parallel group; one piece at stage 0)."""
-    out = {}
-    for gi, group in enumerate(meta.get("groups", ())):
-        for e, ranks in enumerate(group.get("expert", {}).get("piece_ranks", ())):
-            out[f"group{gi}.ep{e}."] = [int(r) for r in ranks]
-    return out
-
-
 def expert_layers(meta: dict, where: Path) -> list[tuple[str, int, int]]:
     """``(state-dict prefix of its experts, ep_size, num_local_experts)`` of every expert-parallel MoE layer a
     checkpoint was saved with (meta.json's ``expert_parallel``): expert ``i`` of EP rank ``e`` is global expert
     ``e * num_local_experts + i``. ``where``: the meta.json, for the error about a checkpoint that lacks them."""
     layers = [(str(d["prefix"]), int(d["ep_size"]), int(d["num_local_experts"]))
               for d in meta.get("expert_parallel", ())]
-    if not layers and expert_pieces(meta):
+    if not layers and SavedPieces.of(meta).experts:
         raise CheckpointError(f"hf_zero: checkpoint file {str(where)!r} has expert-parallel optimizer groups but "
                               "no 'expert_parallel' entry (saved by an hf_zero before it recorded its MoE layers): "
                               "load it into an engine with the same ep_size (engine.load_checkpoint) and save it "

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +34,8 @@ from safetensors.torch import save_file
 
 from hf_zero import comm
 from hf_zero.checkpoint.commit import agree, check_tag, commit_tag
-from hf_zero.checkpoint.disk_format import (FORMAT_VERSION, dedupe_shared, expert_pieces, open_shard_file,
-                                            rank_file, read_latest_tag, read_model_file)
+from hf_zero.checkpoint.disk_format import (FORMAT_VERSION, dedupe_shared, open_shard_file, rank_file,
+                                            read_latest_tag, read_model_file)
 from hf_zero.checkpoint.files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
                                       read_manifest, resolve_checkpoint, torch_load, verify_files)
 from hf_zero.checkpoint.module_info import describe_module, persistent_buffers, write_recovery_script
@@ -44,6 +43,7 @@ from hf_zero.checkpoint.placement import agree_on_tag, describe_ranks, place
 from hf_zero.checkpoint.reshard import ShardFiles
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.layout import ShardLayout
+from hf_zero.zero.saved_pieces import SavedPieces
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "read_latest_tag"]
 
@@ -203,7 +203,7 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     if failed:
         raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
                               f"{reports[failed[0]]}")
-    reader = ShardFiles(handles, int(meta.get("shard_world_size", 0)), pieces=expert_pieces(meta))
+    reader = ShardFiles(handles, SavedPieces.of(meta))
     if sd is not None and load_module_weights:
         engine.module.load_state_dict(sd, strict=load_module_strict)
     if engine.stage3 is None and meta.get("stage") == 3:
@@ -245,7 +245,6 @@ def _validate(engine, root: Path, tag: str, strict: bool, read_model: bool = Tru
                               f"tags present: {present}")
     manifest = read_manifest(path)
     meta = read_json(path / "meta.json")
-    saved_world = int(meta.get("shard_world_size", 0))
     reads = _shard_files_read(engine, path, meta, manifest)
     rank_names = {r: rank_file(r) for r in reads}
     if manifest is not None:
@@ -257,10 +256,10 @@ def _validate(engine, root: Path, tag: str, strict: bool, read_model: bool = Tru
     _check_groups(engine.optimizer.scalar_state()["groups"], meta, path)
     state = torch_load(path / "engine_state.pt")
     handles = {r: open_shard_file(path / name) for r, name in rank_names.items()}
-    pieces = expert_pieces(meta)
+    pieces = SavedPieces.of(meta)
     for prefix, layout, _, dtype in engine.optimizer.shard_layouts():
-        saved_layout = ShardLayout(layout.numels, len(pieces[prefix]) if prefix in pieces else saved_world)
-        if re.search(r"\.ep\d+\.$", prefix) and prefix not in pieces:
+        saved_layout = pieces.layout(prefix, layout.numels)
+        if pieces.missing(prefix):
             raise CheckpointError(f"hf_zero: checkpoint {str(path)!r} holds no shards {prefix}* of this rank's "
                                   "experts (saved without expert parallelism, or with another ep_size)")
         for r, h in handles.items():
@@ -306,21 +305,19 @@ def _shard_files_read(engine, path: Path, meta: dict, manifest: dict | None) -> 
     """The saved ranks whose shard files this rank reads: all of them where the directory holds them all (a shared
     directory: also what a re-cut needs), else -- a node-local copy -- only the one its own shards are, which needs
     the same layout as at save. A file that is not here is a CheckpointError naming it, the rank and the node."""
-    saved_world = int(meta.get("shard_world_size", 0))
 
     def here(r: int) -> bool:
         return rank_file(r) in manifest if manifest is not None else (path / rank_file(r)).is_file()
 
-    everything = sorted(set(range(saved_world)) | {r for ranks in expert_pieces(meta).values() for r in ranks})
+    pieces = SavedPieces.of(meta)
+    everything = pieces.all_ranks()
     if all(here(r) for r in everything):
         return everything
     layouts = engine.optimizer.shard_layouts()
-    pieces = expert_pieces(meta)
-    # an expert group's piece is in the file of the saved rank that held it (pieces), the others' in their rank's
-    own = sorted({pieces[prefix][r] if prefix in pieces else r for prefix, _, r, _ in layouts}
+    # the files of this rank's pieces (an expert group's: of the saved rank that held it, as meta.json names)
+    own = sorted({pieces.file_of(prefix, r) for prefix, _, r, _ in layouts}
                  | ({engine.stage3.rank} if engine.stage3 is not None else set()))
-    same_layout = (all(ShardLayout(layout.numels, len(pieces[prefix]) if prefix in pieces else saved_world) == layout
-                       for prefix, layout, _, _ in layouts)
+    same_layout = (all(pieces.layout(prefix, layout.numels) == layout for prefix, layout, _, _ in layouts)
                    and not (engine.stage3 is None and int(meta.get("stage", 0)) == 3))
     needed = own if same_layout else everything
     missing = [r for r in needed if not here(r)]

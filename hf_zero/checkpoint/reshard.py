@@ -32,6 +32,7 @@ from hf_zero.checkpoint.disk_format import open_saved, rank_file
 from hf_zero.checkpoint.files import CheckpointError, sha256_file, write_manifest
 from hf_zero.tensor_parallel.reshard import full_from_pieces, piece_for, replicated_layout
 from hf_zero.zero.layout import ShardLayout
+from hf_zero.zero.saved_pieces import SavedPieces
 
 __all__ = ["full_param_from_shards", "ShardFiles", "TPCut", "write_recut"]
 
@@ -49,31 +50,26 @@ class ShardFiles:
     file (a list), or -- a node-local directory loaded on the ranks that saved it -- ``{saved rank: file}`` of the
     ones this rank reads (validation made sure they are the ones it asks for)."""
 
-    def __init__(self, handles: list | dict, saved_world: int | None = None,
-                 pieces: dict[str, list[int]] | None = None):
-        """``pieces``: ``{key prefix: saved ranks holding its pieces, in piece order}`` for tensors not cut over the
-        saved world (an expert-parallel group's, cut over its expert-data-parallel group)."""
+    def __init__(self, handles: list | dict, pieces: SavedPieces | None = None):
+        """``pieces``: which saved ranks' files hold each tensor's pieces (default: every file given, each the piece
+        of its rank)."""
         self._handles = dict(enumerate(handles)) if isinstance(handles, list) else dict(handles)
-        self._saved_world = saved_world if saved_world is not None else len(self._handles)
-        self._pieces = dict(pieces or {})
+        self._pieces = pieces if pieces is not None else SavedPieces(len(self._handles))
         first = next(iter(self._handles.values()), None)
         self._keys = set(first.keys()) if first is not None else set()
-        for ranks in self._pieces.values():  # an expert group's keys are in its pieces' files only
+        for ranks in self._pieces.experts.values():  # an expert group's keys are in its pieces' files only
             if ranks and ranks[0] in self._handles:
                 self._keys |= {k for k in self._handles[ranks[0]].keys()
-                               if any(k.startswith(p) for p in self._pieces)}
+                               if any(k.startswith(p) for p in self._pieces.experts)}
 
     def keys(self) -> set[str]:
         return self._keys
 
     def shard(self, key: str, layout: ShardLayout, rank: int) -> torch.Tensor:
-        ranks = next((r for p, r in self._pieces.items() if key.startswith(p)), None)
-        if ranks is None:
-            ranks = list(range(self._saved_world))
-        saved = ShardLayout(layout.numels, len(ranks))  # the groups were checked equal at validation
+        saved = self._pieces.layout(key, layout.numels)  # the groups were checked equal at validation
         if saved == layout:
-            return self._handles[ranks[rank]].get_tensor(key)
-        handles = [self._handles[r] for r in ranks]
+            return self._handles[self._pieces.file_of(key, rank)].get_tensor(key)
+        handles = [self._handles[r] for r in self._pieces.ranks(key)]
         out = torch.empty(layout.shard_numel, dtype=handles[0].get_slice(key)[0:0].dtype)
         for i in range(len(layout.numels)):
             full = full_param_from_shards(handles, key, saved, i)

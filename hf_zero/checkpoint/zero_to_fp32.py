@@ -38,11 +38,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hf_zero.checkpoint.disk_format import (dedupe_shared, expert_layers, expert_pieces, open_saved, open_shard_file,
-                                            rank_file, read_latest_tag, read_model_file)
+from hf_zero.checkpoint.disk_format import (dedupe_shared, expert_layers, open_saved, open_shard_file, rank_file,
+                                            read_latest_tag, read_model_file)
 from hf_zero.checkpoint.files import CheckpointError, read_manifest, resolve_checkpoint, verify_files
 from hf_zero.checkpoint.reshard import full_param_from_shards
 from hf_zero.zero.layout import ShardLayout
+from hf_zero.zero.saved_pieces import SavedPieces
 from hf_zero.zero.stage3.param import sharded_param_of
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
@@ -60,11 +61,11 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_f
     with ``ep_size > 1`` gives every expert under its global index (the ``ep_size=1`` model's names)."""
     path = _tag_dir(Path(checkpoint_dir), tag)
     meta, handles = open_saved(path)
-    stage, world = int(meta.get("stage", 0)), int(meta.get("shard_world_size", 0))
+    stage = int(meta.get("stage", 0))
     model_sd = _model_file(path) if stage < 3 else None
     module = meta.get("module") or _legacy_description(path, meta, model_sd, exclude_frozen_parameters)
     experts = _ExpertNames(expert_layers(meta, path / "meta.json"))
-    pieces = _PieceFiles(path, handles, meta, world)
+    pieces = _PieceFiles(path, handles, meta)
     where = {name: (gi, i) for gi, g in enumerate(meta["groups"]) for i, name in enumerate(g["names"])}
     rank0_keys = set(handles[0].keys()) if handles else set()
     out: dict[str, torch.Tensor] = {}
@@ -222,25 +223,23 @@ def _global_expert_name(name: str, prefix: str, first: int) -> str:
 
 
 class _PieceFiles:
-    """Where each optimizer group's fp32 masters are: an ordinary group's cut over the saved data-parallel world
-    (every ``zero_rank*`` file of ``open_saved``); an expert-parallel group's, per EP rank, over the ranks meta.json
-    names for it (``group<i>.ep<e>.master``; at stage 0 one piece, in its expert-data-parallel group's first rank's
-    file) -- those files opened here, verified against the manifest first."""
+    """Where each optimizer group's fp32 masters are (hf_zero/zero/saved_pieces.py): an ordinary group's cut over
+    the saved data-parallel world (every ``zero_rank*`` file of ``open_saved``); an expert-parallel group's, per EP
+    rank, over the ranks meta.json names for it (``group<i>.ep<e>.master``; at stage 0 one piece, in its
+    expert-data-parallel group's first rank's file) -- files beyond ``open_saved``'s opened here, verified against
+    the manifest first."""
 
-    def __init__(self, path: Path, handles: list, meta: dict, world: int):
-        self.path, self.meta, self.world = path, meta, world
+    def __init__(self, path: Path, handles: list, meta: dict):
+        self.path, self.meta = path, meta
         self.opened = dict(enumerate(handles))
-        self.pieces = expert_pieces(meta)
+        self.pieces = SavedPieces.of(meta)
         self.manifest = read_manifest(path)
 
     def master(self, gi: int, ep_rank: int) -> tuple[list, str, ShardLayout]:
         """``(files in piece order, key, saved layout)`` of group ``gi``'s masters (of EP rank ``ep_rank``)."""
-        numels = tuple(self.meta["groups"][gi]["numels"])
-        prefix = f"group{gi}.ep{ep_rank}."
-        if prefix not in self.pieces:
-            return [self.opened[r] for r in range(self.world)], f"group{gi}.master", ShardLayout(numels, self.world)
-        ranks = self.pieces[prefix]
-        return [self._file(r) for r in ranks], f"{prefix}master", ShardLayout(numels, len(ranks))
+        key = self.pieces.prefix(gi, ep_rank) + "master"
+        return ([self._file(r) for r in self.pieces.ranks(key)], key,
+                self.pieces.layout(key, self.meta["groups"][gi]["numels"]))
 
     def _file(self, rank: int):
         if rank not in self.opened:

@@ -32,6 +32,7 @@ from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import ShardLayout
 from hf_zero.zero.loss_scaler import LossScaler
 from hf_zero.zero.optimizer_backend import FusedAdamBackend, OptimizerBackend, TorchOptimizerBackend
+from hf_zero.zero.saved_pieces import group_prefix
 from hf_zero.zero.sharded_group import ShardedGroup, comm_group, holders
 
 __all__ = ["ZeroOptimizer", "UpdateRule"]
@@ -329,7 +330,7 @@ _PLAIN = (int, float, bool, str, list, tuple, type(None))
 
 def _prefix(gi: int, g: ShardedGroup) -> str:
     expert = getattr(g, "expert", None)  # (a Stage3Group has none)
-    return f"group{gi}.ep{expert.ep_rank}." if expert is not None else f"group{gi}."
+    return group_prefix(gi, expert.ep_rank if expert is not None else None)
 
 
 def _writes_piece(g: ShardedGroup) -> bool:
