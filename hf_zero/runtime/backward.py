@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from hf_zero.util.tensors import functorch_transforming
+
 logger = logging.getLogger("hf_zero")
 
 __all__ = ["BackwardSessions"]
@@ -93,7 +95,9 @@ class BackwardSessions:
                 self.watch(o)
 
     def _on_output_grad(self, grad: torch.Tensor, ref) -> torch.Tensor:
-        if self._by_engine:
+        if self._by_engine or functorch_transforming():
+            # torch.func.grad / vjp / jacrev over engine(...): a function transform asking for a derivative, not a
+            # training backward -- nothing to reduce, and no accumulation-steps division (DeepSpeed skips it too)
             return grad
         if not self.active:
             scale = self._loss_scale()
@@ -146,3 +150,4 @@ class BackwardSessions:
         finally:
             self.active = False
             self._timers().add("backward", time.perf_counter() - self._started)
+

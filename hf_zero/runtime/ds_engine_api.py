@@ -8,7 +8,7 @@ side by side on the same scripts, ``DS_ACCELERATOR=cpu``):
   ``engine.config_class`` ...): DeepSpeed's ``__getattr__`` falls back to ``engine.module``;
 * the config as getters (``gradient_clipping()``, ``zero_reduce_bucket_size()``, ``optimizer_name()`` ...);
 * the run's layout (``dp_world_size``, ``mp_world_size``, ``mpu``, ``data_parallel_group``);
-* ``was_step_applied()``, ``get_mom()``, ``no_sync()``, ``set_train_batch_size()`` /
+* ``was_step_applied()``, ``get_mom()``, ``no_sync()``, ``coalesce_grad_reduction()``, ``set_train_batch_size()`` /
   ``set_train_micro_batch_size()``, ``save_fp16_model()``.
 """
 
@@ -148,6 +148,9 @@ class DeepSpeedEngineAPI:
     def no_sync(self):
         """Backward passes inside reduce no gradients: they accumulate on this rank until a backward outside (as
         DDP's ``no_sync``, and DeepSpeed's, which refuses it where gradients are partitioned: stages 2 and 3)."""
+        if self._coalescing:
+            raise RuntimeError("hf_zero: engine.no_sync() inside engine.coalesce_grad_reduction(): the block already "
+                               "holds every gradient back until it ends; use one of the two")
         if self.stage >= 2:
             raise ConfigError("zero_optimization.stage", f"{self.stage}: engine.no_sync() keeps unreduced gradients "
                                                          "on each rank, which ZeRO stages 2 and 3 partition as they "
@@ -157,6 +160,41 @@ class DeepSpeedEngineAPI:
             yield
         finally:
             self._inside_no_sync = previous
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self):
+        """DeepSpeed's: the backward passes inside leave their gradients summed on this rank, and leaving the block
+        reduces them in one pass (one set of collectives for several backward passes, at the cost of holding full
+        gradients meanwhile); the next ``step()`` applies them. One block holds one optimizer step's gradients:
+        ``step()`` inside, and nesting with ``no_sync()``, are refused. Stages 0-3 (DeepSpeed: 1-3; stage 0's
+        all-reduce coalesces the same way); not under pipeline parallelism, where ``train_batch`` owns backward.
+        If the block raises, nothing is reduced (the other ranks would wait on this one): the held gradients are
+        dropped with the exception."""
+        if self.optimizer is None:
+            self._no_optimizer()
+        if self._inside_no_sync or self._coalescing:
+            raise RuntimeError("hf_zero: engine.coalesce_grad_reduction() nested inside engine.no_sync() or another "
+                               "coalesce_grad_reduction(); use one block per optimizer step")
+        self._coalescing = True
+        if self.stage3 is not None:
+            self.stage3.hold_gradients()
+        try:
+            yield
+        except BaseException:
+            self._coalescing = False
+            if self.stage3 is not None:
+                self.stage3.drop_held_gradients()
+            else:
+                self.optimizer.zero_grad()  # the block's gradients, held in param.grad
+            raise
+        self._coalescing = False
+        if self.stage3 is not None:
+            self.stage3.reduce_held_gradients()
+        else:
+            self.reducer.begin(True)  # the gradients the block's passes left in param.grad, in one pass
+            self.reducer.finish()
+            if self.stage == 0:
+                self.reducer.expose_grads()
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """A new global batch with the same micro-batch: the accumulation steps change (DeepSpeed's rule)."""

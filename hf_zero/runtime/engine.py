@@ -63,6 +63,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self._config = config
         self._mpu = None  # initialize(mpu=...) sets it: DeepSpeed keeps it as engine.mpu
         self._inside_no_sync = False  # engine.no_sync(): backward passes reduce nothing
+        self._coalescing = False  # engine.coalesce_grad_reduction(): passes hold gradients until the block ends
         self.process_group = process_group
         self.model_parallel_group = model_parallel_group
         self.world_size = comm.get_world_size(process_group)
@@ -368,7 +369,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         """Prologue of every backward pass (engine.backward or a direct one): does this micro-step reduce?"""
         if self.reducer is not None:
             self.reducer.begin((self.stage == 2 or self.is_gradient_accumulation_boundary())
-                               and not self._inside_no_sync)
+                               and not self._inside_no_sync and not self._coalescing)
         elif self.stage3 is not None:
             self.stage3.begin_backward()  # a module's forward from here on is a checkpointing recomputation
 
@@ -385,6 +386,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         """At the accumulation boundary: optimizer step, scheduler step, counters, logging."""
         if self.optimizer is None:
             self._no_optimizer()
+        if self._coalescing:
+            raise RuntimeError("hf_zero: engine.step() inside engine.coalesce_grad_reduction(): the block's gradients "
+                               "are reduced when it ends; call step() after the with-block (as DeepSpeed's no_sync "
+                               "rule requires)")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             with self.timers.phase("step"), self.step_profiler.step(self.global_steps):

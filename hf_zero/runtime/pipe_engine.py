@@ -155,6 +155,10 @@ class PipelineEngine(HfZeroEngine):
     def step(self, *args, **kwargs):
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
 
+    def coalesce_grad_reduction(self):
+        raise NotImplementedError("hf_zero: coalesce_grad_reduction is not supported under pipeline parallelism: "
+                                  "train_batch() runs every backward pass of the step itself (as in DeepSpeed)")
+
     def train_batch(self, data_iter: Iterable | None = None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the mean loss on every rank."""
         if not torch.is_grad_enabled():

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["move_to_device"]
+__all__ = ["move_to_device", "functorch_transforming"]
 
 
 def move_to_device(item: Any, device, criterion_func: Callable[[Any], bool] | None = None) -> Any:
@@ -24,3 +24,10 @@ def move_to_device(item: Any, device, criterion_func: Callable[[Any], bool] | No
     if isinstance(item, dict):
         return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
     return item.to(device)
+
+
+def functorch_transforming() -> bool:
+    """Whether a torch.func transform (grad, vjp, jacrev, vmap) is running now: its interpreter stack is not empty.
+    (DeepSpeed's ``is_functorch_transforming`` asks the same.)"""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None

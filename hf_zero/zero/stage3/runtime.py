@@ -31,6 +31,7 @@ from hf_zero.comm import buffer_pool, faults, get_rank, get_world_size, shm_ring
 from hf_zero.zero.host_memory import tune_cpu_training_memory
 from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import capped_bucket_numel
+from hf_zero.util.tensors import functorch_transforming
 from hf_zero.zero.leaf import z3_leaf_module
 
 from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
@@ -59,6 +60,18 @@ class _Group:
         self.gid, self.fqn, self.sps = gid, fqn, sps
         self.numel = sum(sp.numel for sp in sps)
 
+
+
+def _refuse_functorch() -> None:
+    """Called where ZeRO-3 is about to swap parameter storages (the first forward's publish, every gather of a
+    partitioned model): under a torch.func transform that crashes torch, so it is an error instead."""
+    if functorch_transforming():
+        raise RuntimeError(
+            "hf_zero: a torch.func transform (grad, vjp, jacrev, vmap) over a ZeRO-3 engine whose parameters are "
+            "partitioned or not yet published: ZeRO-3 swaps each parameter's storage around its module's forward, "
+            "which a function transform cannot follow (torch crashes). Use ZeRO stage 0, 1 or 2 for torch.func "
+            "(as DeepSpeed supports it), or run one forward outside the transform first on a single rank, where "
+            "ZeRO-3 keeps parameters whole")
 
 class Stage3Runtime:
     """ZeRO-3 for one module tree. See the module docstring; the engine contract is in the class methods."""
@@ -112,6 +125,9 @@ class Stage3Runtime:
         self.states = TrainingStates()  # forward / recompute / backward of each module call, see states.py
         self._read_holds: list[ShardedParam] = []  # see _on_param_read
         self._awaiting_grad: set[int] = set()  # ds_ids holding a "gradient not accumulated yet" reference
+        # engine.coalesce_grad_reduction(): ds_id -> (param, its gradients summed on this rank) until the one
+        # reduce-scatter pass of reduce_held_gradients(); None when gradients are reduced as they arrive
+        self._held_grads: dict[int, tuple[ShardedParam, torch.Tensor]] | None = None
         self._calls_awaiting_grad: dict[int, list[ModuleCall]] = {}  # ds_id -> calls ended by its gradient
         self._end_of_backward_queued = False
         self._deferred: set[ShardedParam] = set()  # frozen params kept whole after a recomputation, see _post_forward
@@ -191,6 +207,7 @@ class Stage3Runtime:
             sp.make_persistent()
 
     def _publish_hook(self, module, args):
+        _refuse_functorch()
         self._publish_persistent()
         return None
 
@@ -310,6 +327,26 @@ class Stage3Runtime:
         if self.swapper is not None:
             self.swapper.discard_read_ahead()  # the optimizer is about to write new values
 
+    def hold_gradients(self) -> None:
+        """From here on backward passes sum each gradient on this rank instead of reduce-scattering it, until
+        :meth:`reduce_held_gradients` (``engine.coalesce_grad_reduction()``: one reduction for several backward
+        passes, at the cost of holding their full gradients meanwhile)."""
+        self._held_grads = {}
+
+    def reduce_held_gradients(self) -> None:
+        """Reduce-scatter what :meth:`hold_gradients` kept, in one pass. Every rank adds the gradients in ds_id
+        order (not arrival order, which may differ between ranks), so the buckets -- and the collectives -- match."""
+        held, self._held_grads = self._held_grads or {}, None
+        for ds_id in sorted(held):
+            sp, grad = held.pop(ds_id)
+            self.reducer.add(sp, grad)
+            del grad
+        self.reducer.finish()
+
+    def drop_held_gradients(self) -> None:
+        """Forget what :meth:`hold_gradients` kept, reducing nothing (the block raised)."""
+        self._held_grads = None
+
     def _accumulate_whole(self) -> None:
         """Every parameter is whole (``self.whole``): the gradients autograd left in ``.grad`` go into the grad
         storages in one batch, and ``.grad`` is cleared, as the per-parameter hooks do when parameters are
@@ -416,6 +453,7 @@ class Stage3Runtime:
 
     # ------------------------------------------------------------------ iteration boundaries
     def _root_pre_forward(self, module, args):
+        _refuse_functorch()
         if self.states.any_open():  # the root called from inside its own forward: not a new iteration
             return None
         self._reset_gathered()
@@ -509,7 +547,11 @@ class Stage3Runtime:
         self.states.begin_backward()
         self._settle_recomputation()
         self._queue_end_of_backward()
-        if grad is not None:
+        if grad is not None and self._held_grads is not None:
+            held = self._held_grads.get(sp.ds_id)
+            self._held_grads[sp.ds_id] = (sp, grad if held is None else held[1].add_(grad))
+            del grad, held
+        elif grad is not None:
             self.reducer.add(sp, grad)  # held until reduced, then its bytes serve a later gather (reduce.py)
             del grad
         if sp.ds_id in self._awaiting_grad:
