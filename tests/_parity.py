@@ -57,6 +57,15 @@ def reference_run(world_size: int, steps: int = STEPS, skip_steps: frozenset = f
     return losses, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
+def assert_matches_reference(losses, params, ref_losses, ref_params, what: str) -> None:
+    """Per-step losses (rtol 1e-5) and final parameters (rtol 1e-5, atol 1e-6) equal the reference's."""
+    assert len(losses) == len(ref_losses), (what, len(losses), len(ref_losses))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
+                               msg=lambda m: f"{what} losses: {m}")
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {name}: {m}")
+
+
 def engine_run(engine, world_size: int, rank: int, steps: int = STEPS, dtype=torch.float32, start: int = 0,
                poison: tuple[int, int] | None = None):
     """Drive an engine through optimizer steps ``start..start+steps-1``; returns the global mean loss per step.

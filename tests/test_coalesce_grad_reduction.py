@@ -10,7 +10,8 @@ from torch import nn
 import hf_zero
 from hf_zero.testing import run_distributed
 
-from _parity import GAS, STEPS, base_config, clone_state, make_data, make_model, reference_run
+from _parity import (GAS, STEPS, assert_matches_reference, base_config, clone_state, make_data, make_model,
+                     reference_run)
 
 
 def _count_reductions(monkeypatch_targets: list) -> list[int]:
@@ -90,11 +91,7 @@ def test_coalesced_steps_match_the_reference_with_fewer_reductions(world_size):
     results = run_distributed(_train, world_size, args=((0, 1, 2, 3),))
     for stage in (0, 1, 2, 3):
         losses, params, coalesced, separate = results[0][stage]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
-                                   msg=lambda m: f"stage {stage} losses, world {world_size}: {m}")
-        for name, ref in ref_params.items():
-            torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"stage {stage} {name}, world {world_size}: {m}")
+        assert_matches_reference(losses, params, ref_losses, ref_params, f"stage {stage}, world {world_size}")
         if world_size == 1:
             assert coalesced == 0 and separate == 0, (stage, coalesced, separate)  # alone: nothing to reduce
         elif stage == 2:  # fixed buckets: one pass per step instead of one per micro-step

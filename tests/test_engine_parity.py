@@ -7,7 +7,7 @@ import torch.distributed as dist
 import hf_zero
 from hf_zero.testing import run_distributed
 
-from _parity import STEPS, base_config, clone_state, engine_run, make_model, reference_run
+from _parity import STEPS, assert_matches_reference, base_config, clone_state, engine_run, make_model, reference_run
 
 
 def _train_stages(stages):
@@ -28,11 +28,7 @@ def test_fp32_parity_all_stages(world_size):
     for stage in (0, 1, 2, 3):
         losses, params = results[0][stage]
         assert len(losses) == STEPS
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
-                                   msg=lambda m: f"stage {stage} losses, world {world_size}: {m}")
-        for name, ref in ref_params.items():
-            torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"stage {stage} {name}, world {world_size}: {m}")
+        assert_matches_reference(losses, params, ref_losses, ref_params, f"stage {stage}, world {world_size}")
         # every rank ends with the same full weights (stage 3 holds shards; rank 0 consolidated them above)
         for r in range(1, world_size if stage < 3 else 1):
             for name in ref_params:
