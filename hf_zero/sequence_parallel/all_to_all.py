@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hf_zero.comm import all_to_all_single_
+
 __all__ = ["seq_all_to_all"]
 
 
@@ -23,7 +25,8 @@ def _exchange(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torc
     # chunk r of scatter_dim goes to rank r: move scatter_dim to the front so each chunk is one contiguous block
     send = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()  # [world, *chunk]
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    # bounded and checked like every hf_zero collective: a rank that never arrives ends the others with its name
+    all_to_all_single_(recv, send, group=group, what=f"a sequence-parallel all-to-all of a {tuple(x.shape)} tensor")
     # recv[r] is rank r's chunk: it covers rank r's part of gather_dim
     return torch.cat(recv.unbind(0), dim=gather_dim)
 

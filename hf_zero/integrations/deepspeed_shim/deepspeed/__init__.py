@@ -24,4 +24,4 @@ _forward(__name__, {
     # as in DeepSpeed, deepspeed.checkpointing is deepspeed.runtime.activation_checkpointing.checkpointing
     "checkpointing": "deepspeed.runtime.activation_checkpointing.checkpointing",
 }, submodules=["accelerator", "checkpoint", "comm", "inference", "launcher", "moe", "monitor", "ops", "pipe",
-                "profiling", "runtime", "utils"])
+                "profiling", "runtime", "sequence", "utils"])
