@@ -249,3 +249,30 @@ def test_stage0_leaves_the_averaged_gradient_in_p_grad():
             else:
                 torch.testing.assert_close(a, b - 0.1 * grad, rtol=1e-5, atol=1e-7)
         assert cleared == [True] * 4  # the step consumed them, as DeepSpeed's zero_grad after it
+
+
+def test_tput_timer_counts_global_steps_reports_and_follows_the_timers_section():
+    """engine.tput_timer (DeepSpeed's ThroughputTimer): started by each forward, stopped by step(); one global step
+    per accumulation boundary, samples/s over the steps after the 2 warm-up ones, DeepSpeed's report line every
+    steps_per_print steps, update_epoch_count() (DeepSpeed-Chat's call); timers.throughput.enabled false stops it."""
+    engine = _engine(0, steps_per_print=2)
+    lines = []
+    engine.tput_timer.logging = lines.append
+    x = torch.randn(2, 8)
+    for _ in range(8):  # 4 global steps of 2 micro-steps
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    timer = engine.tput_timer
+    assert (timer.micro_step_count, timer.global_step_count, timer.batch_size) == (8, 4, 4)
+    assert 0 < timer.avg_samples_per_sec() < float("inf")  # 2 timed global steps of 4 samples
+    # global step 2 is still warm-up (not timed, so not reported), as in DeepSpeed
+    assert [line.split(",")[0] for line in lines] == ["epoch=0/micro_step=8/global_step=4"]
+    assert all("RunningAvgSamplesPerSec=" in line for line in lines)
+    timer.update_epoch_count()
+    assert (timer.epoch_count, timer.micro_step_count) == (1, 0)
+    off = _engine(0, timers={"throughput": {"enabled": False, "synchronized": False}})
+    off.backward(off(x).square().mean())
+    off.step()
+    assert off.tput_timer.micro_step_count == 0 and off.tput_timer.avg_samples_per_sec() == float("-inf")
+    with pytest.raises(ConfigError, match="timers.throughput.enable"):
+        _engine(0, timers={"throughput": {"enable": True}})

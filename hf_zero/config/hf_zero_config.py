@@ -28,6 +28,7 @@ from .sections import (
     FlopsProfilerConfig,
     FP16Config,
     MonitorConfig,
+    TimersConfig,
     TorchAutocastConfig,
     WandbConfig,
     ZeroConfig,
@@ -56,7 +57,6 @@ class HfZeroConfig:
         "compile": "DeepCompile",
         "seq_parallel_communication_data_type": "Sequence-parallel communication dtype",
         "disable_allgather": "Legacy allgather switch",
-        "timers": "DeepSpeed's timer configuration",
         "graph_harvesting": "Graph harvesting",
     }
 
@@ -121,6 +121,7 @@ class HfZeroConfig:
     wandb: WandbConfig = spec(default_factory=WandbConfig, help="Weights & Biases metrics.")
     comet: CometConfig = spec(default_factory=CometConfig, help="Comet metrics.")
     comms_logger: CommsLoggerConfig = spec(default_factory=CommsLoggerConfig, help="Log collectives.")
+    timers: TimersConfig = spec(default_factory=TimersConfig, help="The throughput timer (engine.tput_timer).")
     checkpoint: CheckpointConfig = spec(default_factory=CheckpointConfig, help="Checkpoint tagging and layout.")
     data_types: DataTypesConfig = spec(default_factory=DataTypesConfig, help="Dtypes of internal buffers.")
     pipeline: Mapping[str, Any] | None = spec(None, help="Pipeline-parallel engine options. " + _RAW_SECTION)

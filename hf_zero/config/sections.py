@@ -27,6 +27,8 @@ __all__ = [
     "MonitorConfig",
     "OffloadConfig",
     "ParamOffloadConfig",
+    "ThroughputTimerConfig",
+    "TimersConfig",
     "TorchAutocastConfig",
     "WandbConfig",
     "ZeroConfig",
@@ -333,6 +335,21 @@ class CommsLoggerConfig:
     prof_all: bool = spec(True, help="Profile all collectives.")
     debug: bool = spec(False, help="Add the calling function to each record.")
     prof_ops: tuple[str, ...] = spec((), help="Only these collectives (when prof_all is false).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThroughputTimerConfig:
+    """``timers.throughput``: the engine's samples-per-second meter (``engine.tput_timer``)."""
+
+    enabled: bool = spec(True, help="Time each micro-step and log samples/s every steps_per_print steps.")
+    synchronized: bool = spec(True, help="Synchronise the device before reading the clock (CUDA is asynchronous).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimersConfig:
+    """``timers``: DeepSpeed's timer settings."""
+
+    throughput: ThroughputTimerConfig = spec(default_factory=ThroughputTimerConfig, help="engine.tput_timer.")
 
 
 @dataclass(frozen=True, kw_only=True)

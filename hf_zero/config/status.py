@@ -124,6 +124,7 @@ STATUS: dict[str, KeyStatus] = {
     "gradient_clipping": HONOURED,
     "steps_per_print": HONOURED,
     "wall_clock_breakdown": HONOURED,
+    "timers": HONOURED,  # timers.throughput drives engine.tput_timer (hf_zero/profiling/throughput_timer.py)
     "memory_breakdown": _todo("memory is not logged per stage of a step; engine statistics and the HF callback "
                               "report peak memory"),
     "dump_state": _todo("the engine state is not printed after initialisation"),

@@ -98,7 +98,8 @@ class DeepSpeedDataLoader:
 
 def build_loader(dataset, batch_size: int, *, dp_size: int, dp_rank: int, route: str = ROUTE_TRAIN,
                  pin_memory: bool = True, data_sampler: Sampler | None = None, collate_fn: Callable | None = None,
-                 num_local_io_workers: int | None = None, drop_last: bool = False) -> DeepSpeedDataLoader:
+                 num_local_io_workers: int | None = None, drop_last: bool = False,
+                 tput_timer: Any = None) -> DeepSpeedDataLoader:
     """DeepSpeed's ``deepspeed_io`` after the engine has filled in its defaults (batch size, collate_fn, ranks)."""
     if not (_map_style(dataset) or isinstance(dataset, IterableDataset)):
         raise ValueError(f"training data must be a torch Dataset (with __getitem__ and __len__, or an "
@@ -111,7 +112,7 @@ def build_loader(dataset, batch_size: int, *, dp_size: int, dp_rank: int, route:
         data_sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank,
                                           shuffle=route not in (ROUTE_EVAL, ROUTE_PREDICT))
     # local_rank 0: hf_zero's ranks always have one (LOCAL_RANK, 0 when unset), so DeepSpeed's launched branch
-    return DeepSpeedDataLoader(dataset, batch_size, pin_memory, 0, None, collate_fn=collate_fn,
+    return DeepSpeedDataLoader(dataset, batch_size, pin_memory, 0, tput_timer, collate_fn=collate_fn,
                                num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
                                data_parallel_world_size=dp_size, data_parallel_rank=dp_rank,
                                dataloader_drop_last=drop_last)

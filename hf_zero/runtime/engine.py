@@ -26,6 +26,7 @@ from hf_zero.ops import host_cache
 from hf_zero.profiling.step_calibration import StepTimeCalibrator
 from hf_zero.profiling.step_profile import StepProfiler
 from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
+from hf_zero.profiling.throughput_timer import ThroughputTimer
 from hf_zero.runtime.backward import BackwardSessions
 from hf_zero.runtime.ds_engine_api import DeepSpeedEngineAPI
 from hf_zero.runtime.monitor import MonitorMaster, boundary_events
@@ -212,6 +213,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                                             compute_dtype=self.compute_dtype, device=self.device,
                                             offload_optimizer=offload.device if offload is not None else "none")
         self.timers = self._timers  # hand the timers to the reducer / stage-3 runtime / offload (see the setter)
+        # DeepSpeed's samples/s meter: started by each forward (or by the training loader's next batch), stopped by
+        # step(); DeepSpeed-Chat's scripts call engine.tput_timer.update_epoch_count() after each epoch
+        self.tput_timer = ThroughputTimer(config.timers.throughput, batch_size=self.train_batch_size(),
+                                          steps_per_output=config.steps_per_print)
 
     def _no_optimizer(self, what: str = "") -> None:
         raise RuntimeError("hf_zero: this engine has no optimizer (initialize() got none and the config has no "
@@ -314,6 +319,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         return dict(self._config.raw)
 
     def forward(self, *args, **kwargs):
+        if self.training_dataloader is None:  # with DeepSpeed's loader, fetching the batch starts it (as there)
+            self.tput_timer.start()
         self.step_time.forward(args, kwargs)
         with self.timers.phase("forward"), self.step_profiler.forward(self.global_steps, args, kwargs):
             try:
@@ -410,6 +417,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                     self.global_samples, self.get_lr()[0], self.get_loss_scale() if self.fp16_enabled() else None,
                     self.timers.seconds if timed else None))
             self._log_step()
+        self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -659,7 +667,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                             route=route, pin_memory=pin_memory, data_sampler=data_sampler,
                             collate_fn=collate_fn if collate_fn is not None else self.collate_fn,
                             num_local_io_workers=num_local_io_workers,
-                            drop_last=bool(self._config.dataloader_drop_last))
+                            drop_last=bool(self._config.dataloader_drop_last),
+                            tput_timer=self.tput_timer if route == "train" else None)
 
 
 def _autocast_dtype(section, device: torch.device) -> torch.dtype:
