@@ -132,6 +132,8 @@ def _no_sync_run(stage: int):
     first, second = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
     with engine.no_sync():  # reduces nothing: the gradient stays on this rank
         engine.backward(engine(first).square().mean())
+        with pytest.raises(RuntimeError, match=r"engine.step\(\) inside engine.no_sync\(\)"):
+            engine.step()  # would apply this rank's unreduced gradient (DeepSpeed refuses it too)
     engine.backward(engine(second).square().mean())  # reduces both passes' sum
     engine.step()
     return [p.detach().clone() for p in engine.module.parameters()]

@@ -393,10 +393,12 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         """At the accumulation boundary: optimizer step, scheduler step, counters, logging."""
         if self.optimizer is None:
             self._no_optimizer()
-        if self._coalescing:
-            raise RuntimeError("hf_zero: engine.step() inside engine.coalesce_grad_reduction(): the block's gradients "
-                               "are reduced when it ends; call step() after the with-block (as DeepSpeed's no_sync "
-                               "rule requires)")
+        if self._coalescing or self._inside_no_sync:
+            block = "coalesce_grad_reduction" if self._coalescing else "no_sync"
+            # the block's gradients are not reduced yet: a step now would apply this rank's alone (DeepSpeed
+            # refuses it too: "It is illegal to call Engine.step() inside no_sync context manager")
+            raise RuntimeError(f"hf_zero: engine.step() inside engine.{block}(): the gradients of the backward passes "
+                               "inside are reduced only after the block; call step() after the with-block")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             with self.timers.phase("step"), self.step_profiler.step(self.global_steps):
