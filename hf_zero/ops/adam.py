@@ -25,11 +25,9 @@ from typing import Any
 import torch
 
 from hf_zero.ops._native import native_available, warn_fallback
+from hf_zero.ops._optim_common import FLOAT16, StateStepOptimizer
 
 __all__ = ["AdamHyper", "CPUAdam", "FusedAdam", "adam_step_", "adam_step_reference", "zeros_state"]
-
-_FLOAT16 = (torch.bfloat16, torch.float16)
-_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def zeros_state(shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32,
@@ -48,11 +46,11 @@ def zeros_state(shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _states_to_zeros_state(optimizer: torch.optim.Optimizer) -> None:
+def _states_to_zeros_state(optimizer: CPUAdam) -> None:
     """load_state_dict post-hook: torch.optim rebuilds loaded states as ordinary tensors; copy the contiguous CPU
     ones into :func:`zeros_state` memory so a resumed run steps as fast as a fresh one."""
     for state in optimizer.state.values():
-        for key in _STATE_KEYS:
+        for key in optimizer.STATE_KEYS:
             t = state.get(key)
             if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous():
                 fresh = zeros_state(t.shape, t.dtype, t.device)
@@ -86,66 +84,36 @@ class AdamHyper:
         return dataclasses.asdict(self)
 
 
-def adam_step_reference(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    bias_correction: bool,
-    grad_scale: float = 1.0,
-    out16: torch.Tensor | None = None,
-) -> None:
+def adam_step_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                        *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                        adamw_mode: bool, bias_correction: bool, grad_scale: float = 1.0,
+                        out16: torch.Tensor | None = None) -> None:
     """Pure-PyTorch reference of ``adam_step_``: the formula of torch.optim.AdamW (adamw_mode) / Adam (L2)."""
-    if param.dtype != torch.float32:  # a 16-bit param: computed in fp32, rounded once (as the kernel does)
-        master = param.float()
-        adam_step_reference(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                            weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction,
-                            grad_scale=grad_scale, out16=out16)
-        param.copy_(master)
-        return
-    g = grad.reshape(param.shape).float()
+    # A 16-bit param is computed in an fp32 copy and rounded once at the end, as the kernel does.
+    p32 = param if param.dtype == torch.float32 else param.float()
+    g = grad.reshape(p32.shape).float()
     if grad_scale != 1.0:
         g = g / grad_scale
     if weight_decay != 0.0:
         if adamw_mode:
-            param.mul_(1.0 - lr * weight_decay)
+            p32.mul_(1.0 - lr * weight_decay)
         else:
-            g = g + weight_decay * param
+            g = g + weight_decay * p32
     exp_avg.lerp_(g.reshape(exp_avg.shape), 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g.reshape(exp_avg_sq.shape), g.reshape(exp_avg_sq.shape), value=1.0 - beta2)
     bc1 = 1.0 - beta1**step if bias_correction else 1.0
     bc2 = 1.0 - beta2**step if bias_correction else 1.0
     denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
-    param.addcdiv_(exp_avg.reshape(param.shape), denom.reshape(param.shape), value=-lr / bc1)
+    p32.addcdiv_(exp_avg.reshape(p32.shape), denom.reshape(p32.shape), value=-lr / bc1)
     if out16 is not None:
-        out16.copy_(param.reshape(out16.shape))
+        out16.copy_(p32.reshape(out16.shape))
+    if p32 is not param:
+        param.copy_(p32)
 
 
-def adam_step_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    bias_correction: bool,
-    grad_scale: float = 1.0,
-    out16: torch.Tensor | None = None,
-) -> None:
+def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adamw_mode: bool,
+               bias_correction: bool, grad_scale: float = 1.0, out16: torch.Tensor | None = None) -> None:
     """One Adam/AdamW step, in place on ``param``, ``exp_avg`` and ``exp_avg_sq`` (fp32).
 
     ``param`` is the fp32 master, or on CPU a bf16/fp16 parameter (updated in fp32, rounded once on store).
@@ -155,7 +123,7 @@ def adam_step_(
         # The kernel works on flat contiguous storage; strided views (rare: the engine passes flat partitions)
         # take the reference path, which handles any layout. 16-bit params in place: the CPU kernel only.
         flat = all(t is None or t.is_contiguous() for t in (param, exp_avg, exp_avg_sq, out16))
-        param_ok = param.dtype == torch.float32 or (param.device.type == "cpu" and param.dtype in _FLOAT16
+        param_ok = param.dtype == torch.float32 or (param.device.type == "cpu" and param.dtype in FLOAT16
                                                     and out16 is None)
         if flat and param_ok:
             torch.ops.hf_zero.adam_step(
@@ -172,7 +140,7 @@ def adam_step_(
     )
 
 
-class CPUAdam(torch.optim.Optimizer):
+class CPUAdam(StateStepOptimizer):
     """Adam/AdamW over CPU parameters with the compiled kernel; constructor of DeepSpeed's DeepSpeedCPUAdam.
 
     Parameters are updated in fp32: fp32 parameters in place, 16-bit parameters through an fp32 copy written
@@ -183,19 +151,13 @@ class CPUAdam(torch.optim.Optimizer):
     # Read by hf_zero.runtime.optimizers: a client optimizer of this class is re-applied to the ZeRO shards as
     # the fused Adam update (adamw_mode and bias_correction come from its defaults).
     hf_zero_adam = True
+    STATE_KEYS = ("exp_avg", "exp_avg_sq")
+    _kernel = staticmethod(adam_step_)
 
-    def __init__(
-        self,
-        model_params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        adamw_mode: bool = True,
-        fp32_optimizer_states: bool = True,
-    ) -> None:
+    def __init__(self, model_params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True,
+                 fp32_optimizer_states: bool = True) -> None:
         if amsgrad:
             # DeepSpeedCPUAdam raises here too; silently ignoring it would change the optimizer.
             raise ValueError("CPUAdam does not support amsgrad=True (neither does DeepSpeedCPUAdam); use "
@@ -206,55 +168,19 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"CPUAdam: invalid betas {betas}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         amsgrad=amsgrad, adamw_mode=adamw_mode)
-        super().__init__(model_params, defaults)
-        self.fp32_optimizer_states = fp32_optimizer_states
+        super().__init__(model_params, defaults, fp32_optimizer_states)
         self.register_load_state_dict_post_hook(_states_to_zeros_state)
 
-    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:
-            state_dtype = torch.float32 if self.fp32_optimizer_states else p.dtype
-            state["step"] = 0
-            for key in _STATE_KEYS:
-                state[key] = zeros_state(p.shape, state_dtype, p.device)
-        return state
+    def _new_state(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return zeros_state(p.shape, dtype, p.device)  # huge pages: the memory-bound CPU step streams them faster
 
     def _group_kwargs(self, group: dict[str, Any], step: int) -> dict[str, Any]:
         return AdamHyper.of_group(group, step).kwargs()
 
-    def _step_param(self, p: torch.Tensor, state: dict[str, Any], kwargs: dict[str, Any]) -> None:
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        fp32_states = exp_avg.dtype == torch.float32 and exp_avg_sq.dtype == torch.float32
-        if fp32_states and (p.dtype == torch.float32 or (p.device.type == "cpu" and p.dtype in _FLOAT16)):
-            # fp32 params, or 16-bit CPU params updated in place in one pass (DeepSpeedCPUAdam's layout)
-            adam_step_(p.data, p.grad, exp_avg, exp_avg_sq, **kwargs)
-            return
-        # 16-bit parameter (and maybe 16-bit states): compute in fp32, write back in the storage dtypes.
-        master = p.data.float()
-        m32, v32 = exp_avg.float(), exp_avg_sq.float()
-        adam_step_(master, p.grad, m32, v32, out16=p.data if p.dtype in _FLOAT16 else None, **kwargs)
-        if p.dtype not in _FLOAT16:
-            p.data.copy_(master)
-        if m32.data_ptr() != exp_avg.data_ptr():
-            exp_avg.copy_(m32)
-            exp_avg_sq.copy_(v32)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("CPUAdam does not support sparse gradients")
-                state = self._init_state(p)
-                state["step"] += 1
-                self._step_param(p, state, self._group_kwargs(group, state["step"]))
-        return loss
+    def _in_place(self, p: torch.Tensor, states: list[torch.Tensor]) -> bool:
+        # fp32 params, or 16-bit CPU params updated in place in one pass (DeepSpeedCPUAdam's layout)
+        fp32_states = all(s.dtype == torch.float32 for s in states)
+        return fp32_states and (p.dtype == torch.float32 or (p.device.type == "cpu" and p.dtype in FLOAT16))
 
 
 class FusedAdam(CPUAdam):
@@ -266,21 +192,11 @@ class FusedAdam(CPUAdam):
     ``adamw_mode`` (CPUAdam's spelling) is accepted too; giving both with different values is an error.
     """
 
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        adam_w_mode: bool = True,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        set_grad_none: bool = True,
-        *,
-        adamw_mode: bool | None = None,
-        fp32_optimizer_states: bool = True,
-    ) -> None:
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
+                 set_grad_none: bool = True, *, adamw_mode: bool | None = None,
+                 fp32_optimizer_states: bool = True) -> None:
         if adamw_mode is not None and bool(adamw_mode) != bool(adam_w_mode):
             raise ValueError(f"FusedAdam: adam_w_mode={adam_w_mode!r} and adamw_mode={adamw_mode!r} disagree; "
                              "give one of them")
@@ -296,20 +212,11 @@ class FusedAdam(CPUAdam):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         for group in self.param_groups:
             # (device, step) -> lists for one multi-tensor launch
             batches: dict[tuple[torch.device, int], tuple[list, list, list, list]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedAdam does not support sparse gradients")
-                state = self._init_state(p)
-                state["step"] += 1
+            for p, state in self._due(group):
                 fusable = (p.is_cuda and native_available(p.device) and p.dtype == torch.float32
                            and state["exp_avg"].dtype == torch.float32 and p.is_contiguous())
                 if not fusable:
@@ -332,7 +239,7 @@ def _register() -> None:
     @torch.library.register_fake("hf_zero::adam_step")
     def _(param, grad, exp_avg, exp_avg_sq, out16, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
           bias_correction, grad_scale):
-        torch._check(param.dtype in (torch.float32, *_FLOAT16), lambda: "adam_step: param must be a float type")
+        torch._check(param.dtype in (torch.float32, *FLOAT16), lambda: "adam_step: param must be a float type")
         torch._check(grad.numel() == param.numel(), lambda: "adam_step: grad and param differ in numel")
         return None
 

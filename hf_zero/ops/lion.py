@@ -13,17 +13,14 @@ the one-time fallback warning of :mod:`hf_zero.ops._native` when the kernel is m
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from hf_zero.ops._native import native_available, stale_build_warning, warn_fallback
+from hf_zero.ops._optim_common import StateStepOptimizer, cpu_kernel_ready, kernel_in_build
 
 __all__ = ["CPULion", "lion_step_", "lion_step_reference"]
-
-_FLOAT16 = (torch.bfloat16, torch.float16)
 
 
 def lion_step_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
@@ -44,22 +41,15 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
                beta2: float, weight_decay: float, grad_scale: float = 1.0, out16: torch.Tensor | None = None) -> None:
     """One Lion step in place on ``param`` and ``exp_avg`` (fp32); ``grad`` fp32/bf16/fp16; ``out16`` gets the
     updated parameter in 16 bit."""
-    if param.device.type == "cpu" and _compiled():
-        if param.dtype == torch.float32 and exp_avg.dtype == torch.float32 \
-                and all(t is None or t.is_contiguous() for t in (param, exp_avg, out16)):
-            torch.ops.hf_zero.lion_step(param, grad, exp_avg, out16, float(lr), float(beta1), float(beta2),
-                                        float(weight_decay), float(grad_scale))
-            return
-    elif param.device.type == "cpu":
-        if native_available("cpu"):
-            stale_build_warning("lion_step")
-        else:
-            warn_fallback("lion_step", param.device)
+    if cpu_kernel_ready("lion_step", param, (exp_avg,), out16):
+        torch.ops.hf_zero.lion_step(param, grad, exp_avg, out16, float(lr), float(beta1), float(beta2),
+                                    float(weight_decay), float(grad_scale))
+        return
     lion_step_reference(param, grad, exp_avg, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
                         grad_scale=grad_scale, out16=out16)
 
 
-class CPULion(torch.optim.Optimizer):
+class CPULion(StateStepOptimizer):
     """Lion over CPU parameters with the compiled kernel; constructor of DeepSpeed's DeepSpeedCPULion.
 
     fp32 parameters are updated in place; 16-bit parameters through an fp32 copy written back in 16 bit. The
@@ -67,6 +57,8 @@ class CPULion(torch.optim.Optimizer):
     """
 
     hf_zero_elementwise = True  # see CPUAdagrad: same result on a ZeRO shard as on the full tensor
+    STATE_KEYS = ("exp_avg",)  # the momentum, DeepSpeedCPULion's name
+    _kernel = staticmethod(lion_step_)
 
     def __init__(self, model_params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
@@ -75,40 +67,12 @@ class CPULion(torch.optim.Optimizer):
             raise ValueError(f"CPULion: invalid lr {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"CPULion: invalid betas {betas}")
-        super().__init__(model_params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
-        self.fp32_optimizer_states = fp32_optimizer_states
+        super().__init__(model_params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay),
+                         fp32_optimizer_states)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            kwargs = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("CPULion does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    dtype = torch.float32 if self.fp32_optimizer_states else p.dtype
-                    state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
-                state["step"] += 1
-                m = state["exp_avg"]
-                if p.dtype == torch.float32 and m.dtype == torch.float32:
-                    lion_step_(p.data, p.grad, m, **kwargs)
-                    continue
-                master, m32 = p.data.float(), m.float()
-                lion_step_(master, p.grad, m32, out16=p.data if p.dtype in _FLOAT16 else None, **kwargs)
-                if p.dtype not in _FLOAT16:
-                    p.data.copy_(master)
-                if m32.data_ptr() != m.data_ptr():
-                    m.copy_(m32)
-        return loss
+    def _group_kwargs(self, group: dict[str, Any], step: int) -> dict[str, Any]:
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
 
 
 def _register() -> None:
@@ -119,10 +83,9 @@ def _register() -> None:
         return None
 
 
-@functools.cache
 def _compiled() -> bool:
     """The kernel is in the loaded extension (an extension built before this op existed lacks it)."""
-    return native_available("cpu") and hasattr(torch.ops.hf_zero, "lion_step")
+    return kernel_in_build("lion_step")
 
 
 if _compiled():
