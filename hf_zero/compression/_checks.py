@@ -10,9 +10,14 @@ def check_ratio(value: float, path: str) -> None:
         raise ConfigError(path, f"dense_ratio is the fraction of weights kept and must be in (0, 1], got {value}")
 
 
-def check_offsets(start: int, end: int | None, stride: int, path: str) -> None:
+def check_offset(start: int, path: str) -> None:
+    """``schedule_offset``, which every method has: the step at which it starts."""
     if start < 0:
         raise ConfigError(f"{path}.schedule_offset", f"must be >= 0, got {start}")
+
+
+def check_offsets(start: int, end: int | None, stride: int, path: str) -> None:
+    check_offset(start, path)
     if end is not None and end < start:
         raise ConfigError(f"{path}.schedule_offset_end",
                           f"must be >= schedule_offset ({start}), got {end}")

@@ -16,7 +16,8 @@ Layout (DeepSpeed's)::
                           "teacher_layer": [1, 3], "other_module_name": [...]}
     }
 
-Each method's ``shared_parameters`` / ``params`` classes live in the method's folder (``<method>/config.py``);
+Each method's ``shared_parameters`` / ``params`` classes live in the method's folder (``<method>/config.py``; the
+pruning methods' derive from :mod:`hf_zero.compression.pruning_config`) and check themselves in ``validate``;
 this module only walks the section, so an unknown method, key or group shape is a :class:`ConfigError` with the
 full key path. Checks that need the model (a module pattern that matches nothing, a ratio that would remove every
 head) are made by :func:`hf_zero.compression.init_compression`, with the same key paths.
@@ -123,28 +124,25 @@ def parse_compression_config(section: Mapping[str, Any] | CompressionConfig | No
     for key, raw in section.items():
         key_path = f"{path}.{key}"
         if key == "layer_reduction":
-            kwargs[key] = _parse_layer_reduction(raw, key_path)
+            kwargs[key] = parse(LayerReductionConfig, raw, key_path)
+            kwargs[key].validate(key_path)
         elif key in GROUPED_METHODS:
             kwargs[key] = _parse_method(key, raw, key_path)
         else:
-            guess = closest(str(key), accepted)
-            hint = f"did you mean '{guess}'?" if guess else f"accepted keys: {', '.join(accepted)}"
-            raise ConfigError(key_path, f"unknown compression method; {hint}")
+            raise _unknown(key, accepted, key_path, "unknown compression method")
     return CompressionConfig(**kwargs)
 
 
-def _parse_layer_reduction(raw: Any, path: str) -> LayerReductionConfig:
-    cfg = parse(LayerReductionConfig, raw, path)
-    if cfg.enabled:
-        if cfg.keep_number_layer is None or cfg.keep_number_layer < 1:
-            raise ConfigError(f"{path}.keep_number_layer", f"must be a positive integer when enabled, got "
-                                                           f"{cfg.keep_number_layer!r}")
-        if cfg.teacher_layer and len(cfg.teacher_layer) != cfg.keep_number_layer:
-            raise ConfigError(f"{path}.teacher_layer", f"lists {len(cfg.teacher_layer)} layers but "
-                                                       f"keep_number_layer is {cfg.keep_number_layer}")
-        if any(i < 0 for i in cfg.teacher_layer):
-            raise ConfigError(f"{path}.teacher_layer", f"layer indices must be >= 0, got {list(cfg.teacher_layer)}")
-    return cfg
+def _unknown(key: Any, accepted: list[str], path: str, what: str = "unknown key") -> ConfigError:
+    """The error for a key not in ``accepted``: the likely typo, else every accepted key (in the order given)."""
+    guess = closest(str(key), accepted)
+    hint = f"did you mean '{guess}'?" if guess else f"accepted keys: {', '.join(accepted)}"
+    return ConfigError(path, f"{what}; {hint}")
+
+
+# the keys of one grouped method and of one of its groups (listed so in "accepted keys" errors)
+_METHOD_KEYS = ["different_groups", "shared_parameters"]
+_GROUP_KEYS = ["modules", "params", "related_modules"]
 
 
 def _parse_method(method: str, raw: Any, path: str) -> MethodConfig:
@@ -152,10 +150,8 @@ def _parse_method(method: str, raw: Any, path: str) -> MethodConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(path, f"expected a JSON object, got {raw!r} ({type(raw).__name__})")
     for key in raw:
-        if key not in ("shared_parameters", "different_groups"):
-            guess = closest(str(key), ["shared_parameters", "different_groups"])
-            hint = f"did you mean '{guess}'?" if guess else "accepted keys: different_groups, shared_parameters"
-            raise ConfigError(f"{path}.{key}", f"unknown key; {hint}")
+        if key not in _METHOD_KEYS:
+            raise _unknown(key, _METHOD_KEYS, f"{path}.{key}")
     shared_path = f"{path}.shared_parameters"
     shared = parse(shared_cls, raw.get("shared_parameters"), shared_path)
     shared.validate(shared_path)
@@ -172,10 +168,8 @@ def _parse_method(method: str, raw: Any, path: str) -> MethodConfig:
         if not isinstance(graw, Mapping):
             raise ConfigError(gpath, f"expected a JSON object with params/modules, got {graw!r}")
         for key in graw:
-            if key not in ("params", "modules", "related_modules"):
-                guess = closest(str(key), ["params", "modules", "related_modules"])
-                hint = f"did you mean '{guess}'?" if guess else "accepted keys: modules, params, related_modules"
-                raise ConfigError(f"{gpath}.{key}", f"unknown key; {hint}")
+            if key not in _GROUP_KEYS:
+                raise _unknown(key, _GROUP_KEYS, f"{gpath}.{key}")
         params = parse(params_cls, graw.get("params"), f"{gpath}.params")
         params.validate(f"{gpath}.params", shared)
         modules = _string_list(graw.get("modules"), f"{gpath}.modules", required=True)

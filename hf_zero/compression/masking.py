@@ -2,10 +2,8 @@
 blocks of input columns (attention heads). One class, so every pruning method has the same schedule, resume and
 fold behaviour.
 
-State (all saved with the model): ``mask`` (bool, one entry per unit), ``density`` (the density ``mask`` was
-computed for) and ``target_density`` (what the schedule wants now). The mask is recomputed lazily, in the
-forward pass, when the two differ -- i.e. from the weight as it is at forward time (under ZeRO-3 the gathered
-one) -- and never otherwise, so a resumed run keeps the exact mask it saved.
+State: every pruning mask's (:class:`DensityMask`, which the channel mask shares). A UnitMask recomputes its mask
+lazily, in the forward pass -- i.e. from the weight as it is at forward time (under ZeRO-3 the gathered one).
 
 Methods: ``l1`` ranks units by the L1 norm of their weights; ``topk`` learns a score per unit (initialized to
 that L1 norm) and keeps the top ``density`` share, with a straight-through gradient to the scores
@@ -22,7 +20,7 @@ from torch import nn
 from .layer import WeightTransform, full_parameters
 from .schedule import DensitySchedule
 
-__all__ = ["UnitMask", "top_units"]
+__all__ = ["DensityMask", "UnitMask", "top_units"]
 
 Axis = Literal["element", "row", "col"]
 
@@ -46,18 +44,34 @@ class _TopKBinarizer(torch.autograd.Function):
         return grad, None
 
 
-class UnitMask(WeightTransform):
+class DensityMask(WeightTransform):
+    """What every pruning mask keeps, all saved with the model: ``mask`` (bool, one entry per unit), ``density``
+    (the density ``mask`` was computed for) and ``target_density`` (what the schedule wants now). A subclass
+    recomputes ``mask`` when the two differ and never otherwise, so a resumed run keeps the exact mask it saved."""
+
+    def __init__(self, num_units: int, device: torch.device | None = None):
+        super().__init__()
+        self.register_buffer("mask", torch.ones(num_units, dtype=torch.bool, device=device))
+        self.register_buffer("density", torch.tensor(1.0))
+        self.register_buffer("target_density", torch.tensor(1.0))
+
+    def kept_units(self) -> torch.Tensor:
+        """Indices of the kept units, ascending (what redundancy_clean keeps)."""
+        return self.mask.nonzero().flatten()
+
+    def stats(self) -> dict[str, float]:
+        return {"density": float(self.mask.float().mean())}
+
+
+class UnitMask(DensityMask):
     def __init__(self, *, weight: torch.Tensor, axis: Axis, num_units: int, method: Literal["l1", "topk"],
                  schedule: DensitySchedule, mask_bias: bool):
-        super().__init__()
+        super().__init__(num_units, device=weight.device)
         self.axis = axis
         self.num_units = num_units
         self.method = method
         self.schedule = schedule
         self.mask_bias = mask_bias and axis == "row"
-        self.register_buffer("mask", torch.ones(num_units, dtype=torch.bool, device=weight.device))
-        self.register_buffer("density", torch.tensor(1.0))
-        self.register_buffer("target_density", torch.tensor(1.0))
         if method == "topk":
             with full_parameters([weight]):
                 self.scores = nn.Parameter(self.importance(weight.detach()).float().clone())
@@ -106,13 +120,6 @@ class UnitMask(WeightTransform):
         if self.mask_bias and bias is not None:
             bias = bias * unit_mask.repeat_interleave(bias.shape[0] // self.num_units)
         return weight, bias
-
-    def kept_units(self) -> torch.Tensor:
-        """Indices of the kept units, ascending (what redundancy_clean keeps)."""
-        return self.mask.nonzero().flatten()
-
-    def stats(self) -> dict[str, float]:
-        return {"density": float(self.mask.float().mean())}
 
     def extra_repr(self) -> str:
         return f"axis={self.axis}, units={self.num_units}, method={self.method}, density={float(self.density):.3f}"

@@ -59,8 +59,11 @@ def get_method(name: str) -> Method:
 
 
 def _load_builtin() -> None:
+    """Import every grouped method's folder, which registers it. Imported here, not at the top: the folders
+    import this module."""
     import importlib
 
-    for name in ("weight_quantization", "activation_quantization", "sparse_pruning", "row_pruning",
-                 "head_pruning", "channel_pruning"):
+    from .config import GROUPED_METHODS
+
+    for name in GROUPED_METHODS:
         importlib.import_module(f"hf_zero.compression.{name}")

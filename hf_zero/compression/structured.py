@@ -15,7 +15,10 @@ def config_of(model: nn.Module):
 
 def uniform_count(counts: dict[str, int], what: str) -> int | None:
     """The one kept count shared by every pruned module, or None (with a warning) when layers differ -- a
-    transformers config holds one size for all layers, so such a model cannot be rebuilt by from_pretrained."""
+    transformers config holds one size for all layers, so such a model cannot be rebuilt by from_pretrained.
+    None, silently, when nothing was pruned: there is no size to set."""
+    if not counts:
+        return None
     values = set(counts.values())
     if len(values) == 1:
         return values.pop()

@@ -8,6 +8,8 @@ from typing import Literal
 from hf_zero.config.errors import ConfigError
 from hf_zero.config.schema import spec
 
+from .._checks import check_offset
+
 __all__ = ["ActivationQuantizationShared", "ActivationQuantizationParams"]
 
 
@@ -21,8 +23,7 @@ class ActivationQuantizationShared:
     range_momentum: float = spec(0.9, help="hf_zero: EMA momentum of the static range")
 
     def validate(self, path: str) -> None:
-        if self.schedule_offset < 0:
-            raise ConfigError(f"{path}.schedule_offset", f"must be >= 0, got {self.schedule_offset}")
+        check_offset(self.schedule_offset, path)
         if not 0.0 <= self.range_momentum < 1.0:
             raise ConfigError(f"{path}.range_momentum", f"must be in [0, 1), got {self.range_momentum}")
 

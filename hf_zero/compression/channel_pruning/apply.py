@@ -14,10 +14,10 @@ from torch import nn
 
 from hf_zero.config.errors import ConfigError
 
-from ..layer import CompressedLinear, wrap_linear
+from ..install import installed_transform
+from ..layer import wrap_linear
 from ..matching import blamed_on, linear_names, match_group
 from ..registry import CleanPlan, Slice
-from ..schedule import DensitySchedule
 from .layer import ChannelMask, ChannelRows
 
 if TYPE_CHECKING:
@@ -71,8 +71,7 @@ def install(model: nn.Module, cfg: "MethodConfig") -> list[str]:
     scored = [(model.get_submodule(n).weight, 0) for n in writers]
     scored += [(model.get_submodule(n).weight, 1) for n in readers]
     scored.append((model.get_submodule(embedding).weight, 1))
-    schedule = DensitySchedule(ratio, shared.schedule_offset, shared.schedule_offset_end,
-                               shared.schedule_offset_stride)
+    schedule = shared.density_schedule(ratio)
     device = model.get_submodule(writers[0]).weight.device
     owner = ChannelMask(hidden=hidden, schedule=schedule, scored=scored).to(device)
     for i, name in enumerate(writers):
@@ -87,12 +86,11 @@ def plan_clean(model: nn.Module, cfg: "MethodConfig") -> CleanPlan:
     (group,) = cfg.groups
     hidden = _hidden(model, cfg)
     writers = match_group(model, group)
-    first = model.get_submodule(writers[0])
-    if not isinstance(first, CompressedLinear) or "channel_pruning" not in first.weight_transforms:
+    owner: ChannelMask | None = installed_transform(model, writers[0], cfg.method)
+    if owner is None:
         return CleanPlan()
-    owner: ChannelMask = first.weight_transforms["channel_pruning"]
     readers, embedding, norms = _parts(model, cfg, writers, hidden)
-    index = owner.mask.nonzero().flatten()
+    index = owner.kept_units()
     kept = int(index.numel())
     plan = CleanPlan()
     plan.slices += [Slice(n, 0, index) for n in writers] + [Slice(n, 1, index) for n in readers]

@@ -9,8 +9,8 @@ on removal is RMSNorm's mean over channels (H before, K after): cleaning folds s
 and scales the norm's epsilon by H / K, which is exact.
 
 State: the :class:`ChannelMask` owner is the ``channel_pruning`` transform of the first writer and holds the
-buffers (``mask``, ``density``, ``target_density``); the other writers hold a :class:`ChannelRows` that reads
-the owner's mask through a plain reference, so the state dict has one copy.
+buffers (a :class:`~hf_zero.compression.masking.DensityMask`'s); the other writers hold a :class:`ChannelRows`
+that reads the owner's mask through a plain reference, so the state dict has one copy.
 """
 
 from __future__ import annotations
@@ -19,23 +19,20 @@ import torch
 from torch import nn
 
 from ..layer import WeightTransform, full_parameters
-from ..masking import top_units
+from ..masking import DensityMask, top_units
 from ..schedule import DensitySchedule
 
 __all__ = ["ChannelMask", "ChannelRows"]
 
 
-class ChannelMask(WeightTransform):
+class ChannelMask(DensityMask):
     def __init__(self, *, hidden: int, schedule: DensitySchedule, scored: list[tuple[nn.Parameter, int]]):
-        super().__init__()
+        super().__init__(hidden)
         self.hidden = hidden
         self.schedule = schedule
         # (parameter, channel axis) of every tensor that reads or writes the residual stream: the l1 importance
         self._scored = scored
         self._handles: list = []
-        self.register_buffer("mask", torch.ones(hidden, dtype=torch.bool))
-        self.register_buffer("density", torch.tensor(1.0))
-        self.register_buffer("target_density", torch.tensor(1.0))
 
     @torch.no_grad()
     def importance(self) -> torch.Tensor:
@@ -63,9 +60,6 @@ class ChannelMask(WeightTransform):
         if bool(self.mask.all()):
             return None
         return output * self.mask.to(output.dtype)
-
-    def stats(self) -> dict[str, float]:
-        return {"density": float(self.mask.float().mean())}
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, density={float(self.density):.3f}"

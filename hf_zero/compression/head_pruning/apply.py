@@ -16,20 +16,19 @@ from torch import nn
 
 from hf_zero.config.errors import ConfigError
 
-from ..layer import CompressedLinear, wrap_linear
+from ..install import each_installed, install_each
 from ..masking import UnitMask
-from ..matching import blamed_on, find_related, match_group
+from ..matching import find_related
 from ..registry import CleanPlan, Slice
-from ..schedule import DensitySchedule
-from ..structured import check_keeps_some as _check_keeps_some, config_of, uniform_count
+from ..structured import check_keeps_some, config_of, uniform_count
 
 if TYPE_CHECKING:
-    from ..config import MethodConfig
+    from ..config import Group, MethodConfig
 
 __all__ = ["install", "plan_clean"]
 
 
-def _geometry(model: nn.Module, cfg: MethodConfig, group, name: str) -> tuple[int, int, int, list[str]]:
+def _geometry(model: nn.Module, cfg: MethodConfig, group: Group, name: str) -> tuple[int, int, int, list[str]]:
     """(num_heads, num_kv_heads, head_dim, related module names) for output projection ``name``."""
     out_proj = model.get_submodule(name)
     config = config_of(model)
@@ -55,21 +54,15 @@ def _geometry(model: nn.Module, cfg: MethodConfig, group, name: str) -> tuple[in
 
 
 def install(model: nn.Module, cfg: MethodConfig) -> list[str]:
-    shared = cfg.shared
-    touched: list[str] = []
-    for group in cfg.groups:
-        schedule = DensitySchedule(group.params.dense_ratio, shared.schedule_offset, shared.schedule_offset_end,
-                                   shared.schedule_offset_stride)
-        for name in match_group(model, group):
-            num_heads, kv_heads, _, _ = _geometry(model, cfg, group, name)
-            _check_keeps_some(group, kv_heads, "key/value head groups" if kv_heads < num_heads else "heads")
-            module = wrap_linear(model, name)
-            mask = UnitMask(weight=module.weight, axis="col", num_units=kv_heads, method=shared.method,
-                            schedule=schedule, mask_bias=False)
-            with blamed_on(group, name):
-                module.add_weight_transform("head_pruning", mask)
-            touched.append(name)
-    return touched
+    return install_each(model, cfg, _head_mask)
+
+
+def _head_mask(model: nn.Module, cfg: MethodConfig, group: Group, name: str) -> UnitMask:
+    num_heads, kv_heads, _, _ = _geometry(model, cfg, group, name)
+    check_keeps_some(group, kv_heads, "key/value head groups" if kv_heads < num_heads else "heads")
+    return UnitMask(weight=model.get_submodule(name).weight, axis="col", num_units=kv_heads,
+                    method=cfg.shared.method, schedule=cfg.shared.density_schedule(group.params.dense_ratio),
+                    mask_bias=False)
 
 
 def plan_clean(model: nn.Module, cfg: MethodConfig) -> CleanPlan:
@@ -77,33 +70,29 @@ def plan_clean(model: nn.Module, cfg: MethodConfig) -> CleanPlan:
     kept_heads: dict[str, int] = {}
     kept_kv: dict[str, int] = {}
     head_dims = set()
-    for group in cfg.groups:
-        for name in match_group(model, group):
-            module = model.get_submodule(name)
-            if not isinstance(module, CompressedLinear) or "head_pruning" not in module.weight_transforms:
-                continue
-            num_heads, kv_heads, head_dim, related = _geometry(model, cfg, group, name)
-            units = module.weight_transforms["head_pruning"].kept_units()  # kept kv groups, ascending
-            per_unit = num_heads // kv_heads
-            q_heads = (units[:, None] * per_unit + torch.arange(per_unit, device=units.device)).flatten()
-            q_cols = (q_heads[:, None] * head_dim + torch.arange(head_dim, device=units.device)).flatten()
-            kv_cols = (units[:, None] * head_dim + torch.arange(head_dim, device=units.device)).flatten()
-            plan.slices.append(Slice(name, 1, q_cols))
-            for rel in related:
-                width = model.get_submodule(rel).out_features
-                plan.slices.append(Slice(rel, 0, q_cols if width == num_heads * head_dim else kv_cols))
-            kept_heads[name] = int(q_heads.numel())
-            kept_kv[name] = int(units.numel())
-            head_dims.add(head_dim)
-            parent = name.rpartition(".")[0]
-            attn = model.get_submodule(parent) if parent else model
-            for attr, value in (("num_heads", q_heads.numel()), ("num_attention_heads", q_heads.numel()),
-                                ("num_key_value_heads", units.numel())):
-                if isinstance(getattr(attn, attr, None), int):
-                    plan.updates.append((parent, attr, int(value)))
+    for group, name, mask in each_installed(model, cfg):
+        num_heads, kv_heads, head_dim, related = _geometry(model, cfg, group, name)
+        units = mask.kept_units()  # kept kv groups, ascending
+        per_unit = num_heads // kv_heads
+        q_heads = (units[:, None] * per_unit + torch.arange(per_unit, device=units.device)).flatten()
+        q_cols = (q_heads[:, None] * head_dim + torch.arange(head_dim, device=units.device)).flatten()
+        kv_cols = (units[:, None] * head_dim + torch.arange(head_dim, device=units.device)).flatten()
+        plan.slices.append(Slice(name, 1, q_cols))
+        for rel in related:
+            width = model.get_submodule(rel).out_features
+            plan.slices.append(Slice(rel, 0, q_cols if width == num_heads * head_dim else kv_cols))
+        kept_heads[name] = int(q_heads.numel())
+        kept_kv[name] = int(units.numel())
+        head_dims.add(head_dim)
+        parent = name.rpartition(".")[0]
+        attn = model.get_submodule(parent) if parent else model
+        for attr, value in (("num_heads", q_heads.numel()), ("num_attention_heads", q_heads.numel()),
+                            ("num_key_value_heads", units.numel())):
+            if isinstance(getattr(attn, attr, None), int):
+                plan.updates.append((parent, attr, int(value)))
     config = config_of(model)
-    heads = uniform_count(kept_heads, "heads kept by head_pruning") if kept_heads else None
-    kv = uniform_count(kept_kv, "key/value heads kept by head_pruning") if kept_kv else None
+    heads = uniform_count(kept_heads, "heads kept by head_pruning")
+    kv = uniform_count(kept_kv, "key/value heads kept by head_pruning")
     if config is not None and heads is not None and kv is not None and len(head_dims) == 1:
         # head_dim must become explicit: hidden_size // num_attention_heads no longer gives it
         plan.updates.append(("config", "head_dim", head_dims.pop()))

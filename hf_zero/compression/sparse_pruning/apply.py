@@ -6,29 +6,22 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-
-from ..layer import full_shape, wrap_linear
+from ..install import install_each
+from ..layer import full_shape
 from ..masking import UnitMask
-from ..matching import blamed_on, match_group
-from ..schedule import DensitySchedule
 
 if TYPE_CHECKING:
-    from ..config import MethodConfig
+    from ..config import Group, MethodConfig
 
 __all__ = ["install"]
 
 
 def install(model: nn.Module, cfg: MethodConfig) -> list[str]:
+    return install_each(model, cfg, _mask, excluded=cfg.shared.excluded_modules)
+
+
+def _mask(model: nn.Module, cfg: MethodConfig, group: Group, name: str) -> UnitMask:
     shared = cfg.shared
-    touched: list[str] = []
-    for group in cfg.groups:
-        schedule = DensitySchedule(group.params.ratio(shared), shared.schedule_offset, shared.schedule_offset_end,
-                                   shared.schedule_offset_stride)
-        for name in match_group(model, group, excluded=shared.excluded_modules):
-            module = wrap_linear(model, name)
-            mask = UnitMask(weight=module.weight, axis="element", num_units=full_shape(module.weight).numel(),
-                            method=shared.method, schedule=schedule, mask_bias=False)
-            with blamed_on(group, name):
-                module.add_weight_transform("sparse_pruning", mask)
-            touched.append(name)
-    return touched
+    weight = model.get_submodule(name).weight
+    return UnitMask(weight=weight, axis="element", num_units=full_shape(weight).numel(), method=shared.method,
+                    schedule=shared.density_schedule(group.params.ratio(shared)), mask_bias=False)

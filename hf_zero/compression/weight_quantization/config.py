@@ -8,6 +8,8 @@ from typing import Literal
 from hf_zero.config.errors import ConfigError
 from hf_zero.config.schema import spec
 
+from .._checks import check_offset
+
 __all__ = ["WeightQuantizationShared", "WeightQuantizationParams", "MixedQuantize"]
 
 
@@ -36,8 +38,7 @@ class WeightQuantizationShared:
     fp16_mixed_quantize: MixedQuantize = spec(default_factory=MixedQuantize, help="gradual blending")
 
     def validate(self, path: str) -> None:
-        if self.schedule_offset < 0:
-            raise ConfigError(f"{path}.schedule_offset", f"must be >= 0, got {self.schedule_offset}")
+        check_offset(self.schedule_offset, path)
         if self.quantize_groups < 1:
             raise ConfigError(f"{path}.quantize_groups", f"must be >= 1, got {self.quantize_groups}")
         if self.group_size is not None and self.group_size < 1:
