@@ -248,6 +248,20 @@ def test_failing_rank_exit_code_is_the_launchers(venv, tmp_path):
     assert result.returncode == 3, result.stderr[-3000:]
 
 
+def test_exit_code_is_the_failing_ranks_not_a_rank_the_agent_stopped():
+    """The race behind a red CI run: rank 1 exits 3, rank 0 is still alive and the agent SIGTERMs it; the failures
+    then hold rank 0's -15 too, which once made the launcher exit 241."""
+    from types import SimpleNamespace as F
+
+    from hf_zero.launcher.run import _root_exit_code
+
+    assert _root_exit_code({0: F(exitcode=-15, timestamp=11), 1: F(exitcode=3, timestamp=10)}) == 3
+    assert _root_exit_code({0: F(exitcode=-15, timestamp=10), 1: F(exitcode=3, timestamp=10)}) == 3
+    assert _root_exit_code({0: F(exitcode=2, timestamp=12), 1: F(exitcode=5, timestamp=10)}) == 5  # the first
+    assert _root_exit_code({0: F(exitcode=-9, timestamp=10)}) == 137  # killed: the shell's 128 + signal
+    assert _root_exit_code({0: F(exitcode=-11, timestamp=10), 1: F(exitcode=-15, timestamp=10)}) == 139
+
+
 def test_deepspeed_command_runs_a_real_deepspeeds_launcher(venv, tmp_path):
     """With a real DeepSpeed importable, the ``deepspeed`` command hf-zero installs runs DeepSpeed's runner."""
     fake = tmp_path / "site" / "deepspeed"

@@ -55,6 +55,19 @@ def launch(args: argparse.Namespace) -> int:
     try:
         run(get_args_parser().parse_args(torchrun_args(plan, args)))
     except ChildFailedError as exc:
-        codes = [failure.exitcode for _, failure in sorted(exc.failures.items())]
-        return next((c for c in codes if c not in (0, None)), 1) if codes else 1
+        return _root_exit_code(exc.failures)
     return 0
+
+
+def _root_exit_code(failures: dict) -> int:
+    """The launcher's exit status: the code of the rank that failed first, as DeepSpeed's launcher returns it. When
+    one rank fails, the agent stops the others with SIGTERM (then SIGKILL); those ranks appear among the failures
+    too, and one still alive then would otherwise hide the real code behind -15 (exit status 241)."""
+    import signal
+
+    stopped_by_agent = (-signal.SIGTERM, -signal.SIGKILL)
+    ranked = sorted(failures.items(), key=lambda item: (item[1].exitcode in stopped_by_agent, item[1].timestamp,
+                                                        item[0]))
+    code = next((f.exitcode for _, f in ranked if f.exitcode not in (0, None)), 1)
+    return code if code > 0 else 128 - code  # a signal: the shell's 128 + signal number
+
