@@ -25,8 +25,8 @@ from hf_zero.config.errors import ConfigError
 from hf_zero.ops import host_cache
 from hf_zero.profiling.step_calibration import StepTimeCalibrator
 from hf_zero.profiling.step_profile import StepProfiler
-from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.profiling.throughput_timer import ThroughputTimer
+from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.backward import BackwardSessions
 from hf_zero.runtime.ds_engine_api import DeepSpeedEngineAPI
 from hf_zero.runtime.monitor import MonitorMaster, boundary_events

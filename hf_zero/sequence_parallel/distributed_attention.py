@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_zero.ops.transformer import apply_rotary
 from hf_zero.sequence_parallel.all_to_all import seq_all_to_all
 
 __all__ = ["DistributedAttention", "apply_rotary_pos_emb"]
@@ -34,17 +35,12 @@ __all__ = ["DistributedAttention", "apply_rotary_pos_emb"]
 logger = logging.getLogger("hf_zero")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 def apply_rotary_pos_emb(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on the first ``cos.shape[-1]`` channels of ``t`` (the rest pass through): ``t * cos +
-    rotate_half(t) * sin``, with ``cos``/``sin`` broadcasting against ``t``."""
+    """Rotary embedding on the first ``cos.shape[-1]`` channels of ``t`` (the rest pass through): hf_zero's fused
+    ``apply_rotary`` (``t * cos + rotate_half(t) * sin``), with ``cos``/``sin`` broadcasting against ``t``."""
     rot = cos.shape[-1]
     head, tail = t[..., :rot], t[..., rot:]
-    head = head * cos + _rotate_half(head) * sin
+    head = apply_rotary(head, cos, sin)
     return head if tail.shape[-1] == 0 else torch.cat((head, tail), dim=-1)
 
 

@@ -28,10 +28,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hf_zero.comm import buffer_pool, faults, get_rank, get_world_size, shm_ring
+from hf_zero.util.tensors import functorch_transforming
 from hf_zero.zero.host_memory import tune_cpu_training_memory
 from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import capped_bucket_numel
-from hf_zero.util.tensors import functorch_transforming
 from hf_zero.zero.leaf import z3_leaf_module
 
 from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
@@ -61,7 +61,6 @@ class _Group:
         self.numel = sum(sp.numel for sp in sps)
 
 
-
 def _refuse_functorch() -> None:
     """Called where ZeRO-3 is about to swap parameter storages (the first forward's publish, every gather of a
     partitioned model): under a torch.func transform that crashes torch, so it is an error instead."""
@@ -72,6 +71,7 @@ def _refuse_functorch() -> None:
             "which a function transform cannot follow (torch crashes). Use ZeRO stage 0, 1 or 2 for torch.func "
             "(as DeepSpeed supports it), or run one forward outside the transform first on a single rank, where "
             "ZeRO-3 keeps parameters whole")
+
 
 class Stage3Runtime:
     """ZeRO-3 for one module tree. See the module docstring; the engine contract is in the class methods."""
