@@ -4,7 +4,7 @@ Owns process groups, every collective hf_zero issues and the size of their bucke
 imports torch only, no other hf_zero package (the layer table is ``LAYERS`` in ``tests/test_layering.py``).
 """
 
-from . import buffer_pool, context, expert_groups, faults, sequence_groups, settings, shm_ring
+from . import buffer_pool, comms_log, context, expert_groups, faults, sequence_groups, settings, shm_ring
 from .device import accelerator_type, local_device
 from .collectives import (all_gather_delivered, all_gather_packed, all_reduce_, all_to_all_single_, barrier,
                           reduce_scatter_filled, reduce_scatter_packed)
@@ -14,7 +14,7 @@ from .sequence_groups import get_sequence_parallel_group
 from .process_group import (ReduceOp, all_gather, all_reduce, bookkeeping_device, broadcast, default_backend, get_local_rank,
                             get_node_id, get_rank, get_world_size, init_distributed, is_initialized)
 
-__all__ = ["buffer_pool", "context", "expert_groups", "faults", "sequence_groups", "settings", "shm_ring",
+__all__ = ["buffer_pool", "comms_log", "context", "expert_groups", "faults", "sequence_groups", "settings", "shm_ring",
            "take_gather_buffer", "give_packed", "init_distributed", "is_initialized", "destroy_process_group",
            "get_rank", "get_world_size", "get_local_rank", "get_node_id", "get_sequence_parallel_group", "barrier",
            "default_backend", "all_reduce", "broadcast", "all_gather", "ReduceOp", "reduce_scatter_packed",

@@ -7,6 +7,10 @@ the torch versions hf_zero supports, so there is no fallback path to maintain. A
 Every call is preceded by the divergence check (one small all-gather; ``comms_divergence_check``) and returns a
 :class:`BoundedWork`, whose ``wait()`` is bounded by ``comms_timeout_s``; a synchronous call waits the same way.
 ``what`` names the collective in errors ("the gather of model.layers.3", "the gradient reduce-scatter of ...").
+
+With the comms logger on (comms_log.py), ``_issue`` -- every collective here passes through it -- times the payload
+from the moment it leaves to the end of its handle's ``wait()``, and records it under its kind (``all_gather``,
+``reduce_scatter``, ``all_reduce``; ``all_to_all_single``, ``barrier``: DeepSpeed's names for those two).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import buffer_pool, faults, shm_ring
+from . import buffer_pool, comms_log, faults, shm_ring
 from .process_group import backend_for, bookkeeping_device
 from .shm_collectives import (bounce_all_gather, bounce_reduce_scatter, deliver_from, deliver_to,
                               delivered_all_gather, fill_reduce_scatter, shm_all_gather)
@@ -60,11 +64,13 @@ Work = object  # BoundedWork or DoneWork: anything with .wait()
 
 
 def _issue(kind: str, fn, tensor: torch.Tensor, what: str | None, group, async_op: bool, *args,
-           force_check: bool = False, defer_check: bool = False, **kwargs):
+           force_check: bool = False, defer_check: bool = False, log_name: str | None = None, **kwargs):
     """``tensor``: what the divergence check compares (its element count and dtype) -- the packed buffer, or the
-    :class:`_Spec` of one that is never materialized."""
+    :class:`_Spec` of one that is never materialized. ``log_name``: the comms logger's name for it, which also picks
+    its bandwidth formula (default: ``kind``)."""
     numel, dtype = tensor.numel(), tensor.dtype
     what = what or f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} of {numel} elements"
+    timing = _timing(kind, log_name or kind, tensor, group) if comms_log.logger.enabled else None
     faults.settle(group)  # a deferred payload asked for before this one leaves first
     # NCCL's wait orders streams instead of blocking the host; gloo's host copies of CUDA tensors wait as CPU work
     on_gpu = tensor.device.type == "cuda" and backend_for("cuda", group) != "gloo"
@@ -72,19 +78,35 @@ def _issue(kind: str, fn, tensor: torch.Tensor, what: str | None, group, async_o
         bounded = BoundedWork(None, what, group, on_gpu)
 
         def issue() -> None:
-            with faults.bounded(f"issuing {what}", group):
-                bounded.work = fn(*args, group=group, async_op=True, **kwargs)
+            bounded.work = _leave(fn, args, kwargs, what, group, timing)
 
         if faults.check_deferred(kind, numel, dtype, what, issue, group, force=force_check):
             return bounded
     faults.check_collective(kind, numel, dtype, what, group, force=force_check)
-    with faults.bounded(f"issuing {what}", group):
-        work = fn(*args, group=group, async_op=True, **kwargs)
-    bounded = BoundedWork(work, what, group, on_gpu)
+    bounded = BoundedWork(_leave(fn, args, kwargs, what, group, timing), what, group, on_gpu)
     if not async_op:
         bounded.wait()
         return DoneWork()
     return bounded
+
+
+def _leave(fn, args, kwargs, what: str, group, timing: comms_log.Timing | None):
+    """Issue the payload; profiled, its handle records it once waited on (by BoundedWork.wait or any caller that
+    waits on ``BoundedWork.work`` itself -- faults.bounded_wait always ends in the handle's ``wait()``)."""
+    if timing is not None:
+        timing.start()
+    with faults.bounded(f"issuing {what}", group):
+        work = fn(*args, group=group, async_op=True, **kwargs)
+    return work if timing is None else comms_log.TimedWork(work, timing)
+
+
+def _timing(kind: str, log_name: str, tensor, group) -> comms_log.Timing | None:
+    """The comms logger's timing of one collective, not started (None: not profiled). The message is what this rank
+    puts in: an all-gather's shard (a row of the ``(world_size, span)`` buffer), every other kind's whole tensor."""
+    nbytes = tensor.numel() * tensor.dtype.itemsize
+    if kind == "all_gather":
+        nbytes //= tensor.shape[0]
+    return comms_log.logger.timing(log_name, log_name, nbytes, group, tensor.device)
 
 
 def reduce_scatter_packed(out: torch.Tensor, packed: torch.Tensor, group=None, async_op: bool = False,
@@ -340,12 +362,15 @@ def all_to_all_single_(out: torch.Tensor, tensor: torch.Tensor, group=None, asyn
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         out.copy_(tensor)
         return DoneWork()
-    return _issue("all_to_all", dist.all_to_all_single, tensor, what, group, async_op, out, tensor)
+    return _issue("all_to_all", dist.all_to_all_single, tensor, what, group, async_op, out, tensor,
+                  log_name="all_to_all_single")
 
 
-def barrier(group=None, what: str = "a barrier") -> None:
-    """``dist.barrier``, bounded by comms_timeout_s and checked like every hf_zero collective."""
+def barrier(group=None, what: str = "a barrier", log_name: str = "barrier") -> None:
+    """``dist.barrier``, bounded by comms_timeout_s and checked like every hf_zero collective (the comms logger
+    files it under ``log_name``)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     # an all-reduce of one element is a barrier, and goes through the same check and bound
-    all_reduce_(torch.zeros(1, device=bookkeeping_device(group)), group=group, what=what)
+    flag = torch.zeros(1, device=bookkeeping_device(group))
+    _issue("all_reduce", dist.all_reduce, flag, what, group, False, flag, log_name=log_name)

@@ -4,8 +4,9 @@ hf_zero never invents a transport: this is torch.distributed, initialized from t
 accelerate launch set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Without them, a plain
 ``python train.py`` gets a world of one, so the same script runs with and without a launcher.
 
-A leaf of comm: it reads settings.py (the default bound) and device.py (where this process trains) and nothing
-else; what hf_zero keeps per group is closed through :func:`before_destroy` hooks that context.py registers.
+A leaf of comm: it reads settings.py (the default bound), device.py (where this process trains) and comms_log.py
+(the comms logger times the functional collectives) and nothing else; what hf_zero keeps per group is closed
+through :func:`before_destroy` hooks that context.py registers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import settings
+from .comms_log import timed_op
 from .settings import created_by_hf_zero
 
 __all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_node_id",
@@ -238,13 +240,19 @@ def bookkeeping_device(group=None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+# DeepSpeed's signatures: ``prof`` asks the comms logger to time this call, ``log_name`` files it, ``debug`` is
+# accepted (the logger's own ``debug`` switch adds the caller).
+
+@timed_op("tensor")
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="all_reduce", debug=None):
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def broadcast(tensor, src, group=None, async_op=False):
+@timed_op("tensor")
+def broadcast(tensor, src, group=None, async_op=False, prof=False, log_name="broadcast", debug=None):
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
-def all_gather(tensor_list, tensor, group=None, async_op=False):
+@timed_op("tensor")
+def all_gather(tensor_list, tensor, group=None, async_op=False, prof=False, log_name="all_gather", debug=None):
     return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)

@@ -23,21 +23,23 @@ branch: ``num_processes = world_size``, ``process_index = rank``. Any other call
 
 The rest of DeepSpeed's functional API that training scripts call (``all_gather_into_tensor``,
 ``reduce_scatter_tensor``, ``reduce``, the object collectives, point-to-point, ``new_group``, ...) is below: thin
-calls of torch.distributed with DeepSpeed's signatures. DeepSpeed's ``prof``/``log_name``/``debug`` arguments feed
-its comms logger; hf_zero does not log collectives (``comms_logger`` in ``hf_zero/config/status.py``), so asking for
-it (``prof=True``, ``configure(...)``, ``log_summary()``) warns once instead of being silently accepted.
+calls of torch.distributed with DeepSpeed's signatures. Their ``prof``/``log_name`` arguments feed the comms logger
+(:mod:`hf_zero.comm.comms_log`, which hf_zero's own collectives record into as well); ``configure``, ``log_summary``,
+``reset_log`` and the counters below are DeepSpeed's calls on it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import warnings
 
 import torch.distributed as dist
 
 from hf_zero.comm import *  # noqa: F401,F403 -- deepspeed.comm is hf_zero.comm plus the functions below
 from hf_zero.comm import __all__ as _comm_all
+from hf_zero.comm import barrier as _barrier
+from hf_zero.comm.collectives import DoneWork
+from hf_zero.comm import comms_log as _comms_log
 from hf_zero.comm import init_distributed as _init_distributed
 from hf_zero.comm import is_initialized as _is_initialized
 
@@ -46,7 +48,8 @@ __all__ = list(_comm_all) + [
     "reduce", "inference_all_reduce", "all_to_all_single", "all_to_all", "gather", "scatter", "broadcast_object_list",
     "all_gather_object", "send", "recv", "isend", "irecv", "monitored_barrier", "new_group", "get_world_group",
     "get_global_rank", "get_all_ranks_from_group", "has_all_gather_into_tensor", "has_reduce_scatter_tensor",
-    "configure", "log_summary", "reset_log", "has_comm_data", "get_comm_operation_count", "get_logged_comm_ops"]
+    "configure", "log_summary", "reset_log", "has_comm_data", "get_comm_operation_count", "get_logged_comm_ops",
+    "comms_logger"]
 
 
 def is_initialized() -> bool:
@@ -77,12 +80,13 @@ def _adopt_backend_into_accelerate_state() -> bool:
 
 
 # ---- the rest of DeepSpeed's functional API: torch.distributed with DeepSpeed's argument names -------------------
-# Every function takes DeepSpeed's trailing ``prof``/``log_name``/``debug``; ``prof=True`` asks the comms logger to
-# time that call, which hf_zero does not do, so it warns (once) like ``configure``.
+# Every function takes DeepSpeed's trailing ``prof``/``log_name``/``debug``; with the comms logger on, ``prof=True``
+# (or ``prof_all``, or ``log_name`` in ``prof_ops``) has the call timed and recorded. ``timed_op``'s argument names
+# the tensor(s) this rank sends: the message size.
 
+@_comms_log.timed_op("tensor")
 def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False, prof=False,
                            log_name="all_gather_into_tensor", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
 
 
@@ -90,9 +94,9 @@ def allgather_fn(output_tensor, input_tensor, group=None, async_op=False, debug=
     return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
+@_comms_log.timed_op("tensor")
 def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
                           log_name="reduce_scatter_tensor", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
@@ -100,81 +104,88 @@ def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_
     return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op, prof=prof)
 
 
+@_comms_log.timed_op("input_list")
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
                    log_name="reduce_scatter", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
 
 
+@_comms_log.timed_op("tensor")
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="reduce", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
 
 
+@_comms_log.timed_op("tensor")
 def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="all_reduce",
                          debug=None):
     """DeepSpeed's all-reduce for inference (a shared-memory kernel on CPU there): the same sums, in place."""
-    _no_comms_logging_if(prof, log_name)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+@_comms_log.timed_op("tensor")
 def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False,
                       prof=False, log_name="all_to_all_single", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
                                   input_split_sizes=input_split_sizes, group=group, async_op=async_op)
 
 
+@_comms_log.timed_op("input_tensor_list")
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False, prof=False, log_name="all_to_all",
                debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
 
 
+@_comms_log.timed_op("tensor")
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, prof=False, log_name="gather", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.gather(tensor, gather_list=gather_list, dst=dst, group=group, async_op=async_op)
 
 
+@_comms_log.timed_op("tensor")
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, prof=False, log_name="scatter", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group, async_op=async_op)
 
 
+@_comms_log.timed_op()
 def broadcast_object_list(object_list, src, group=None, device=None, prof=False, log_name="broadcast_object_list",
                           debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.broadcast_object_list(object_list, src=src, group=group, device=device)
 
 
+@_comms_log.timed_op()
 def all_gather_object(object_list, obj, group=None, prof=False, log_name="all_gather_object", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.all_gather_object(object_list, obj, group=group)
 
 
+@_comms_log.timed_op("tensor")
 def send(tensor, dst, group=None, tag=0, prof=False, log_name="send", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.send(tensor, dst=dst, group=group, tag=tag)
 
 
+@_comms_log.timed_op("tensor")
 def recv(tensor, src=None, group=None, tag=0, prof=False, log_name="recv", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.recv(tensor, src=src, group=group, tag=tag)
 
 
+@_comms_log.timed_op("tensor")
 def isend(tensor, dst, group=None, tag=0, prof=False, log_name="isend", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.isend(tensor, dst=dst, group=group, tag=tag)
 
 
+@_comms_log.timed_op("tensor")
 def irecv(tensor, src=None, group=None, tag=0, prof=False, log_name="irecv", debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.irecv(tensor, src=src, group=group, tag=tag)
 
 
+def barrier(group=None, async_op=False, device_ids=None, prof=False, log_name="barrier", debug=None):
+    """DeepSpeed's signature over hf_zero's bounded barrier (``deepspeed.comm.barrier()`` is what scripts call;
+    ``device_ids`` only selects NCCL's device). With ``async_op`` the returned work is already complete."""
+    _barrier(group, what="deepspeed.comm.barrier()", log_name=log_name)
+    return DoneWork() if async_op else None
+
+
+@_comms_log.timed_op()
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False, prof=False, log_name="monitored_barrier",
                       debug=None):
-    _no_comms_logging_if(prof, log_name)
     return dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
@@ -203,58 +214,56 @@ def has_reduce_scatter_tensor() -> bool:
     return True
 
 
-# ---- DeepSpeed's comms logger: not done by hf_zero, so every request for it warns (once) ------------------------
+# ---- DeepSpeed's comms logger (hf_zero/comm/comms_log.py) --------------------------------------------------------
 
-_COMMS_LOGGING_WARNED = False
-
-
-def _warn_no_comms_logging(asked_by: str) -> None:
-    global _COMMS_LOGGING_WARNED
-    if _COMMS_LOGGING_WARNED:
-        return
-    _COMMS_LOGGING_WARNED = True
-    from hf_zero.config.status import STATUS, ConfigKeyIgnored
-
-    warnings.warn(f"hf_zero: comms_logger is not implemented in hf_zero: {STATUS['comms_logger'].note} "
-                  f"({asked_by} asked for it); nothing is recorded and log_summary() has nothing to report. Time "
-                  f"collectives with torch.profiler instead", ConfigKeyIgnored, stacklevel=3)
-
-
-def _no_comms_logging_if(prof: bool, log_name: str) -> None:
-    if prof:
-        _warn_no_comms_logging(f"deepspeed.comm.{log_name}(prof=True)")
-
+comms_logger = _comms_log.logger  # DeepSpeed's module-level instance: scripts read its comms_dict
 
 def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None, debug=None) -> None:
-    """DeepSpeed's comms-logger switch. Only switching it off (``enabled=False``) is what hf_zero already does;
-    anything else warns once (``comms_logger`` in ``hf_zero/config/status.py``)."""
-    from_config = getattr(getattr(deepspeed_config, "comms_config", None), "comms_logger_enabled", False)
-    asks = (enabled is True or bool(prof_ops) or verbose is True or debug is True or prof_all is True
-            or from_config is True)
-    if asks:
-        _warn_no_comms_logging("deepspeed.comm.configure")
+    """DeepSpeed's comms-logger switches: first the ``comms_logger`` section of ``deepspeed_config`` when that
+    section is enabled (a ``deepspeed.runtime.config.DeepSpeedConfig``, or an ``HfZeroConfig``), then every
+    argument that is not None."""
+    if deepspeed_config is not None:
+        comms_config = getattr(deepspeed_config, "comms_config", None)
+        if comms_config is not None:
+            if comms_config.comms_logger_enabled:
+                _comms_log.logger.configure(comms_config)
+        elif hasattr(deepspeed_config, "comms_logger"):
+            _comms_log.configure_from(deepspeed_config.comms_logger)
+        else:
+            raise TypeError(f"deepspeed.comm.configure(deepspeed_config=...) takes a DeepSpeedConfig "
+                            f"(deepspeed.runtime.config) or an hf_zero HfZeroConfig, got "
+                            f"{type(deepspeed_config).__name__}")
+    _comms_log.configure(enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose, debug=debug)
 
 
 def log_summary(show_straggler: bool = False, return_dict: bool = False):
-    """DeepSpeed prints (rank 0) and returns the logged collectives' statistics; hf_zero logs none, so it warns once
-    and returns an empty dict when ``return_dict``. A barrier, as DeepSpeed's, keeps ranks in step."""
-    _warn_no_comms_logging("deepspeed.comm.log_summary")
-    if _is_initialized():
-        dist.barrier()
-    return {} if return_dict else None
+    """Print the logged collectives' table on rank 0 (every op, every message size: count, total and average
+    latency, average algorithmic and bus bandwidth) and, with ``return_dict``, return it on every rank (structure:
+    ``CommsLogger.log_all``). Collective: the barriers before and after (logged as ``log_summary_barrier``, as
+    DeepSpeed's are) keep ranks in step, and ``show_straggler`` all-reduces the latencies."""
+    initialized = _is_initialized()
+    if initialized:
+        _barrier(what="the barrier of log_summary", log_name="log_summary_barrier")
+    rank = dist.get_rank() if initialized else 0
+    result = _comms_log.logger.log_all(print_log=rank == 0, show_straggler=show_straggler, return_dict=return_dict)
+    if initialized:
+        _barrier(what="the barrier of log_summary", log_name="log_summary_barrier")
+    return result
 
 
 def reset_log() -> None:
-    """Nothing is logged, so nothing to clear."""
+    """Forget every logged collective (e.g. to report each epoch on its own)."""
+    _comms_log.logger.reset_data()
 
 
 def has_comm_data() -> bool:
-    return False
+    return _comms_log.logger.has_data()
 
 
 def get_comm_operation_count() -> int:
-    return 0
+    """How many collectives are logged, over every op and message size."""
+    return _comms_log.logger.get_total_operations()
 
 
 def get_logged_comm_ops() -> list[str]:
-    return []
+    return _comms_log.logger.get_operation_names()

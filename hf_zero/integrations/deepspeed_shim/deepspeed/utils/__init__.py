@@ -1,6 +1,6 @@
 """``deepspeed.utils``: logger, log_dist, print_dist, OnDevice, set_z3_leaf_modules, is_initialized, RepeatingLoader,
-the safe_get_*/safe_set_* accessors of sharded parameters, the ``groups``, ``logging`` and ``timer`` modules and
-``zero_to_fp32`` (offline consolidation of a checkpoint)."""
+the safe_get_*/safe_set_* accessors of sharded parameters, the ``comms_logging``, ``groups``, ``logging`` and
+``timer`` modules and ``zero_to_fp32`` (offline consolidation of a checkpoint)."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
@@ -22,4 +22,4 @@ _forward(__name__, {
         "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
         "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
         "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state")},
-}, submodules=["groups", "logging", "timer", "torch", "zero_to_fp32"])
+}, submodules=["comms_logging", "groups", "logging", "timer", "torch", "zero_to_fp32"])
