@@ -548,7 +548,7 @@ def test_not_implemented_sections_are_accepted_and_listed():
                 "zero_optimization": {"stage": 3, "zero_quantized_weights": True},
                 "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 400}}})
     assert cfg.not_implemented == ("amp", "optimizer.type OneBitAdam", "zero_optimization.zero_quantized_weights",
-                                   "comms_logger", "compression_training")
+                                   "compression_training")
     assert cfg.compression_training["weight_quantization"]["shared_parameters"] == {"enabled": True}
     assert cfg.raw["pipeline"] == {"stages": "auto", "partition": "best"}
     assert load({"compression_training": {"layer_reduction": {"enabled": False}}}).not_implemented == ()
@@ -612,8 +612,8 @@ def test_config_table_for_zero2():
 
 
 def test_config_table_lists_not_implemented():
-    table = format_config_table(load({"comms_logger": {"enabled": True}, "pipeline": {"stages": 2}}))
-    assert table.splitlines()[-1] == "  accepted, not yet implemented: comms_logger"
+    table = format_config_table(load({"autotuning": {"enabled": True}, "pipeline": {"stages": 2}}))
+    assert table.splitlines()[-1] == "  accepted, not yet implemented: autotuning"
 
 
 def test_table_is_logged_on_rank_zero_only(caplog):

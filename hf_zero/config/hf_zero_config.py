@@ -24,6 +24,7 @@ from .sections import (
     CheckpointConfig,
     CometConfig,
     CommsLoggerConfig,
+    CurriculumLearningConfig,
     DataTypesConfig,
     FlopsProfilerConfig,
     FP16Config,
@@ -132,7 +133,9 @@ class HfZeroConfig:
     elasticity: Mapping[str, Any] | None = spec(None, help="Elastic batch sizes. " + _RAW_SECTION)
     autotuning: Mapping[str, Any] | None = spec(None, help="DeepSpeed autotuner. " + _RAW_SECTION)
     data_efficiency: Mapping[str, Any] | None = spec(None, help="Data sampling and routing. " + _RAW_SECTION)
-    curriculum_learning: Mapping[str, Any] | None = spec(None, help="Legacy curriculum learning. " + _RAW_SECTION)
+    curriculum_learning: CurriculumLearningConfig = spec(
+        default_factory=CurriculumLearningConfig,
+        help="DeepSpeed's legacy curriculum (Megatron-DeepSpeed's): the model's forward gets curriculum_seqlen=.")
 
     # Filled by load_config.
     world_size: int = spec(1, json=False, help="Data-parallel world size the batch arithmetic was done for.")

@@ -1,4 +1,4 @@
-"""The typed sections of a DeepSpeed config: precision, ZeRO, offload, async I/O, monitors, checkpointing.
+"""The typed sections of a DeepSpeed config: precision, ZeRO, offload, async I/O, monitors, checkpointing, curriculum.
 
 Each class mirrors one JSON object, with DeepSpeed's key names and defaults (``deepspeed/runtime/zero/config.py``,
 ``offload_config.py``, ``precision_config.py``), so a config written for DeepSpeed means the same thing here.
@@ -21,6 +21,8 @@ __all__ = [
     "CheckpointConfig",
     "CometConfig",
     "CommsLoggerConfig",
+    "CurriculumLearningConfig",
+    "CurriculumScheduleConfig",
     "DataTypesConfig",
     "FP16Config",
     "FlopsProfilerConfig",
@@ -379,3 +381,65 @@ class DataTypesConfig:
         AUTO, auto=True, help="Buffers kept in fp32 under fp16/bf16: 'auto' (the model's transformers "
                               "_keep_in_fp32_modules_strict lists, and _keep_in_fp32_modules under fp16), name "
                               "patterns ('*' for any characters), or [] for none.")
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurriculumScheduleConfig:
+    """``curriculum_learning.schedule_config``: the parameters of the chosen ``schedule_type`` (which ones are
+    required is checked by :class:`CurriculumLearningConfig`)."""
+
+    total_curriculum_step: int | None = spec(
+        None, help="fixed_linear / fixed_root: steps to go from min_difficulty to max_difficulty.")
+    difficulty_step: int | None = spec(
+        None, help="fixed_linear / fixed_root: every difficulty is a multiple of this (8 for fp16 Tensor Cores).")
+    root_degree: int | None = spec(None, help="fixed_root: degree of the root (2: square root; 1 is linear).")
+    difficulty: tuple[int, ...] | None = spec(None, help="fixed_discrete: the difficulties, in order.")
+    max_step: tuple[int, ...] | None = spec(
+        None, help="fixed_discrete: the last step of each difficulty but the last (one entry fewer).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurriculumLearningConfig:
+    """``curriculum_learning``: DeepSpeed's legacy curriculum (Megatron-DeepSpeed's). While training, each forward
+    sets the difficulty for step ``global_steps + 1`` and, for ``curriculum_type`` seqlen, passes it to the model
+    as ``curriculum_seqlen=`` (hf_zero/runtime/curriculum.py)."""
+
+    enabled: bool = spec(False, help="Run the curriculum.")
+    curriculum_type: str | None = spec(
+        None, help="What the difficulty is; 'seqlen' passes it to the model's forward as curriculum_seqlen.")
+    min_difficulty: int | None = spec(None, help="The difficulty of the first step.")
+    max_difficulty: int | None = spec(None, help="The difficulty the schedule ends at.")
+    schedule_type: Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"] | None = spec(
+        None, help="fixed_linear, fixed_root, fixed_discrete, or custom (engine.curriculum_scheduler_legacy"
+                   ".set_custom_get_difficulty(fn)).")
+    schedule_config: CurriculumScheduleConfig = spec(
+        default_factory=CurriculumScheduleConfig, help="The schedule's parameters.")
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            return
+        for key in ("curriculum_type", "min_difficulty", "max_difficulty", "schedule_type"):
+            if getattr(self, key) is None:
+                raise ConfigError(key, "required when curriculum_learning is enabled")
+        if self.min_difficulty > self.max_difficulty:
+            raise ConfigError("min_difficulty", f"{self.min_difficulty} is above max_difficulty "
+                                                f"{self.max_difficulty}; the schedule goes from min to max")
+        sched = self.schedule_config
+        needed = {"fixed_linear": ("total_curriculum_step", "difficulty_step"),
+                  "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
+                  "fixed_discrete": ("difficulty", "max_step"), "custom": ()}[self.schedule_type]
+        for key in needed:
+            if getattr(sched, key) is None:
+                raise ConfigError(f"schedule_config.{key}", f"required by schedule_type {self.schedule_type!r}")
+        for key in ("total_curriculum_step", "difficulty_step", "root_degree"):
+            if key in needed and getattr(sched, key) < 1:
+                raise ConfigError(f"schedule_config.{key}", f"must be >= 1, got {getattr(sched, key)}")
+        if self.schedule_type == "fixed_discrete":
+            if not sched.max_step or len(sched.difficulty) != len(sched.max_step) + 1:
+                raise ConfigError("schedule_config.max_step",
+                                  f"needs at least one entry, and one fewer than schedule_config.difficulty (the "
+                                  f"last difficulty holds for every later step): got {len(sched.max_step)} max_step "
+                                  f"for {len(sched.difficulty)} difficulty")
+            if list(sched.max_step) != sorted(sched.max_step):
+                raise ConfigError("schedule_config.max_step", f"{list(sched.max_step)} must be in ascending order")

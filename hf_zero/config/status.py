@@ -64,11 +64,6 @@ def _refused(note: str, active=None) -> KeyStatus:
     return KeyStatus(Status.REFUSED, note, active)
 
 
-def _enabled(path: str) -> Callable[["HfZeroConfig"], bool]:
-    """A typed section with an ``enabled`` flag counts as set when it is enabled."""
-    return lambda cfg: _get(cfg, path).enabled is True
-
-
 def _switched_on(path: str) -> Callable[["HfZeroConfig"], bool]:
     """A section kept as a raw mapping counts as set when it has ``"enabled": true`` at any depth."""
     return lambda cfg: _any_enabled(_get(cfg, path))
@@ -125,9 +120,8 @@ STATUS: dict[str, KeyStatus] = {
     "steps_per_print": HONOURED,
     "wall_clock_breakdown": HONOURED,
     "timers": HONOURED,  # timers.throughput drives engine.tput_timer (hf_zero/profiling/throughput_timer.py)
-    "memory_breakdown": _todo("memory is not logged per stage of a step; engine statistics and the HF callback "
-                              "report peak memory"),
-    "dump_state": _todo("the engine state is not printed after initialisation"),
+    "memory_breakdown": HONOURED,  # the engine prints memory at each stage of a step (profiling/memory_usage.py)
+    "dump_state": HONOURED,  # initialize() logs the resolved config and engine state (runtime/state_dump.py)
     "prescale_gradients": _no_op("hf_zero always divides gradients by the world size before reducing them, as "
                                  "DeepSpeed's ZeRO reduce-scatter path does"),
     "gradient_predivide_factor": _no_op("hf_zero divides each gradient by the data-parallel size before it is "
@@ -155,7 +149,7 @@ STATUS: dict[str, KeyStatus] = {
         active=lambda cfg: cfg.torch_autocast.enabled and cfg.fp16.enabled is not True
         and cfg.bf16.enabled is not True),
     "fp16.enabled": HONOURED,
-    "fp16.auto_cast": _todo("the model's inputs are passed as given; cast floating-point inputs to float16 yourself"),
+    "fp16.auto_cast": HONOURED,  # positional forward inputs cast to float16 (hf_zero/runtime/input_cast.py)
     "fp16.loss_scale": HONOURED,
     "fp16.initial_scale_power": HONOURED,
     "fp16.loss_scale_window": HONOURED,
@@ -274,7 +268,7 @@ STATUS: dict[str, KeyStatus] = {
     "csv_monitor": HONOURED,
     "wandb": HONOURED,
     "comet": HONOURED,
-    "comms_logger": _todo("collectives are not logged", active=_enabled("comms_logger")),
+    "comms_logger": HONOURED,  # hf_zero/comm/comms_log.py: hf_zero's and deepspeed.comm's collectives are recorded
     # reliability (#14) owns checkpoint behaviour.
     "checkpoint.tag_validation": HONOURED,  # hf_zero/checkpoint/tags.py
     "checkpoint.load_universal": _todo("DeepSpeed universal checkpoints are not read; hf_zero checkpoints load at any "
@@ -295,7 +289,7 @@ STATUS: dict[str, KeyStatus] = {
     "elasticity": _todo("batch sizes are not adapted to the world size", active=_switched_on("elasticity")),
     "autotuning": _todo("nothing is tuned", active=_switched_on("autotuning")),
     "data_efficiency": _todo("data is not sampled or routed", active=_switched_on("data_efficiency")),
-    "curriculum_learning": _todo("no curriculum is applied", active=_switched_on("curriculum_learning")),
+    "curriculum_learning": HONOURED,  # DeepSpeed's legacy curriculum (hf_zero/runtime/curriculum.py)
 }
 
 

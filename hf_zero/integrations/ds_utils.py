@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 from collections.abc import Iterable
@@ -18,6 +17,7 @@ from torch.torch_version import TorchVersion
 
 from hf_zero.comm.accelerator import get_accelerator
 from hf_zero.integrations.compat import logger
+from hf_zero.profiling.memory_usage import see_memory_usage
 
 __all__ = ["log_dist", "print_dist", "OnDevice", "see_memory_usage", "clip_grad_norm_", "get_global_norm",
            "required_torch_version"]
@@ -98,29 +98,6 @@ class OnDevice:
             self._saved_dtype = None
         self._device_context.__exit__(*exc)
         self._device_context = None
-
-
-# ---- memory report ------------------------------------------------------------------------------------------------
-_GB = 1024**3
-
-
-def see_memory_usage(message, force: bool = False) -> None:
-    """With ``force``, on rank 0: print ``message``, the accelerator's allocated/reserved bytes and their peaks (on
-    CPU: this process's resident memory, see ``hf_zero.comm.accelerator``) and the host's used memory, then start a
-    new peak. Without ``force``, nothing (as DeepSpeed)."""
-    if not force or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
-        return
-    gc.collect()  # Python frees cyclic garbage lazily; collect so the numbers are current
-    acc = get_accelerator()
-    print(message)
-    print(f"MA {round(acc.memory_allocated() / _GB, 2)} GB         Max_MA {round(acc.max_memory_allocated() / _GB, 2)} "
-          f"GB         CA {round(acc.memory_reserved() / _GB, 2)} GB         Max_CA "
-          f"{round(acc.max_memory_reserved() / _GB)} GB ")
-    import psutil
-
-    vm = psutil.virtual_memory()
-    print(f"CPU Virtual Memory:  used = {round((vm.total - vm.available) / _GB, 2)} GB, percent = {vm.percent}%")
-    acc.reset_peak_memory_stats()
 
 
 # ---- gradient norms -----------------------------------------------------------------------------------------------

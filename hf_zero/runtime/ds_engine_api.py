@@ -6,7 +6,8 @@ side by side on the same scripts, ``DS_ACCELERATOR=cpu``):
 
 * attribute pass-through to the wrapped model (``engine.generate(...)``, ``engine.gradient_checkpointing_enable()``,
   ``engine.config_class`` ...): DeepSpeed's ``__getattr__`` falls back to ``engine.module``;
-* the config as getters (``gradient_clipping()``, ``zero_reduce_bucket_size()``, ``optimizer_name()`` ...);
+* the config as getters (``gradient_clipping()``, ``zero_reduce_bucket_size()``, ``optimizer_name()``,
+  ``curriculum_params_legacy()`` ...);
 * the run's layout (``dp_world_size``, ``mp_world_size``, ``mpu``, ``data_parallel_group``);
 * ``was_step_applied()``, ``get_mom()``, ``no_sync()``, ``coalesce_grad_reduction()``, ``set_train_batch_size()`` /
   ``set_train_micro_batch_size()``, ``save_fp16_model()``.
@@ -68,6 +69,21 @@ class DeepSpeedEngineAPI:
 
     def dump_state(self) -> bool:
         return bool(self._config.dump_state)
+
+    def memory_breakdown(self) -> bool:
+        return bool(self._config.memory_breakdown)
+
+    def fp16_auto_cast(self) -> bool:
+        return bool(self._config.fp16.auto_cast)
+
+    def curriculum_enabled_legacy(self) -> bool:
+        return self._config.curriculum_learning.enabled
+
+    def curriculum_params_legacy(self) -> dict:
+        """The ``curriculum_learning`` section as written, without ``enabled`` (DeepSpeed's getter)."""
+        params = dict(self._config.raw.get("curriculum_learning") or {})
+        params.pop("enabled", None)
+        return params
 
     def postscale_gradients(self) -> bool:
         return not self._config.prescale_gradients

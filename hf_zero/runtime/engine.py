@@ -23,12 +23,15 @@ from hf_zero import comm
 from hf_zero.config import HfZeroConfig, loss_scale_policy, precision_policy, zero_policy
 from hf_zero.config.errors import ConfigError
 from hf_zero.ops import host_cache
+from hf_zero.profiling.memory_usage import see_memory_usage
 from hf_zero.profiling.step_calibration import StepTimeCalibrator
 from hf_zero.profiling.step_profile import StepProfiler
 from hf_zero.profiling.throughput_timer import ThroughputTimer
 from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.backward import BackwardSessions
+from hf_zero.runtime.curriculum import CurriculumScheduler
 from hf_zero.runtime.ds_engine_api import DeepSpeedEngineAPI
+from hf_zero.runtime.input_cast import cast_inputs_half
 from hf_zero.runtime.monitor import MonitorMaster, boundary_events
 from hf_zero.runtime.optimizers import OptimizerPlan, adopt_client_groups
 from hf_zero.tensor_parallel import tp_info
@@ -86,6 +89,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._boundary_override: bool | None = None
+        see_memory_usage("Engine before configure distributed model", force=self.memory_breakdown())
+        # curriculum_learning (DeepSpeed's legacy one): each training forward moves it to step global_steps + 1
+        self.curriculum_scheduler_legacy = (CurriculumScheduler(config.curriculum_learning)
+                                            if config.curriculum_learning.enabled else None)
         # torch_autocast: the forward runs under torch.autocast, parameters stay fp32; float16 gets loss scaling
         # with the fp16 section's settings (DeepSpeed uses a GradScaler there)
         self._autocast = config.torch_autocast if config.torch_autocast.enabled else None
@@ -94,6 +101,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self.loss_scaler = LossScaler.from_policy(loss_scale_policy(config.fp16)) if fp16_scaling else None
         # every hf_zero collective from here on is bounded and checked (hf_zero/comm/faults.py)
         comm.faults.configure_from(config, process_group)
+        comm.comms_log.configure_from(config.comms_logger)  # an enabled comms_logger section switches it on
         if self.device.type == "cpu":  # host memory is the training memory: keep glibc from hoarding freed tensors
             from hf_zero.zero.host_memory import tune_cpu_training_memory
 
@@ -217,6 +225,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         # step(); DeepSpeed-Chat's scripts call engine.tput_timer.update_epoch_count() after each epoch
         self.tput_timer = ThroughputTimer(config.timers.throughput, batch_size=self.train_batch_size(),
                                           steps_per_output=config.steps_per_print)
+        see_memory_usage("Engine after configure distributed model", force=self.memory_breakdown())
 
     def _no_optimizer(self, what: str = "") -> None:
         raise RuntimeError("hf_zero: this engine has no optimizer (initialize() got none and the config has no "
@@ -319,8 +328,15 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         return dict(self._config.raw)
 
     def forward(self, *args, **kwargs):
+        see_memory_usage("Engine before forward", force=self.memory_breakdown())
         if self.training_dataloader is None:  # with DeepSpeed's loader, fetching the batch starts it (as there)
             self.tput_timer.start()
+        if self.curriculum_scheduler_legacy is not None and self.module.training:
+            difficulty = self.curriculum_scheduler_legacy.update_difficulty(self.global_steps + 1)
+            if self._config.curriculum_learning.curriculum_type == "seqlen":
+                kwargs = {**kwargs, "curriculum_seqlen": difficulty}
+        if self._config.fp16.auto_cast:  # positional inputs only, as DeepSpeed (runtime/input_cast.py)
+            args = cast_inputs_half(args)
         self.step_time.forward(args, kwargs)
         with self.timers.phase("forward"), self.step_profiler.forward(self.global_steps, args, kwargs):
             try:
@@ -335,6 +351,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                 raise
         if torch.is_grad_enabled() and self.optimizer is not None:
             self._backward.watch(out)  # loss.backward() on this output then does what engine.backward(loss) does
+        see_memory_usage("Engine after forward", force=self.memory_breakdown())
         return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -374,6 +391,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
 
     def _begin_backward(self) -> None:
         """Prologue of every backward pass (engine.backward or a direct one): does this micro-step reduce?"""
+        see_memory_usage("Engine before backward", force=self.memory_breakdown())
         if self.reducer is not None:
             self.reducer.begin((self.stage == 2 or self.is_gradient_accumulation_boundary())
                                and not self._inside_no_sync and not self._coalescing)
@@ -388,6 +406,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                 self.reducer.expose_grads()
         else:
             self.stage3.finish_backward()
+        see_memory_usage("Engine after backward", force=self.memory_breakdown())
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At the accumulation boundary: optimizer step, scheduler step, counters, logging."""
@@ -399,6 +418,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             # refuses it too: "It is illegal to call Engine.step() inside no_sync context manager")
             raise RuntimeError(f"hf_zero: engine.step() inside engine.{block}(): the gradients of the backward passes "
                                "inside are reduced only after the block; call step() after the with-block")
+        see_memory_usage("Engine before step", force=self.memory_breakdown())
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             with self.timers.phase("step"), self.step_profiler.step(self.global_steps):
@@ -422,6 +442,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
         self.micro_steps += 1
         self._boundary_override = None
+        see_memory_usage("Engine after step", force=self.memory_breakdown())
 
     @property
     def step_time_model(self):

@@ -119,6 +119,10 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         engine.training_dataloader = engine.deepspeed_io(training_data)
         if layout.pipeline is not None:
             _pipeline_data(engine, training_data, layout)
+    if cfg.dump_state and comm.get_rank() == 0:  # DeepSpeed's print_configuration(engine) (runtime/state_dump.py)
+        from hf_zero.runtime.state_dump import format_engine_state
+
+        logger.info("%s", format_engine_state(engine, cfg))
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -163,6 +163,11 @@ class PipelineEngine(HfZeroEngine):
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the mean loss on every rank."""
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch() needs gradients; it was called under torch.no_grad()")
+        curriculum = self.curriculum_scheduler_legacy
+        if curriculum is not None:  # as DeepSpeed's pipeline engine: the model reads the difficulty itself, and a
+            before = curriculum.get_current_difficulty()  # new sequence length means new activation shapes
+            if curriculum.update_difficulty(self.global_steps + 1) != before:
+                self.reset_activation_shape()
         self.module.train()
         losses: list[torch.Tensor] = []
         with self._guard.step("train_batch"):
