@@ -197,10 +197,10 @@ def test_errors_name_the_file_and_tag(saved, tmp_path):
     (ckpt / "latest").unlink()
     with pytest.raises(ValueError, match=r"no 'latest' file at .*ckpt/latest.*global_step3"):
         z2f.get_fp32_state_dict_from_zero_checkpoint(ckpt)
-    ds = tmp_path / "ds" / "global_step1"  # DeepSpeed's own layout: named, not misread
+    ds = tmp_path / "ds" / "global_step1"  # DeepSpeed's own layout, unreadable: the file is named
     ds.mkdir(parents=True)
     (ds / "mp_rank_00_model_states.pt").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"DeepSpeed's own layout.*mp_rank_00_model_states\.pt"):
+    with pytest.raises(ValueError, match=r"DeepSpeed checkpoint file .*mp_rank_00_model_states\.pt.*cannot be read"):
         z2f.get_fp32_state_dict_from_zero_checkpoint(ds.parent, tag="global_step1")
 
 

@@ -8,7 +8,8 @@ Layout of ``save_dir``::
                                     the module's shapes, tied names, frozen parameters, buffers (module_info.py)
     <tag>/model.safetensors         rank 0: the model's state dict (stages 0-2; whole parameters on every rank)
     <tag>/zero_rank00003.safetensors  rank 3: fp32 master shard and optimizer-state shards of every group, RNG state
-    <tag>/engine_state.pt           rank 0: counters, loss scaler, LR scheduler, client_state (loaded weights_only)
+    <tag>/engine_state.pt           rank 0: counters, loss scaler, LR and curriculum schedulers, client_state (loaded
+                                    weights_only)
 
 Atomicity (commit.py): every rank writes into ``.tmp-<tag>``; the ranks agree (one bounded
 all-gather) that all writes succeeded; only then rank 0 renames the directory into place and rewrites ``latest``.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +36,12 @@ from safetensors.torch import save_file
 
 from hf_zero import comm
 from hf_zero.checkpoint.commit import agree, check_tag, commit_tag
+from hf_zero.checkpoint.deepspeed_format import is_deepspeed_tag
 from hf_zero.checkpoint.disk_format import (FORMAT_VERSION, dedupe_shared, open_shard_file, rank_file,
                                             read_latest_tag, read_model_file)
 from hf_zero.checkpoint.files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
                                       read_manifest, resolve_checkpoint, torch_load, verify_files)
+from hf_zero.checkpoint.from_deepspeed import convert_deepspeed_tag
 from hf_zero.checkpoint.module_info import describe_module, persistent_buffers, write_recovery_script
 from hf_zero.checkpoint.placement import agree_on_tag, describe_ranks, place
 from hf_zero.checkpoint.reshard import ShardFiles
@@ -72,8 +76,8 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
       shards (frozen parameters, buffers), the CPU RNG state;
     * the directory writer's (rank 0's; with node-local storage, each node's first rank's) ``meta.json``: the
       optimizer's scalar state and group description, sizes;
-    * its ``engine_state.pt``: counters, skipped steps, the loss scaler's and the LR scheduler's state dicts
-      (each once), ``client_state``;
+    * its ``engine_state.pt``: counters, skipped steps, the loss scaler's, the LR scheduler's and the legacy
+      curriculum scheduler's state dicts (each once), ``client_state``;
     * its ``model.safetensors`` (stages 0-2): the module's state dict -- unless ``write_model`` is false (a 3D
       pipeline keeps its module in per-layer files: hf_zero/checkpoint/pipeline.py); ``module_state`` if
       given (a tensor-parallel module's state dict, gathered by the caller before any write can fail: the gather
@@ -108,11 +112,13 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
             **{k: v for k, v in scalars.items() if k != "skipped_steps"}, "global_steps": engine.global_steps,
             "module": describe_module(engine.module), **_expert_layers_entry(engine)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    curriculum = getattr(engine, "curriculum_scheduler_legacy", None)
     torch.save({
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps, "skipped_steps": scalars["skipped_steps"],
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "curriculum_scheduler": curriculum.state_dict() if curriculum is not None else None,
         "client_state": client_state,
         "config": dict(engine.config),
     }, tmp / "engine_state.pt")
@@ -189,6 +195,11 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     if tag is None:
         logger.warning("hf_zero: load_checkpoint(%r): no 'latest' file and no tag given; nothing loaded", str(root))
         return None, None
+    if is_deepspeed_tag(root / str(tag)):  # written by DeepSpeed: resumed through a converted copy
+        return _load_deepspeed_tag(engine, root, str(tag), load_module_strict=load_module_strict,
+                                   load_optimizer_states=load_optimizer_states,
+                                   load_lr_scheduler_states=load_lr_scheduler_states,
+                                   load_module_weights=load_module_weights)
     # 1. validate everything on every rank; 2. agree; 3. only then change tensors and counters
     error: Exception | None = None
     try:
@@ -229,8 +240,37 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
         engine.loss_scaler.load_state_dict(engine_state["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
+    # the curriculum's difficulty follows global_steps, restored above whatever the load flags (older checkpoints
+    # have no entry: the next forward recomputes it from the step)
+    curriculum = getattr(engine, "curriculum_scheduler_legacy", None)
+    if curriculum is not None and engine_state.get("curriculum_scheduler") is not None:
+        curriculum.load_state_dict(engine_state["curriculum_scheduler"])
     comm.barrier(engine.process_group, what="the end of load_checkpoint")
     return str(path), engine_state["client_state"]
+
+
+def _load_deepspeed_tag(engine, root: Path, tag: str, **load_args):
+    """Load a tag DeepSpeed wrote: every rank converts it into a private hf_zero copy (from_deepspeed.py), the ranks
+    agree that all conversions succeeded (a rank that cannot read a file is named on every rank), then the copy
+    loads like any checkpoint and is removed."""
+    copy, error = None, None
+    try:
+        copy = convert_deepspeed_tag(engine, root / tag, tag)
+    except (CheckpointError, ValueError) as exc:
+        error = exc
+    try:
+        reports = _agree(engine, None if error is None else str(error),
+                         f"the reading of DeepSpeed checkpoint tag {tag!r}")
+        if error is not None:
+            raise error
+        failed = [r for r, msg in enumerate(reports) if msg is not None]
+        if failed:
+            raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
+                                  f"{reports[failed[0]]}")
+        return load_checkpoint(engine, copy, tag=tag, **load_args)
+    finally:
+        if copy is not None:
+            shutil.rmtree(copy, ignore_errors=True)
 
 
 def _validate(engine, root: Path, tag: str, strict: bool, read_model: bool = True):

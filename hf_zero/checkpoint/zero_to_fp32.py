@@ -5,9 +5,10 @@ The contract is DeepSpeed's (``deepspeed/utils/zero_to_fp32.py``): trainable par
 weights (a bf16 master is widened), buffers as fp32 where they are floating point, frozen parameters as saved,
 every name of a tied weight pointing at one tensor; ``tag=None`` reads ``latest``. What differs:
 
-* it reads hf_zero's layout (``<tag>/meta.json``, ``zero_rank*.safetensors``), not DeepSpeed's
-  (``mp_rank_00_model_states.pt``, ``*_optim_states.pt``); a DeepSpeed checkpoint is refused, naming the converter
-  that reads it;
+* it reads hf_zero's layout (``<tag>/meta.json``, ``zero_rank*.safetensors``) and DeepSpeed's
+  (``mp_rank_00_model_states.pt``, ``*_optim_states.pt``: deepspeed_format.py) -- a run trained on DeepSpeed
+  converts with hf_zero answering ``import deepspeed``; a DeepSpeed tag without ZeRO gives its saved fp32 module
+  (DeepSpeed's converter refuses one);
 * integer buffers keep their dtype (DeepSpeed casts every buffer to float);
 * ``lazy_mode`` is accepted and returns ordinary tensors (they answer ``.contiguous()`` as its lazy ones do);
 * ``convert_zero_checkpoint_to_fp32_state_dict`` with ``safe_serialization`` writes each tied weight once, its
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from hf_zero.checkpoint.deepspeed_format import is_deepspeed_tag, read_deepspeed_tag
 from hf_zero.checkpoint.disk_format import (dedupe_shared, expert_layers, open_saved, open_shard_file, rank_file,
                                             read_latest_tag, read_model_file)
 from hf_zero.checkpoint.files import CheckpointError, read_manifest, resolve_checkpoint, verify_files
@@ -60,6 +62,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_f
     ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``. A checkpoint of MoE layers
     with ``ep_size > 1`` gives every expert under its global index (the ``ep_size=1`` model's names)."""
     path = _tag_dir(Path(checkpoint_dir), tag)
+    if is_deepspeed_tag(path):
+        return _from_deepspeed(path, exclude_frozen_parameters)
     meta, handles = open_saved(path)
     stage = int(meta.get("stage", 0))
     model_sd = _model_file(path) if stage < 3 else None
@@ -173,6 +177,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---- reading ---------------------------------------------------------------------------------------------------
+def _from_deepspeed(path: Path, exclude_frozen_parameters: bool) -> dict[str, torch.Tensor]:
+    """A tag DeepSpeed wrote (deepspeed_format.py), with DeepSpeed's converter's result: trainable parameters from
+    the fp32 masters, frozen ones as saved, buffers (floating ones as fp32), tied names sharing one tensor. Stage 0
+    (no ZeRO files; DeepSpeed's converter refuses it) gives the saved module's weights when they are fp32."""
+    ds = read_deepspeed_tag(path)
+    if ds.stage == 0:
+        low = sorted({str(v.dtype) for k, v in ds.module.items() if k not in ds.buffer_names
+                      and v.is_floating_point() and v.dtype != torch.float32})
+        if low:
+            raise CheckpointError(f"hf_zero: zero_to_fp32: {str(path)!r} is a DeepSpeed checkpoint without ZeRO "
+                                  f"whose weights are saved in {low[0]} and whose fp32 masters are one flat vector "
+                                  f"without parameter names; load it into an engine (engine.load_checkpoint) and "
+                                  f"save it from there")
+        return {k: v for k, v in ds.module.items()}
+    out: dict[str, torch.Tensor] = dict(ds.named_fp32())
+    if not exclude_frozen_parameters:
+        for name, value in ds.module.items():
+            if name not in out and name not in ds.buffer_names and name not in ds.shared:
+                whole = ds.frozen.get(name, value)
+                if whole.numel() > 0:
+                    out[name] = whole
+    for name in ds.buffer_names:
+        value = ds.module[name]
+        out[name] = value.float() if value.is_floating_point() else value
+    for tied, source in ds.shared.items():
+        if source in out:
+            out[tied] = out[source]
+    logger.info("hf_zero: zero_to_fp32: DeepSpeed %s checkpoint %s (ZeRO stage %d, %d ranks): %d tensors",
+                ds.ds_version, path, ds.stage, ds.world_size, len(out))
+    return out
+
+
 def _tag_dir(root: Path, tag) -> Path:
     """``<root>/<tag>`` (``latest`` when ``tag`` is None), refusing with the reason what this converter cannot read."""
     present = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) \
@@ -186,10 +222,6 @@ def _tag_dir(root: Path, tag) -> Path:
     if not path.is_dir():  # a FileNotFoundError, as DeepSpeed's
         raise FileNotFoundError(f"hf_zero: zero_to_fp32: checkpoint directory {str(path)!r} does not exist "
                                 f"(folders in {str(root)!r}: {present})")
-    if (path / "mp_rank_00_model_states.pt").is_file():
-        raise CheckpointError(f"hf_zero: zero_to_fp32: {str(path)!r} is in DeepSpeed's own layout "
-                              f"(mp_rank_00_model_states.pt), written by DeepSpeed, not hf_zero: convert it with "
-                              f"DeepSpeed's zero_to_fp32.py (pip install deepspeed)")
     for marker, what in (("pipeline.json", "a pipeline checkpoint: its full weights are the layer_*-model_states.pt "
                                            "files beside it"),
                          ("tp.json", "a tensor-parallel checkpoint: tp/rank00/state/model.safetensors holds the "

@@ -1,0 +1,209 @@
+"""A run that trained on DeepSpeed resumes on hf_zero from DeepSpeed's own checkpoint files.
+
+``tests/data/deepspeed_checkpoints/<variant>/ckpt`` was written by DeepSpeed 0.19.8 on 2 CPU ranks after 3 steps
+(``make_fixtures.py`` there: stages 0-3, fp32 and bf16, one or two optimizer parameter groups);
+``continued.pt`` is what DeepSpeed computed in the two steps after the save: the losses and every parameter's fp32
+weight (and Adam moments). hf_zero loads the tag with ``engine.load_checkpoint`` -- on 1 and 2 ranks, at its own
+ZeRO stage -- and trains the same two steps: the losses and weights must be DeepSpeed's. The reader alone must give
+DeepSpeed's weights and moments bit for bit, and ``zero_to_fp32`` must convert the tags.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_zero.checkpoint.deepspeed_format import read_deepspeed_tag
+from hf_zero.checkpoint.files import CheckpointError
+from hf_zero.testing import run_distributed
+
+DATA = Path(__file__).parent / "data" / "deepspeed_checkpoints"
+sys.path.insert(0, str(DATA))
+from make_fixtures import Tiny, batch, config, loss_of, param_groups  # noqa: E402  (the model DeepSpeed trained)
+
+VARIANTS = sorted(p.name for p in DATA.iterdir() if (p / "ckpt").is_dir())
+
+
+def _parse(variant: str) -> tuple[int, str, int]:
+    stage, prec, groups = variant.split("_")
+    return int(stage[len("stage"):]), prec, int(groups[len("groups"):])
+
+
+def test_fixtures_present():
+    assert len(VARIANTS) == 7, VARIANTS  # stages 0-3, fp32/bf16, 1-2 groups: a lost directory fails here
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reader_gives_deepspeeds_values_bit_for_bit(variant):
+    """The fp32 masters and Adam moments reassembled from DeepSpeed's flat partitions are, bit for bit, what
+    DeepSpeed's own safe_get_full_* returned just before the save; counters, scheduler, client_state as saved."""
+    stage, prec, groups = _parse(variant)
+    ref = torch.load(DATA / variant / "continued.pt", weights_only=True)
+    tag = read_deepspeed_tag(DATA / variant / "ckpt" / "global_step3")
+    assert (tag.stage, tag.world_size, tag.global_steps, tag.global_samples) == (stage, 2, 3, 12)
+    assert tag.client_state["epoch"] == 7
+    assert tag.lr_scheduler == {"last_batch_iteration": 2}
+    if stage == 0:  # no names in a stage-0 optimizer: positions (matched by the engine, tested below)
+        assert [len(g) for g in tag.groups] == ([5] if prec == "fp32" else [1])
+        return
+    named = tag.named_fp32()
+    expected = {n: p.shape for n, p in Tiny().named_parameters() if p.requires_grad}
+    assert {n: t.shape for n, t in named.items()} == expected
+    states = {name: st for group, sts in zip(tag.groups, tag.states) for (name, _), st in zip(group, sts)}
+    for name in expected:
+        assert torch.equal(named[name], ref[f"saved:{name}"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            if f"saved:{name}:{key}" in ref:
+                assert torch.equal(states[name][key], ref[f"saved:{name}:{key}"]), (name, key)
+            assert states[name][key].shape == expected[name]
+    assert tag.steps == [3] * groups
+    assert {n: tuple(t.shape) for n, t in tag.frozen.items()} == ({"frozen.weight": (3, 3), "frozen.bias": (3,)}
+                                                                   if stage > 1 else {})
+
+
+def _resume(variant: str, stage: int, world: int, tmp: str):
+    """On each rank: an hf_zero engine at ZeRO ``stage`` loads DeepSpeed's tag and trains steps 3 and 4 on the same
+    global batches as DeepSpeed's 2 ranks did. Returns (losses, fp32 weights and moments, lr, client_state)."""
+    import torch.distributed as dist
+
+    import hf_zero
+    from hf_zero.zero.tensor_fragment import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    _, prec, groups = _parse(variant)
+    torch.manual_seed(123)  # other initial weights than DeepSpeed's: the load must replace them all
+    model = Tiny()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+        model.scale.fill_(9.0)
+    cfg = config(stage, prec)
+    cfg["train_micro_batch_size_per_gpu"] = 4 // world
+    engine, *_ = hf_zero.initialize(model=model, model_parameters=param_groups(model, groups), config=cfg)
+    path, client = engine.load_checkpoint(str(DATA / variant / "ckpt"))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    losses = []
+    for step in (3, 4):
+        rows = torch.cat([batch(step, r) for r in range(2)])  # DeepSpeed's two ranks' micro-batches
+        mine = rows.chunk(world)[rank]
+        loss = loss_of(engine(mine))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    out = {}
+    for n, p in engine.module.named_parameters():
+        if p.requires_grad:
+            out[n] = safe_get_full_fp32_param(p)
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{n}:{key}"] = safe_get_full_optimizer_state(p, key)
+    frozen = {n: p.detach().clone() for n, p in engine.module.named_parameters() if not p.requires_grad} \
+        if stage < 3 else {}
+    scale = engine.module.scale.detach().clone()
+    lr = engine.get_lr()[0]
+    engine.destroy()
+    return losses, out, lr, {"epoch": client.get("epoch"), "path": path}, frozen, scale
+
+
+CASES = [(v, s, w) for v in VARIANTS for s, w in (((_parse(v)[0], 1), (3 if _parse(v)[0] < 3 else 1, 2)))]
+
+
+@pytest.mark.parametrize("variant,stage,world", CASES, ids=[f"{v}-as-stage{s}-{w}ranks" for v, s, w in CASES])
+def test_resume_continues_deepspeeds_run(variant, stage, world, tmp_path):
+    ref = torch.load(DATA / variant / "continued.pt", weights_only=True)
+    results = run_distributed(_resume, world, args=(variant, stage, world, str(tmp_path)))
+    losses, weights, lr, client, frozen, scale = results[0]
+    _, prec, _ = _parse(variant)
+    tol = dict(rtol=1e-5, atol=1e-6) if prec == "fp32" else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), **tol)
+    for name, value in ref.items():
+        if name in ("losses", "lr") or name.startswith("saved:") or value is None:
+            continue  # (DeepSpeed's safe_get_full_optimizer_state gives None without ZeRO)
+        torch.testing.assert_close(weights[name], value.float(), **tol, msg=lambda m: f"{name}: {m}")
+    assert lr == pytest.approx(ref["lr"], rel=1e-9)
+    assert client["epoch"] == 7 and client["path"].endswith("global_step3")
+    assert torch.equal(scale, torch.arange(1.0, 4.0))  # the buffer is DeepSpeed's, not the model's 9.0
+    tag = read_deepspeed_tag(DATA / variant / "ckpt" / "global_step3")
+    for name, value in frozen.items():  # never trained: DeepSpeed's saved values, not this model's (+1.0)
+        assert torch.equal(value, tag.frozen.get(name, tag.module[name]).to(value.dtype)), name
+
+
+def _load_expect_error(ckpt: str):
+    import hf_zero
+
+    model = Tiny()
+    model.b = torch.nn.Linear(7, 4)  # another shape than DeepSpeed's
+    engine, *_ = hf_zero.initialize(model=model, model_parameters=param_groups(model, 1), config=config(2, "fp32"))
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    try:
+        engine.load_checkpoint(ckpt)
+    except CheckpointError as exc:
+        unchanged = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+        return str(exc), unchanged
+    return None, None
+
+
+def test_mismatched_model_is_refused_naming_the_parameter_and_nothing_changes():
+    msg, unchanged = run_distributed(_load_expect_error, 1, args=(str(DATA / "stage2_fp32_groups2" / "ckpt"),))[0]
+    assert msg is not None and "'b.weight'" in msg and "21 elements" in msg and "28" in msg, msg
+    assert unchanged
+
+
+def test_corrupt_deepspeed_file_is_named(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DATA / "stage1_fp32_groups1" / "ckpt", ckpt)
+    bad = ckpt / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    bad.write_bytes(bad.read_bytes()[:200])
+    with pytest.raises(CheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        read_deepspeed_tag(ckpt / "global_step3")
+
+
+def test_tensor_parallel_deepspeed_checkpoint_is_refused_by_name(tmp_path):
+    tag = tmp_path / "global_step1"
+    shutil.copytree(DATA / "stage0_fp32_groups1" / "ckpt" / "global_step3", tag)
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointError, match="tensor-parallel"):
+        read_deepspeed_tag(tag)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_zero_to_fp32_converts_deepspeeds_checkpoints(variant, tmp_path):
+    """``deepspeed.utils.zero_to_fp32`` on a DeepSpeed run's directory (hf_zero answering ``import deepspeed``): the
+    fp32 masters at the save, the frozen layer and the buffer, under the model's names; the file it writes holds
+    the same. Stage 0 (DeepSpeed's converter refuses it): the saved fp32 module; a 16-bit one is refused by name."""
+    from hf_zero.checkpoint import zero_to_fp32 as z2f
+
+    stage, prec, _ = _parse(variant)
+    ckpt = DATA / variant / "ckpt"
+    ref = torch.load(DATA / variant / "continued.pt", weights_only=True)
+    if stage == 0 and prec == "bf16":
+        with pytest.raises(CheckpointError, match="saved in torch.bfloat16.*engine.load_checkpoint"):
+            z2f.get_fp32_state_dict_from_zero_checkpoint(ckpt)
+        return
+    sd = z2f.get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    assert sorted(sd) == sorted(Tiny().state_dict())
+    for name, p in Tiny().named_parameters():
+        if p.requires_grad and stage > 0:
+            assert torch.equal(sd[name], ref[f"saved:{name}"]), name
+        # trainable: the fp32 masters; frozen: as saved (16-bit under bf16), as DeepSpeed's converter gives them
+        assert sd[name].dtype == (torch.float32 if p.requires_grad or prec == "fp32" else torch.bfloat16), name
+        assert sd[name].shape == p.shape
+    assert torch.equal(sd["scale"], torch.arange(1.0, 4.0))
+    torch.manual_seed(0)
+    init = Tiny()  # DeepSpeed's model at seed 0: the frozen layer never moved
+    expect = init.frozen.weight.detach().to(torch.bfloat16 if prec == "bf16" else torch.float32)
+    assert torch.equal(sd["frozen.weight"].to(expect.dtype), expect)
+    trimmed = z2f.get_fp32_state_dict_from_zero_checkpoint(ckpt, exclude_frozen_parameters=True)
+    if stage > 0:
+        assert "frozen.weight" not in trimmed and "a.weight" in trimmed
+    out = tmp_path / "model.safetensors"
+    z2f.convert_zero_checkpoint_to_fp32_state_dict(str(ckpt), str(out), safe_serialization=True)
+    from safetensors.torch import load_file
+
+    written = load_file(str(out))
+    assert sorted(written) == sorted(sd) and all(torch.equal(written[k], sd[k]) for k in sd)
