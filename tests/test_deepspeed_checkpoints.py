@@ -35,6 +35,7 @@ def _parse(variant: str) -> tuple[int, str, int]:
 
 def test_fixtures_present():
     assert len(VARIANTS) == 7, VARIANTS  # stages 0-3, fp32/bf16, 1-2 groups: a lost directory fails here
+    assert UNIVERSAL == ["stage2_fp32_groups2", "stage3_bf16_groups2"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -65,7 +66,7 @@ def test_reader_gives_deepspeeds_values_bit_for_bit(variant):
                                                                    if stage > 1 else {})
 
 
-def _resume(variant: str, stage: int, world: int, tmp: str):
+def _resume(variant: str, stage: int, world: int, tmp: str, universal: bool = False):
     """On each rank: an hf_zero engine at ZeRO ``stage`` loads DeepSpeed's tag and trains steps 3 and 4 on the same
     global batches as DeepSpeed's 2 ranks did. Returns (losses, fp32 weights and moments, lr, client_state)."""
     import torch.distributed as dist
@@ -82,8 +83,10 @@ def _resume(variant: str, stage: int, world: int, tmp: str):
         model.scale.fill_(9.0)
     cfg = config(stage, prec)
     cfg["train_micro_batch_size_per_gpu"] = 4 // world
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     engine, *_ = hf_zero.initialize(model=model, model_parameters=param_groups(model, groups), config=cfg)
-    path, client = engine.load_checkpoint(str(DATA / variant / "ckpt"))
+    path, client = engine.load_checkpoint(str(DATA / variant / ("universal" if universal else "ckpt")))
     rank = dist.get_rank() if dist.is_initialized() else 0
     losses = []
     for step in (3, 4):
@@ -113,10 +116,18 @@ def _resume(variant: str, stage: int, world: int, tmp: str):
 CASES = [(v, s, w) for v in VARIANTS for s, w in (((_parse(v)[0], 1), (3 if _parse(v)[0] < 3 else 1, 2)))]
 
 
-@pytest.mark.parametrize("variant,stage,world", CASES, ids=[f"{v}-as-stage{s}-{w}ranks" for v, s, w in CASES])
-def test_resume_continues_deepspeeds_run(variant, stage, world, tmp_path):
+UNIVERSAL = sorted(p.name for p in DATA.iterdir() if (p / "universal").is_dir())
+CASES += [(v, s, w, True) for v in UNIVERSAL for s, w in ((1, 2), (3, 1))]
+CASES = [c if len(c) == 4 else (*c, False) for c in CASES]
+
+
+@pytest.mark.parametrize("variant,stage,world,universal", CASES,
+                         ids=[f"{v}{'-universal' if u else ''}-as-stage{s}-{w}ranks" for v, s, w, u in CASES])
+def test_resume_continues_deepspeeds_run(variant, stage, world, universal, tmp_path):
+    """(universal: ds_to_universal's output of the same tag, loaded with checkpoint.load_universal, which names
+    the tag by 'latest_universal', as DeepSpeed does)"""
     ref = torch.load(DATA / variant / "continued.pt", weights_only=True)
-    results = run_distributed(_resume, world, args=(variant, stage, world, str(tmp_path)))
+    results = run_distributed(_resume, world, args=(variant, stage, world, str(tmp_path), universal))
     losses, weights, lr, client, frozen, scale = results[0]
     _, prec, _ = _parse(variant)
     tol = dict(rtol=1e-5, atol=1e-6) if prec == "fp32" else dict(rtol=2e-2, atol=2e-3)
@@ -126,7 +137,7 @@ def test_resume_continues_deepspeeds_run(variant, stage, world, tmp_path):
             continue  # (DeepSpeed's safe_get_full_optimizer_state gives None without ZeRO)
         torch.testing.assert_close(weights[name], value.float(), **tol, msg=lambda m: f"{name}: {m}")
     assert lr == pytest.approx(ref["lr"], rel=1e-9)
-    assert client["epoch"] == 7 and client["path"].endswith("global_step3")
+    assert client["epoch"] == 7 and client["path"].endswith("global_step3_universal" if universal else "global_step3")
     assert torch.equal(scale, torch.arange(1.0, 4.0))  # the buffer is DeepSpeed's, not the model's 9.0
     tag = read_deepspeed_tag(DATA / variant / "ckpt" / "global_step3")
     for name, value in frozen.items():  # never trained: DeepSpeed's saved values, not this model's (+1.0)
@@ -207,3 +218,34 @@ def test_zero_to_fp32_converts_deepspeeds_checkpoints(variant, tmp_path):
 
     written = load_file(str(out))
     assert sorted(written) == sorted(sd) and all(torch.equal(written[k], sd[k]) for k in sd)
+
+
+def _load_universal_flag_on_ordinary_tag(ckpt: str):
+    import hf_zero
+
+    model = Tiny()
+    cfg = {**config(2, "fp32"), "checkpoint": {"load_universal": True}}
+    engine, *_ = hf_zero.initialize(model=model, model_parameters=param_groups(model, 2), config=cfg)
+    try:
+        engine.load_checkpoint(ckpt, tag="global_step3")
+    except CheckpointError as exc:
+        return str(exc)
+
+
+def test_load_universal_refuses_an_ordinary_tag_naming_the_key():
+    msg = run_distributed(_load_universal_flag_on_ordinary_tag, 1,
+                          args=(str(DATA / "stage2_fp32_groups2" / "ckpt"),))[0]
+    assert msg is not None and "checkpoint.load_universal is true" in msg and "global_step3" in msg, msg
+
+
+@pytest.mark.parametrize("variant", ["stage2_fp32_groups2", "stage3_bf16_groups2"])
+def test_zero_to_fp32_converts_universal_checkpoints(variant):
+    from hf_zero.checkpoint import zero_to_fp32 as z2f
+
+    ref = torch.load(DATA / variant / "continued.pt", weights_only=True)
+    sd = z2f.get_fp32_state_dict_from_zero_checkpoint(DATA / variant / "universal", tag="global_step3_universal")
+    assert sorted(sd) == sorted(Tiny().state_dict())
+    for name, p in Tiny().named_parameters():
+        if p.requires_grad:
+            assert torch.equal(sd[name], ref[f"saved:{name}"]), name
+    assert torch.equal(sd["scale"], torch.arange(1.0, 4.0))

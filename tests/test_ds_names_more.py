@@ -391,3 +391,12 @@ def test_required_torch_version_accelerator_support_and_version_info():
 
     assert info.installed_ops["cpu_adam"] is native_available("cpu")
     assert info.accelerator_name == accel.get_accelerator().device_name()
+
+
+def test_zero_stage_enum_is_deepspeeds_and_unpickles_from_its_checkpoints():
+    """``deepspeed.runtime.zero.config.ZeroStageEnum``: DeepSpeed's values; its optimizer files pickle it."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    assert [int(ZeroStageEnum[n]) for n in ("disabled", "optimizer_states", "gradients", "weights", "max_stage")] \
+        == [0, 1, 2, 3, 3]
+    assert ZeroStageEnum(2) is ZeroStageEnum.gradients and ZeroStageEnum.weights == 3

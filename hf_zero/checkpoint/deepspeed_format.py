@@ -45,7 +45,8 @@ import torch
 
 from hf_zero.checkpoint.files import CheckpointError
 
-__all__ = ["ZeroStageEnum", "DeepSpeedTag", "is_deepspeed_tag", "read_deepspeed_tag", "DEEPSPEED_OWN_KEYS"]
+__all__ = ["ZeroStageEnum", "DeepSpeedTag", "is_deepspeed_tag", "is_universal_tag", "read_deepspeed_tag",
+           "DEEPSPEED_OWN_KEYS"]
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -106,6 +107,11 @@ def is_deepspeed_tag(path: Path) -> bool:
     if not path.is_dir() or (path / "meta.json").is_file():
         return False
     return (path / MODEL_FILE).is_file() or any(_Z3_MODEL.match(p.name) for p in path.iterdir())
+
+
+def is_universal_tag(path: Path) -> bool:
+    """Whether ``path`` is a DeepSpeed *universal* checkpoint (``ds_to_universal``'s output: ``zero/<name>/*.pt``)."""
+    return (Path(path) / "zero" / "optimizer_state.pt").is_file()
 
 
 @dataclass
@@ -169,6 +175,9 @@ def read_deepspeed_tag(path: Path) -> DeepSpeedTag:
         global_samples=int(model.get("global_samples", 0)), skipped_steps=int(model.get("skipped_steps", 0)),
         client_state={k: v for k, v in model.items() if k not in DEEPSPEED_OWN_KEYS},
         ds_version=str(model.get("ds_version", "?")))
+    if is_universal_tag(path):
+        _read_universal(tag, model, path)
+        return tag
     if not optim:
         _read_stage0(tag, model, model_file)
         return tag
@@ -301,6 +310,54 @@ def _frozen_whole(fragments: dict, shapes: dict) -> dict[str, torch.Tensor]:
 
 def _hyper(optimizer_state: dict) -> list[dict]:
     return [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer_state.get("param_groups", [])]
+
+
+def _read_universal(tag: DeepSpeedTag, model: dict, path: Path) -> None:
+    """A universal checkpoint: every parameter whole in its own files (``zero/<name>/fp32.pt``, one per optimizer
+    state, ``step.pt``), the optimizer's common state in ``zero/optimizer_state.pt``; names and groups from the
+    model-states file's ``param_shapes``."""
+    zero = path / "zero"
+    common = _load(zero / "optimizer_state.pt")
+    tag.stage = int(common.get("zero_stage", 0))
+    tag.loss_scaler = _scaler_dict(common.get("loss_scaler"))
+    inner = common.get("optimizer_state_dict")  # ZeRO-3's: the first rank's flat optimizer state (step, groups)
+    tag.param_groups = _hyper(inner if inner is not None else common)
+    shapes = model.get("param_shapes") or []
+    tag.groups = [[(n, torch.Size(s)) for n, s in g.items()] for g in shapes]
+
+    def whole(name: str, what: str, shape) -> torch.Tensor:
+        value = _load(zero / name / f"{what}.pt")
+        value = value["param"] if isinstance(value, dict) else value
+        if value.numel() != math.prod(shape):  # (ZeRO-3's are saved flat)
+            raise CheckpointError(f"hf_zero: universal checkpoint file {str(zero / name / (what + '.pt'))!r} holds "
+                                  f"shape {tuple(value.shape)}, the parameter has {tuple(shape)} (a tensor-parallel "
+                                  f"slice? hf_zero reads universal checkpoints of whole parameters)")
+        return value.reshape(shape).float()
+
+    for group in tag.groups:
+        fp32, states, steps = [], [], []
+        for name, shape in group:
+            fp32.append(whole(name, "fp32", shape))
+            keys = sorted(p.stem for p in (zero / name).glob("*.pt") if p.stem not in ("fp32", "step"))
+            states.append({k: whole(name, k, shape) for k in keys})
+            if (zero / name / "step.pt").is_file():
+                step = _load(zero / name / "step.pt")
+                steps.append(int(step.item() if torch.is_tensor(step) else step))
+        tag.fp32.append(fp32)
+        tag.states.append(states)
+        if not steps and inner is not None:  # ZeRO-3 writes no step.pt: one step for all, in the common state
+            steps.append(_flat_states(inner, 0)[1])
+        tag.steps.append(max(steps) if steps and steps[0] is not None else None)
+    frozen = model.get("frozen_param_shapes") or {}
+    tag.frozen = {name: whole(name, "fp32", shape).to(tag.module[name].dtype if name in tag.module else
+                                                      torch.float32)
+                  for name, shape in frozen.items() if (zero / name / "fp32.pt").is_file()}
+    models = sorted(path.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"),
+                    key=lambda p: int(_Z3_MODEL.match(p.name).group(1)))
+    if len(tag.frozen) < len(frozen) and models:  # ZeRO-3: frozen pieces stay in the per-rank model files
+        pieces = [_load(p) for p in models]
+        tag.frozen.update(_frozen_whole({n: torch.cat([m["frozen_param_fragments"][n].reshape(-1) for m in pieces])
+                                         for n in frozen if n not in tag.frozen}, frozen))
 
 
 def _read_stage0(tag: DeepSpeedTag, model: dict, model_file: Path) -> None:

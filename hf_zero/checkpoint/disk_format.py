@@ -38,8 +38,9 @@ def rank_file(rank: int) -> str:
     return f"zero_rank{rank:05d}.safetensors"
 
 
-def read_latest_tag(load_dir: str | os.PathLike) -> str | None:
-    path = Path(load_dir) / "latest"
+def read_latest_tag(load_dir: str | os.PathLike, name: str = "latest") -> str | None:
+    """The tag file ``name`` in ``load_dir`` names (DeepSpeed's universal checkpoints: ``latest_universal``)."""
+    path = Path(load_dir) / name
     return path.read_text().strip() if path.is_file() else None
 
 

@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from hf_zero import comm
 from hf_zero.checkpoint.commit import agree, check_tag, commit_tag
-from hf_zero.checkpoint.deepspeed_format import is_deepspeed_tag
+from hf_zero.checkpoint.deepspeed_format import is_deepspeed_tag, is_universal_tag
 from hf_zero.checkpoint.disk_format import (FORMAT_VERSION, dedupe_shared, open_shard_file, rank_file,
                                             read_latest_tag, read_model_file)
 from hf_zero.checkpoint.files import (MANIFEST, CheckpointError, check_client_state, file_entry, read_json,
@@ -189,17 +189,30 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
     ``load_module_weights=False``: the caller has loaded the module (a tensor-parallel model's full weights are
     sliced into its DTensors by hf_zero/checkpoint/tp.py)."""
     root = Path(load_dir)
+    # checkpoint.load_universal: DeepSpeed's universal checkpoints, named by 'latest_universal' (ds_to_universal's)
+    universal = bool(getattr(getattr(engine, "_config", None), "checkpoint", None) and
+                     engine._config.checkpoint.load_universal)
+    latest_name = "latest_universal" if universal else "latest"
     # every rank loads the same tag, or none does (a node whose 'latest' differs is named, not mixed in)
-    tag = agree_on_tag(engine.global_rank, engine.world_size, root, tag, read_latest_tag,
-                       lambda mine, w: _agree(engine, mine, w))
+    tag = agree_on_tag(engine.global_rank, engine.world_size, root, tag,
+                       lambda r: read_latest_tag(r, latest_name), lambda mine, w: _agree(engine, mine, w))
     if tag is None:
-        logger.warning("hf_zero: load_checkpoint(%r): no 'latest' file and no tag given; nothing loaded", str(root))
+        logger.warning("hf_zero: load_checkpoint(%r): no %r file and no tag given; nothing loaded", str(root),
+                       latest_name)
         return None, None
-    if is_deepspeed_tag(root / str(tag)):  # written by DeepSpeed: resumed through a converted copy
-        return _load_deepspeed_tag(engine, root, str(tag), load_module_strict=load_module_strict,
-                                   load_optimizer_states=load_optimizer_states,
-                                   load_lr_scheduler_states=load_lr_scheduler_states,
-                                   load_module_weights=load_module_weights)
+    if universal and not is_universal_tag(root / str(tag)):
+        raise CheckpointError(f"hf_zero: checkpoint.load_universal is true, but {str(root / str(tag))!r} is not a "
+                              f"DeepSpeed universal checkpoint (no zero/optimizer_state.pt; ds_to_universal writes "
+                              f"one); set checkpoint.load_universal to false to load an ordinary checkpoint")
+    load = _load_deepspeed_tag if is_deepspeed_tag(root / str(tag)) else _load_tag  # DeepSpeed's: a converted copy
+    return load(engine, root, str(tag), load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_weights=load_module_weights)
+
+
+def _load_tag(engine, root: Path, tag: str, *, load_module_strict: bool, load_optimizer_states: bool,
+              load_lr_scheduler_states: bool, load_module_weights: bool):
+    """load_checkpoint of hf_zero tag ``root/tag``, which every rank agreed on."""
     # 1. validate everything on every rank; 2. agree; 3. only then change tensors and counters
     error: Exception | None = None
     try:
@@ -267,7 +280,7 @@ def _load_deepspeed_tag(engine, root: Path, tag: str, **load_args):
         if failed:
             raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
                                   f"{reports[failed[0]]}")
-        return load_checkpoint(engine, copy, tag=tag, **load_args)
+        return _load_tag(engine, copy, tag, **load_args)
     finally:
         if copy is not None:
             shutil.rmtree(copy, ignore_errors=True)

@@ -271,8 +271,9 @@ STATUS: dict[str, KeyStatus] = {
     "comms_logger": HONOURED,  # hf_zero/comm/comms_log.py: hf_zero's and deepspeed.comm's collectives are recorded
     # reliability (#14) owns checkpoint behaviour.
     "checkpoint.tag_validation": HONOURED,  # hf_zero/checkpoint/tags.py
-    "checkpoint.load_universal": _todo("DeepSpeed universal checkpoints are not read; hf_zero checkpoints load at any "
-                                       "world size"),
+    # tags named by latest_universal, read by hf_zero/checkpoint/deepspeed_format.py (a universal tag loads without
+    # it too; with it, a tag that is not universal is refused naming the key)
+    "checkpoint.load_universal": HONOURED,
     "checkpoint.use_node_local_storage": HONOURED,  # hf_zero/checkpoint/placement.py
     "checkpoint.parallel_write": _no_op("every rank always writes its own files in parallel"),
     "data_types.grad_accum_dtype": HONOURED,

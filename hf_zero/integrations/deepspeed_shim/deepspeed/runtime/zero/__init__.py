@@ -8,4 +8,4 @@ _forward(__name__, {
     "GatheredParameters": "hf_zero.zero:GatheredParameters",
     "register_external_parameter": "hf_zero.zero:register_external_parameter",
     "ZeroParamStatus": "hf_zero.zero.stage3.param:ZeroParamStatus",
-}, submodules=["offload_config", "partition_parameters", "stage3", "stage_1_and_2"])
+}, submodules=["config", "offload_config", "partition_parameters", "stage3", "stage_1_and_2"])
