@@ -108,14 +108,18 @@ def main(argv=None) -> None:
                       eval_dataset=synthetic_lm_dataset(32, seed=1))
     # Optional, hf_zero's own addition: per-rank peak memory, grad norm, loss scale, skipped steps and phase time
     # shares in the logs, and a model card describing the ZeRO run next to every saved checkpoint.
-    from hf_zero.integrations import HfZeroCallback, write_model_card
-
-    HfZeroCallback.attach(trainer, detail=args.zero_log_detail or None)
+    # Without hf_zero installed (real DeepSpeed, or DDP) the script runs as is, without them.
+    try:
+        from hf_zero.integrations import HfZeroCallback, write_model_card
+    except ImportError:
+        HfZeroCallback = write_model_card = None
+    if HfZeroCallback is not None:
+        HfZeroCallback.attach(trainer, detail=args.zero_log_detail or None)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     eval_loss = trainer.evaluate()["eval_loss"]
     final_dir = os.path.join(args.output_dir, "final")
     trainer.save_model(final_dir)
-    if trainer.is_world_process_zero():
+    if trainer.is_world_process_zero() and write_model_card is not None:
         write_model_card(final_dir, trainer)
 
     if args.metrics_out:
