@@ -422,3 +422,31 @@ def test_log_summary_prints_on_rank_zero_and_returns_the_dict_everywhere(two_ran
         straggler = f["straggler"]["all_reduce"][4]
         assert straggler["count"] == 1 and straggler["total_straggler_ms"] >= 0
         assert straggler["total_comm_lat_ms"] <= row["total_latency_ms"]
+
+
+def _straggler_summary_is_bounded_and_not_recorded():
+    import torch
+
+    import deepspeed.comm as dist
+
+    dist.configure(enabled=True, prof_all=True)
+    dist.reset_log()
+    t = torch.ones(4)
+    for _ in range(3):
+        dist.all_reduce(t)
+    before = dist.get_comm_operation_count()
+    out = dist.log_summary(show_straggler=True, return_dict=True)
+    after = dist.get_comm_operation_count()
+    dist.configure(enabled=False)
+    return before, after, sorted(out["straggler_analysis"])
+
+
+def test_straggler_analysis_does_not_record_its_own_all_reduces():
+    """log_summary(show_straggler=True) all-reduces the latencies with hf_zero's bounded collective; those
+    all-reduces are the logger's own and are not added to the records (the next summary would count them)."""
+    from hf_zero.testing import run_distributed
+
+    results = run_distributed(_straggler_summary_is_bounded_and_not_recorded, 2)
+    for before, after, ops in results:
+        assert ops == ["all_reduce", "log_summary_barrier"]
+        assert after - before == 2  # log_summary's two barriers; its straggler all-reduces would add 2 more

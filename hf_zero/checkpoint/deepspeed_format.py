@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from hf_zero.checkpoint.files import CheckpointError
+from hf_zero.checkpoint.files import CheckpointError, torch_load
 
 __all__ = ["ZeroStageEnum", "DeepSpeedTag", "is_deepspeed_tag", "is_universal_tag", "read_deepspeed_tag",
            "DEEPSPEED_OWN_KEYS"]
@@ -90,15 +90,10 @@ _SAFE_GLOBALS = [
 
 
 def _load(path: Path) -> Any:
-    """``torch.load(weights_only=True)`` of one DeepSpeed file; an error names the file and the cause."""
-    try:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"hf_zero: DeepSpeed checkpoint file {str(path)!r} is missing") from None
-    except Exception as exc:
-        raise CheckpointError(f"hf_zero: DeepSpeed checkpoint file {str(path)!r} cannot be read: "
-                              f"{type(exc).__name__}: {str(exc)[:400]}") from exc
+    """One DeepSpeed file, loaded like every checkpoint file (``files.torch_load``: weights_only, errors naming the
+    file), with DeepSpeed's three classes allowed."""
+    with torch.serialization.safe_globals(_SAFE_GLOBALS):
+        return torch_load(path)
 
 
 def is_deepspeed_tag(path: Path) -> bool:

@@ -210,6 +210,18 @@ def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, loa
                 load_module_weights=load_module_weights)
 
 
+def _agree_or_raise(engine, error: Exception | None, what: str) -> None:
+    """Every rank learns whether every rank got this far without ``error`` (one bounded all-gather); a rank's own
+    error is raised as is, another rank's as a CheckpointError naming it -- on every rank, before any change."""
+    reports = _agree(engine, None if error is None else str(error), what)
+    if error is not None:
+        raise error
+    failed = [r for r, msg in enumerate(reports) if msg is not None]
+    if failed:
+        raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
+                              f"{reports[failed[0]]}")
+
+
 def _load_tag(engine, root: Path, tag: str, *, load_module_strict: bool, load_optimizer_states: bool,
               load_lr_scheduler_states: bool, load_module_weights: bool):
     """load_checkpoint of hf_zero tag ``root/tag``, which every rank agreed on."""
@@ -220,13 +232,7 @@ def _load_tag(engine, root: Path, tag: str, *, load_module_strict: bool, load_op
                                                           read_model=load_module_weights)
     except (CheckpointError, ValueError) as exc:
         error = exc
-    reports = _agree(engine, None if error is None else str(error), f"the agreement of load_checkpoint({tag!r})")
-    if error is not None:
-        raise error
-    failed = [r for r, msg in enumerate(reports) if msg is not None]
-    if failed:
-        raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
-                              f"{reports[failed[0]]}")
+    _agree_or_raise(engine, error, f"the agreement of load_checkpoint({tag!r})")
     reader = ShardFiles(handles, SavedPieces.of(meta))
     if sd is not None and load_module_weights:
         engine.module.load_state_dict(sd, strict=load_module_strict)
@@ -272,14 +278,7 @@ def _load_deepspeed_tag(engine, root: Path, tag: str, **load_args):
     except (CheckpointError, ValueError) as exc:
         error = exc
     try:
-        reports = _agree(engine, None if error is None else str(error),
-                         f"the reading of DeepSpeed checkpoint tag {tag!r}")
-        if error is not None:
-            raise error
-        failed = [r for r, msg in enumerate(reports) if msg is not None]
-        if failed:
-            raise CheckpointError(f"hf_zero: load_checkpoint failed on rank {failed[0]} (nothing was changed): "
-                                  f"{reports[failed[0]]}")
+        _agree_or_raise(engine, error, f"the reading of DeepSpeed checkpoint tag {tag!r}")
         return _load_tag(engine, copy, tag, **load_args)
     finally:
         if copy is not None:

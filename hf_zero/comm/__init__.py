@@ -14,6 +14,9 @@ from .sequence_groups import get_sequence_parallel_group
 from .process_group import (ReduceOp, all_gather, all_reduce, bookkeeping_device, broadcast, default_backend, get_local_rank,
                             get_node_id, get_rank, get_world_size, init_distributed, is_initialized)
 
+# the comms logger's straggler analysis all-reduces with the package's bounded collective (comms_log is a leaf)
+comms_log.use_collectives(all_reduce=all_reduce_, bookkeeping_device=bookkeeping_device)
+
 __all__ = ["buffer_pool", "comms_log", "context", "expert_groups", "faults", "sequence_groups", "settings", "shm_ring",
            "take_gather_buffer", "give_packed", "init_distributed", "is_initialized", "destroy_process_group",
            "get_rank", "get_world_size", "get_local_rank", "get_node_id", "get_sequence_parallel_group", "barrier",

@@ -21,7 +21,7 @@ all-gather, the message otherwise) and ``busbw = algbw * factor`` (:func:`busbw_
 the collective's group. DeepSpeed differs (docs/deepspeed_names.md): its all-reduce ``algbw`` is doubled, its
 reduce-scatter ``S`` is ``world_size`` inputs, and its ``n`` is always the global world size.
 
-A leaf of comm: imports torch only (process_group lazily: the straggler all-reduce's device).
+A leaf of comm: imports torch only; the straggler analysis's bounded all-reduce is handed in (use_collectives).
 """
 
 from __future__ import annotations
@@ -197,6 +197,7 @@ class CommsLogger:
         self._prof_ops: list[str] = []
         self._selected: frozenset[str] = frozenset()
         self._lock = threading.Lock()  # collectives may be waited on from other threads (offload prefetch)
+        self._quiet = threading.local()  # .active: this thread's collectives are the logger's own (not recorded)
 
     # ---- switches --------------------------------------------------------------------------------------------
 
@@ -244,6 +245,10 @@ class CommsLogger:
         dropped = set(op_name_list)
         self.prof_ops = [op for op in self._prof_ops if op not in dropped]
 
+    def quiet(self):
+        """``with logger.quiet():`` -- this thread's collectives are not recorded (the logger's own all-reduces)."""
+        return _Quiet(self._quiet)
+
     def wants(self, log_name: str, prof: bool = False) -> bool:
         """Whether a collective logged as ``log_name`` is profiled (``prof``: the call asked for it)."""
         return bool(prof) or self.prof_all or log_name in self._selected
@@ -251,7 +256,7 @@ class CommsLogger:
     def timing(self, raw_name: str, log_name: str, msg_nbytes: int, group=None, device=None,
                prof: bool = False) -> Timing | None:
         """A :class:`Timing` for a collective, not started; None when it is not profiled. Call only when enabled."""
-        if not self.wants(log_name, prof):
+        if not self.wants(log_name, prof) or getattr(self._quiet, "active", False):
             return None
         record_name = f"{log_name} | [Caller Func: {_caller()}]" if self.debug else log_name
         return Timing(self, raw_name, record_name, int(msg_nbytes), _world_size(group), device)
@@ -347,23 +352,46 @@ def _summary_row(msg_nbytes: int, row: list) -> dict[str, Any]:
             "msg_size_bytes": msg_nbytes, "msg_size_str": convert_size(msg_nbytes)}
 
 
-def _straggler_analysis(records: dict[str, dict[int, list]]) -> dict[str, dict[int, dict[str, Any]]]:
-    """Every latency's minimum over the ranks, in one all-reduce of all of them (same order on every rank)."""
-    from .process_group import bookkeeping_device
+class _Quiet:
+    def __init__(self, state: threading.local):
+        self.state = state
 
+    def __enter__(self):
+        self.state.active = True
+
+    def __exit__(self, *exc):
+        self.state.active = False
+
+
+# The bounded all-reduce and the bookkeeping device the straggler analysis runs on. comms_log is a leaf of comm (the
+# collectives import it to record themselves), so the package hands them in (hf_zero/comm/__init__.py).
+_collectives: dict[str, Callable] = {}
+
+
+def use_collectives(*, all_reduce: Callable, bookkeeping_device: Callable) -> None:
+    """``all_reduce(tensor, op=..., what=...)``: a bounded all-reduce; ``bookkeeping_device(group)``: where it runs."""
+    _collectives.update(all_reduce=all_reduce, bookkeeping_device=bookkeeping_device)
+
+
+def _straggler_analysis(records: dict[str, dict[int, list]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """Every latency's minimum over the ranks, in one all-reduce of all of them (same order on every rank), bounded
+    like every hf_zero collective."""
+    all_reduce, bookkeeping_device = _collectives["all_reduce"], _collectives["bookkeeping_device"]
     rows = [(name, size, row) for name, by_size in records.items() for size, row in sorted(by_size.items())]
     flat = [lat for _, _, row in rows for lat in row[1]]
     mins = list(flat)
     if _world_size(None) > 1:
         device = bookkeeping_device(None)
         counts = torch.tensor([len(flat), -len(flat)], dtype=torch.int64, device=device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        with logger.quiet():
+            all_reduce(counts, op=dist.ReduceOp.MAX, what="the comms logger's straggler analysis (op counts)")
         if counts[0].item() != -counts[1].item():
             raise RuntimeError(f"comms logger: rank {_rank()} recorded {len(flat)} collectives, another rank a "
                                f"different number; log_summary(show_straggler=True) needs every rank to have "
                                f"profiled the same collectives (same prof_all / prof_ops, reset_log on all ranks)")
         lats = torch.tensor(flat, dtype=torch.float64, device=device)
-        dist.all_reduce(lats, op=dist.ReduceOp.MIN)
+        with logger.quiet():
+            all_reduce(lats, op=dist.ReduceOp.MIN, what="the comms logger's straggler analysis (latencies)")
         mins = lats.tolist()
     out: dict[str, dict[int, dict[str, Any]]] = {}
     at = 0

@@ -12,7 +12,7 @@ from .hf_zero_config import HfZeroConfig
 from .schema import to_dict
 from .status import Status, not_honoured
 
-__all__ = ["format_config_table"]
+__all__ = ["format_config_table", "flatten"]
 
 _ALWAYS_SHOWN = (*BATCH_KEYS, "zero_optimization.stage")
 _MISSING = object()
@@ -20,8 +20,8 @@ _MISSING = object()
 
 def format_config_table(cfg: HfZeroConfig) -> str:
     """One line per value that differs from the default (batch keys and ZeRO stage always), marked with its source."""
-    current = _flatten(to_dict(cfg))
-    defaults = _flatten(to_dict(HfZeroConfig()))
+    current = flatten(to_dict(cfg))
+    defaults = flatten(to_dict(HfZeroConfig()))
     ignored = {label: entry.status for label, entry in not_honoured(cfg)}
     rows = [(key, _show(value), _mark(key, cfg.sources.get(key), ignored))
             for key, value in current.items()
@@ -48,12 +48,13 @@ def _mark(key: str, source: str | None, ignored: dict[str, Status]) -> str:
     return f"({', '.join(marks)})" if marks else ""
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (an empty mapping stays a value)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         path = f"{prefix}.{key}" if prefix else key
         if isinstance(value, Mapping) and value:
-            out.update(_flatten(value, path))
+            out.update(flatten(value, path))
         else:
             out[path] = value
     return out

@@ -15,6 +15,7 @@ import torch
 
 from hf_zero.config import HfZeroConfig
 from hf_zero.config.schema import to_dict
+from hf_zero.config.table import flatten
 
 __all__ = ["format_engine_state"]
 
@@ -26,7 +27,7 @@ def format_engine_state(engine: torch.nn.Module, config: HfZeroConfig) -> str:
     name = type(engine).__name__
     state = {k: v for k, v in vars(engine).items() if not k.startswith("_")}
     state.update({k: m for k, m in engine.named_children()})  # nn.Module keeps the wrapped model in _modules
-    values = _flatten(to_dict(config))
+    values = flatten(to_dict(config))
     return "\n".join([f"{name} state:", *_block({k: _show(v) for k, v in state.items()}),
                       f"{name} configuration:", *_block({k: repr(v) for k, v in values.items()})])
 
@@ -43,14 +44,3 @@ def _show(value: Any) -> str:
     if isinstance(value, (tuple, list)) and all(isinstance(v, _SCALARS) for v in value) and len(value) <= 8:
         return repr(value)
     return f"<{type(value).__name__}>"
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        path = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, Mapping) and value:
-            out.update(_flatten(value, path))
-        else:
-            out[path] = value
-    return out
