@@ -67,6 +67,11 @@ def test_reader_gives_deepspeeds_values_bit_for_bit(variant):
 
 
 def _resume(variant: str, stage: int, world: int, tmp: str, universal: bool = False):
+    return _resume_dir(str(DATA / variant / ("universal" if universal else "ckpt")), stage, world, universal,
+                       _parse(variant)[1], _parse(variant)[2])
+
+
+def _resume_dir(load_dir: str, stage: int, world: int, universal: bool = True, prec: str = "fp32", groups: int = 2):
     """On each rank: an hf_zero engine at ZeRO ``stage`` loads DeepSpeed's tag and trains steps 3 and 4 on the same
     global batches as DeepSpeed's 2 ranks did. Returns (losses, fp32 weights and moments, lr, client_state)."""
     import torch.distributed as dist
@@ -74,7 +79,6 @@ def _resume(variant: str, stage: int, world: int, tmp: str, universal: bool = Fa
     import hf_zero
     from hf_zero.zero.tensor_fragment import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    _, prec, groups = _parse(variant)
     torch.manual_seed(123)  # other initial weights than DeepSpeed's: the load must replace them all
     model = Tiny()
     with torch.no_grad():
@@ -86,7 +90,7 @@ def _resume(variant: str, stage: int, world: int, tmp: str, universal: bool = Fa
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     engine, *_ = hf_zero.initialize(model=model, model_parameters=param_groups(model, groups), config=cfg)
-    path, client = engine.load_checkpoint(str(DATA / variant / ("universal" if universal else "ckpt")))
+    path, client = engine.load_checkpoint(load_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
     losses = []
     for step in (3, 4):
@@ -137,7 +141,8 @@ def test_resume_continues_deepspeeds_run(variant, stage, world, universal, tmp_p
             continue  # (DeepSpeed's safe_get_full_optimizer_state gives None without ZeRO)
         torch.testing.assert_close(weights[name], value.float(), **tol, msg=lambda m: f"{name}: {m}")
     assert lr == pytest.approx(ref["lr"], rel=1e-9)
-    assert client["epoch"] == 7 and client["path"].endswith("global_step3_universal" if universal else "global_step3")
+    assert client["epoch"] == 7
+    assert client["path"] == str(DATA / variant / ("universal/global_step3_universal" if universal else "ckpt/global_step3"))
     assert torch.equal(scale, torch.arange(1.0, 4.0))  # the buffer is DeepSpeed's, not the model's 9.0
     tag = read_deepspeed_tag(DATA / variant / "ckpt" / "global_step3")
     for name, value in frozen.items():  # never trained: DeepSpeed's saved values, not this model's (+1.0)
@@ -249,3 +254,71 @@ def test_zero_to_fp32_converts_universal_checkpoints(variant):
         if p.requires_grad:
             assert torch.equal(sd[name], ref[f"saved:{name}"]), name
     assert torch.equal(sd["scale"], torch.arange(1.0, 4.0))
+
+
+# ---- ds_to_universal: DeepSpeed's command, over DeepSpeed's tags and hf_zero's ----------------------------------------
+
+def test_ds_to_universal_of_a_deepspeed_tag_equals_deepspeeds_own(tmp_path):
+    """hf_zero's ``ds_to_universal`` on DeepSpeed's stage-3 tag writes the values DeepSpeed's own command wrote
+    (tests/data/.../universal, from DeepSpeed 0.19.8), bit for bit, and names the output in latest_universal."""
+    from hf_zero.checkpoint.to_universal import main, parse_arguments
+
+    out = tmp_path / "u" / "global_step3_universal"
+    variant = DATA / "stage3_bf16_groups2"
+    assert main(parse_arguments(["--input_folder", str(variant / "ckpt" / "global_step3"),
+                                 "--output_folder", str(out), "--inject_missing_state"])) == 0
+    assert (tmp_path / "u" / "latest_universal").read_text() == "global_step3_universal"
+    theirs = variant / "universal" / "global_step3_universal" / "zero"
+    compared = 0
+    for ref in sorted(theirs.glob("*/*.pt")):
+        if ref.name == "step.pt":
+            continue
+        mine = torch.load(out / "zero" / ref.parent.name / ref.name, weights_only=True)["param"]
+        expect = torch.load(ref, weights_only=True)
+        expect = expect["param"] if isinstance(expect, dict) else expect  # (DeepSpeed's ZeRO-3 ones: bare tensors)
+        assert torch.equal(mine.reshape(-1), expect.reshape(-1).float()), ref
+        compared += 1
+    assert compared == 15  # 5 trainable parameters x (fp32, exp_avg, exp_avg_sq)
+
+
+def _save_then_continue(root: str):
+    """hf_zero, 2 ranks, ZeRO-2: 3 steps, save, 2 more steps; returns the 2 losses."""
+    import torch.distributed as dist
+
+    import hf_zero
+
+    torch.manual_seed(0)
+    model = Tiny()
+    engine, *_ = hf_zero.initialize(model=model, model_parameters=param_groups(model, 2), config=config(2, "fp32"))
+    rank = dist.get_rank()
+    losses = []
+    for step in range(5):
+        loss = loss_of(engine(batch(step, rank)))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / 2)
+        if step == 2:
+            engine.save_checkpoint(root, client_state={"epoch": 7})
+    engine.destroy()
+    return losses[3:]
+
+
+def test_ds_to_universal_of_an_hf_zero_tag_loads_with_load_universal(tmp_path):
+    """A DeepSpeed universal-checkpoint workflow, unchanged, on hf_zero: save on 2 ranks (ZeRO-2), run
+    ``python -m deepspeed.checkpoint.ds_to_universal``, load with ``checkpoint.load_universal`` on 1 rank at ZeRO-3:
+    the next two steps are the uninterrupted run's."""
+    import subprocess
+
+    root = tmp_path / "ckpt"
+    reference = run_distributed(_save_then_continue, 2, args=(str(root),))[0]
+    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(root / "global_step3"), "--output_folder", str(root / "global_step3_universal")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (root / "latest_universal").read_text() == "global_step3_universal"
+    losses, _, _, client, _, scale = run_distributed(_resume_dir, 1, args=(str(root), 3, 1))[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    assert client == {"epoch": 7, "path": str(root / "global_step3_universal")}
+    assert torch.equal(scale, torch.arange(1.0, 4.0))

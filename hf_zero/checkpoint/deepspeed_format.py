@@ -213,7 +213,8 @@ def _refuse_other_layouts(path: Path, names: list[str]) -> None:
 def _scaler_dict(scaler: Any) -> dict | None:
     if scaler is None:
         return None
-    return {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
+    fields = scaler if isinstance(scaler, dict) else vars(scaler)  # (hf_zero's universal output writes a dict)
+    return {k: v for k, v in fields.items() if isinstance(v, (int, float, bool))}
 
 
 def _flat_states(state: dict, group_index: int) -> tuple[dict[str, torch.Tensor], int | None]:

@@ -279,7 +279,8 @@ def _load_deepspeed_tag(engine, root: Path, tag: str, **load_args):
         error = exc
     try:
         _agree_or_raise(engine, error, f"the reading of DeepSpeed checkpoint tag {tag!r}")
-        return _load_tag(engine, copy, tag, **load_args)
+        path, client_state = _load_tag(engine, copy, tag, **load_args)
+        return str(root / tag) if path is not None else None, client_state  # the caller's directory, not the copy
     finally:
         if copy is not None:
             shutil.rmtree(copy, ignore_errors=True)
