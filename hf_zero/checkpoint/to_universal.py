@@ -41,6 +41,9 @@ from hf_zero.zero.saved_pieces import group_prefix
 
 __all__ = ["write_universal", "parse_arguments", "main"]
 
+# the DeepSpeed release whose universal layout this writes, as ``ds_version`` (DeepSpeed parses it as a version)
+UNIVERSAL_FORMAT_OF = "0.19.8+hfzero"
+
 
 def _read_hf_zero_tag(path: Path) -> DeepSpeedTag:
     """An hf_zero tag as the same name-keyed record a DeepSpeed tag is read into."""
@@ -76,7 +79,7 @@ def _read_hf_zero_tag(path: Path) -> DeepSpeedTag:
                       "cur_hysteresis": scaler["hysteresis_left"]} if scaler else None),
         lr_scheduler=engine_state.get("lr_scheduler"), global_steps=int(engine_state["global_steps"]),
         global_samples=int(engine_state["global_samples"]), skipped_steps=int(engine_state["skipped_steps"]),
-        client_state=dict(engine_state.get("client_state") or {}), ds_version="hf_zero")
+        client_state=dict(engine_state.get("client_state") or {}), ds_version=UNIVERSAL_FORMAT_OF)
 
 
 def write_universal(input_folder, output_folder) -> Path:
