@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import collections.abc
 import copy
 import importlib
 import json
@@ -400,3 +401,29 @@ def test_zero_stage_enum_is_deepspeeds_and_unpickles_from_its_checkpoints():
     assert [int(ZeroStageEnum[n]) for n in ("disabled", "optimizer_states", "gradients", "weights", "max_stage")] \
         == [0, 1, 2, 3, 3]
     assert ZeroStageEnum(2) is ZeroStageEnum.gradients and ZeroStageEnum.weights == 3
+
+
+def test_modules_scripts_import_optimizers_and_helpers_from():
+    """The module paths DeepSpeed defines these in, which scripts import them from, and the type aliases and
+    ``empty_cache`` of ``deepspeed.runtime``."""
+    from deepspeed.ops.adagrad.cpu_adagrad import DeepSpeedCPUAdagrad
+    from deepspeed.ops.adam.cpu_adam import DeepSpeedCPUAdam
+    from deepspeed.ops.adam.fused_adam import FusedAdam
+    from deepspeed.ops.lion.cpu_lion import DeepSpeedCPULion
+    from deepspeed.runtime.engine import DeepSpeedOptimizerCallable, DeepSpeedSchedulerCallable
+    from deepspeed.runtime.utils import empty_cache
+
+    import hf_zero.ops.adagrad
+    import hf_zero.ops.adam
+    import hf_zero.ops.lion
+
+    assert (DeepSpeedCPUAdam, FusedAdam) == (hf_zero.ops.adam.CPUAdam, hf_zero.ops.adam.FusedAdam)
+    assert DeepSpeedCPUAdagrad is hf_zero.ops.adagrad.CPUAdagrad and DeepSpeedCPULion is hf_zero.ops.lion.CPULion
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = DeepSpeedCPUAdam([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    assert torch.allclose(p.detach(), torch.full((3,), 0.9), atol=1e-6)  # Adam's first step moves by lr
+    assert DeepSpeedOptimizerCallable.__origin__ is collections.abc.Callable
+    assert DeepSpeedSchedulerCallable.__args__[0] is torch.optim.Optimizer
+    assert empty_cache() is None

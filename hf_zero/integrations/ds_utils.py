@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -20,10 +21,21 @@ from hf_zero.integrations.compat import logger
 from hf_zero.profiling.memory_usage import see_memory_usage
 
 __all__ = ["log_dist", "print_dist", "OnDevice", "see_memory_usage", "clip_grad_norm_", "get_global_norm",
-           "required_torch_version"]
+           "required_torch_version", "empty_cache", "DeepSpeedOptimizerCallable", "DeepSpeedSchedulerCallable"]
 
 
-# ---- rank-filtered messages ---------------------------------------------------------------------------------------
+# deepspeed.runtime.engine's type aliases: what initialize(optimizer=..., lr_scheduler=...) may also be given
+DeepSpeedOptimizerCallable = Callable[[Union[Iterable[torch.nn.Parameter], dict]], torch.optim.Optimizer]
+DeepSpeedSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+
+def empty_cache() -> None:
+    """``deepspeed.runtime.utils.empty_cache``: release the accelerator's cached memory and restart its peak count."""
+    acc = get_accelerator()
+    acc.empty_cache()
+    acc.reset_peak_memory_stats()
+
+
 def required_torch_version(min_version=None, max_version=None) -> bool:
     """``deepspeed.utils.torch.required_torch_version``: whether the installed torch lies in [min, max] (versions as
     numbers or strings, "2.4" meaning 2.4.0). Scripts gate features on it."""
@@ -35,6 +47,7 @@ def required_torch_version(min_version=None, max_version=None) -> bool:
     return max_version is None or installed <= str(max_version)
 
 
+# ---- rank-filtered messages ---------------------------------------------------------------------------------------
 def _dist_message(message, ranks: Iterable[int] | None) -> str | None:
     """``"[Rank r] message"`` when this rank should say it: always before the process group exists (rank -1), else
     when this rank is in ``ranks`` or ``ranks`` starts with -1 (every rank). None otherwise; no ranks: nobody."""

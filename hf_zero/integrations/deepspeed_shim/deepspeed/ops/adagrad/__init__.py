@@ -2,4 +2,4 @@
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
-_forward(__name__, {"DeepSpeedCPUAdagrad": "hf_zero.ops.adagrad:CPUAdagrad"})
+_forward(__name__, {"DeepSpeedCPUAdagrad": "hf_zero.ops.adagrad:CPUAdagrad"}, submodules=["cpu_adagrad"])

@@ -5,4 +5,4 @@ from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 _forward(__name__, {
     "DeepSpeedCPUAdam": "hf_zero.ops.adam:CPUAdam",
     "FusedAdam": "hf_zero.ops.adam:FusedAdam",
-})
+}, submodules=["cpu_adam", "fused_adam"])

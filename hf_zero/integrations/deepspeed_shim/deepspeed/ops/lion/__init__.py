@@ -2,4 +2,4 @@
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
-_forward(__name__, {"DeepSpeedCPULion": "hf_zero.ops.lion:CPULion"})
+_forward(__name__, {"DeepSpeedCPULion": "hf_zero.ops.lion:CPULion"}, submodules=["cpu_lion"])
