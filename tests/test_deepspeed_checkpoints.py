@@ -142,7 +142,8 @@ def test_resume_continues_deepspeeds_run(variant, stage, world, universal, tmp_p
         torch.testing.assert_close(weights[name], value.float(), **tol, msg=lambda m: f"{name}: {m}")
     assert lr == pytest.approx(ref["lr"], rel=1e-9)
     assert client["epoch"] == 7
-    assert client["path"] == str(DATA / variant / ("universal/global_step3_universal" if universal else "ckpt/global_step3"))
+    expected_tag = "universal/global_step3_universal" if universal else "ckpt/global_step3"
+    assert client["path"] == str(DATA / variant / expected_tag)
     assert torch.equal(scale, torch.arange(1.0, 4.0))  # the buffer is DeepSpeed's, not the model's 9.0
     tag = read_deepspeed_tag(DATA / variant / "ckpt" / "global_step3")
     for name, value in frozen.items():  # never trained: DeepSpeed's saved values, not this model's (+1.0)
@@ -256,7 +257,7 @@ def test_zero_to_fp32_converts_universal_checkpoints(variant):
     assert torch.equal(sd["scale"], torch.arange(1.0, 4.0))
 
 
-# ---- ds_to_universal: DeepSpeed's command, over DeepSpeed's tags and hf_zero's ----------------------------------------
+# ---- ds_to_universal: DeepSpeed's command, over DeepSpeed's tags and hf_zero's -----------------------------------
 
 def test_ds_to_universal_of_a_deepspeed_tag_equals_deepspeeds_own(tmp_path):
     """hf_zero's ``ds_to_universal`` on DeepSpeed's stage-3 tag writes the values DeepSpeed's own command wrote

@@ -427,3 +427,43 @@ def test_modules_scripts_import_optimizers_and_helpers_from():
     assert DeepSpeedOptimizerCallable.__origin__ is collections.abc.Callable
     assert DeepSpeedSchedulerCallable.__args__[0] is torch.optim.Optimizer
     assert empty_cache() is None
+
+
+def _optimizer_class_checks(stage: int):
+    import warnings
+
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    import hf_zero
+
+    model = torch.nn.Linear(4, 4)
+    engine, optimizer, *_ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DeepSpeedZeroOptimizer_Stage3.offload_states = lambda self: None  # a script's monkey-patch: named, no effect
+    try:
+        DeepSpeedZeroOptimizer()
+        constructible = True
+    except TypeError:
+        constructible = False
+    result = (isinstance(optimizer, DeepSpeedZeroOptimizer),
+              isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3), isinstance(object(), DeepSpeedZeroOptimizer),
+              [str(w.message) for w in caught], constructible)
+    engine.destroy()
+    return result
+
+
+@pytest.mark.parametrize("stage,expected", [(0, (False, False)), (1, (True, False)), (2, (True, False)),
+                                            (3, (False, True))])
+def test_zero_optimizer_classes_answer_isinstance_by_stage(stage, expected):
+    """``DeepSpeedZeroOptimizer`` (stages 1-2) and ``DeepSpeedZeroOptimizer_Stage3`` (stage 3), which libraries import
+    and test the engine's optimizer against: true for hf_zero's optimizer at the matching stage only."""
+    from hf_zero.testing import run_distributed
+
+    zero12, zero3, other, warned, constructible = run_distributed(_optimizer_class_checks, 1, args=(stage,))[0]
+    assert (zero12, zero3) == expected and other is False and constructible is False
+    assert len(warned) == 1
+    assert warned[0].startswith("hf_zero: setting DeepSpeedZeroOptimizer_Stage3.offload_states has no effect")

@@ -5,8 +5,8 @@ One process-wide :data:`logger` owns the records. Two kinds of call site feed it
 (``logger.enabled``) when it is off:
 
 * hf_zero's bounded collectives (collectives.py): ``_issue`` starts a :class:`Timing` when the payload leaves and
-  the ``wait()`` of the payload's handle stops it (:class:`TimedWork`), because several of them move their data only inside ``wait()`` (the shared
-  ring) or deliver into buffers the caller prepares between issue and wait. The latency of an overlapped
+  the ``wait()`` of the payload's handle stops it (:class:`TimedWork`), because several of them move their data
+  only inside ``wait()`` (the shared ring) or deliver into buffers the caller prepares between issue and wait. The latency of an overlapped
   (asynchronous) collective is therefore issue-to-completion as its waiter saw it, an upper bound on the transfer.
 * the DeepSpeed-signature functions (process_group.py, integrations/ds_comm.py), through :func:`timed_op`: a
   synchronous call is timed to its return, an asynchronous one to the ``wait()`` of the handle it returns.

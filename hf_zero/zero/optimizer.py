@@ -51,8 +51,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  loss_scaler: LossScaler | None, clip_norm: float, publish_bucket_numel: int,
                  check_overflow: bool, process_group=None, model_parallel_group=None,
                  publisher: Callable[[], None] | None = None, offload=None,
-                 state_dtype: torch.dtype = torch.float32):
+                 state_dtype: torch.dtype = torch.float32, zero_stage: int = 0):
         self.groups = list(groups)
+        self.zero_stage = zero_stage  # the engine's ZeRO stage (DeepSpeed has one optimizer class per stage)
         # param_groups[param_group_of[i]] holds groups[i]'s master: one param group per group, or several groups in
         # one (a client's stage-0 group mixing MoE experts with other parameters, split by the process group
         # reducing them, stays the one group its scheduler holds); its hyperparameters are its first group's
