@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -467,3 +468,54 @@ def test_zero_optimizer_classes_answer_isinstance_by_stage(stage, expected):
     assert (zero12, zero3) == expected and other is False and constructible is False
     assert len(warned) == 1
     assert warned[0].startswith("hf_zero: setting DeepSpeedZeroOptimizer_Stage3.offload_states has no effect")
+
+
+def _load_deepspeed_files_with_the_scripts_allow_list(optim_file: str):
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum, fragment_address])
+    sd = torch.load(optim_file, weights_only=True)["optimizer_state_dict"]
+    scaler, mapping = sd["loss_scaler"], sd["param_slice_mappings"][0]
+    return (sd["zero_stage"] is ZeroStageEnum.gradients, type(scaler) is LossScaler, scaler.cur_scale,
+            type(mapping["emb.weight"]) is fragment_address, mapping["emb.weight"].numel)
+
+
+def test_scripts_allow_deepspeeds_pickled_classes_and_load_its_files():
+    """The torch>=2.6 pattern: import LossScaler / ZeroStageEnum / fragment_address from DeepSpeed's modules,
+    ``add_safe_globals`` them, ``torch.load(weights_only=True)`` a DeepSpeed optimizer file: the objects come back
+    as those classes with DeepSpeed's values (a file DeepSpeed 0.19.8 wrote, tests/data/deepspeed_checkpoints)."""
+    from hf_zero.testing import run_distributed
+
+    optim = (Path(__file__).parent / "data" / "deepspeed_checkpoints" / "stage2_fp32_groups2" / "ckpt" /
+             "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert run_distributed(_load_deepspeed_files_with_the_scripts_allow_list, 1, args=(str(optim),),
+                           init_process_group=False)[0] == (True, True, 1.0, True, 60)
+
+
+def test_dynamic_loss_scaler_halves_with_hysteresis_and_doubles_after_the_window():
+    from deepspeed.runtime.fp16.loss_scaler import (INITIAL_LOSS_SCALE, SCALE_WINDOW, CreateLossScaler,
+                                                    DynamicLossScaler, LossScaler)
+
+    s = CreateLossScaler(torch.half, 1.0, True, {INITIAL_LOSS_SCALE: 16.0, SCALE_WINDOW: 2, "min_scale": 1,
+                                                 "delayed_shift": 2, "consecutive_hysteresis": False})
+    assert type(s) is DynamicLossScaler and s.loss_scale == 16.0
+    seen = []
+    for overflow in (True, True, False, False, False, True, True, True):
+        s.update_scale(overflow)
+        seen.append(s.cur_scale)
+    # 1st overflow spends the hysteresis, 2nd halves; 2 clean steps after it double; then hysteresis again
+    # (DeepSpeed 0.19.8's DynamicLossScaler gives the same sequence)
+    assert seen == [16.0, 8.0, 8.0, 8.0, 16.0, 16.0, 8.0, 4.0]
+    assert type(CreateLossScaler(torch.bfloat16, 128.0, True, None)) is LossScaler
+    static = LossScaler(scale=4.0)
+    loss = torch.tensor(2.0, requires_grad=True)
+    static.backward(loss)
+    assert loss.grad.item() == 4.0 and static.has_overflow([]) is False
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.tensor([1.0, float("inf")])
+    assert s.has_overflow_serial([p]) is True
+    low = DynamicLossScaler(init_scale=1, scale_window=1, min_scale=1, delayed_shift=1, consecutive_hysteresis=False)
+    with pytest.raises(RuntimeError, match="minimum"):
+        low.update_scale(True)

@@ -45,7 +45,7 @@ import torch
 
 from hf_zero.checkpoint.files import CheckpointError, torch_load
 
-__all__ = ["ZeroStageEnum", "DeepSpeedTag", "is_deepspeed_tag", "is_universal_tag", "read_deepspeed_tag",
+__all__ = ["ZeroStageEnum", "fragment_address", "DeepSpeedTag", "is_deepspeed_tag", "is_universal_tag", "read_deepspeed_tag",
            "DEEPSPEED_OWN_KEYS"]
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -74,18 +74,26 @@ class _PickledLossScaler:
 
 
 @dataclass
-class _PickledFragmentAddress:
-    """DeepSpeed's ``fragment_address`` (where a parameter's fragment sits in a rank's partition)."""
+class fragment_address:  # noqa: N801 (DeepSpeed's name)
+    """DeepSpeed's ``deepspeed.utils.tensor_fragment.fragment_address`` (where a parameter's fragment sits in a rank's
+    partition), which its ZeRO-1/2 optimizer files pickle."""
 
     numel: int = 0
     start: int = 0
+
+
+# Scripts allow DeepSpeed's pickled classes with torch.serialization.add_safe_globals([ZeroStageEnum, ...]), which
+# allows a class under its __module__.__qualname__: these carry DeepSpeed's names (and the deepspeed shim's modules
+# of those names forward to them), so such a script admits exactly what DeepSpeed's files hold.
+ZeroStageEnum.__module__ = "deepspeed.runtime.zero.config"
+fragment_address.__module__ = "deepspeed.utils.tensor_fragment"
 
 
 _SAFE_GLOBALS = [
     (ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
     (_PickledLossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (_PickledLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-    (_PickledFragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (fragment_address, "deepspeed.utils.tensor_fragment.fragment_address"),
 ]
 
 

@@ -22,4 +22,4 @@ _forward(__name__, {
         "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
         "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
         "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state")},
-}, submodules=["comms_logging", "groups", "logging", "timer", "torch", "zero_to_fp32"])
+}, submodules=["comms_logging", "groups", "logging", "tensor_fragment", "timer", "torch", "zero_to_fp32"])
