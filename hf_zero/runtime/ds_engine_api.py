@@ -10,7 +10,8 @@ side by side on the same scripts, ``DS_ACCELERATOR=cpu``):
   ``curriculum_params_legacy()`` ...);
 * the run's layout (``dp_world_size``, ``mp_world_size``, ``mpu``, ``data_parallel_group``);
 * ``was_step_applied()``, ``get_mom()``, ``no_sync()``, ``coalesce_grad_reduction()``, ``set_train_batch_size()`` /
-  ``set_train_micro_batch_size()``, ``save_fp16_model()``.
+  ``set_train_micro_batch_size()``, ``save_fp16_model()``;
+* ``load_module_state_dict()``, whose masters follow the load (hf_zero/runtime/module_load.py).
 """
 
 from __future__ import annotations
@@ -235,3 +236,26 @@ class DeepSpeedEngineAPI:
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name of :meth:`save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)
+
+    def load_module_state_dict(self, checkpoint, strict: bool = True, custom_load_fn=None,
+                               fetch_z3_params: bool = False, z3_params_to_fetch=None,
+                               allowed_missing_keys=None) -> None:
+        """Load ``checkpoint['module']`` (a state dict, the same on every rank) into the engine's model; call on
+        every rank. DeepSpeed's arguments: ``custom_load_fn(src=state_dict, dst=module)`` replaces the load;
+        ``strict`` as torch's, except that with ``allowed_missing_keys`` a strict load may miss exactly those keys
+        (anything else missing, or any unexpected key, raises RuntimeError); ``fetch_z3_params`` /
+        ``z3_params_to_fetch`` gather those ZeRO-3 parameters around ``custom_load_fn`` (rank 0's edits are kept).
+        ``checkpoint['frozen_param_fragments']``, when present, sets the frozen parameters, as DeepSpeed.
+
+        Differs from DeepSpeed: the optimizer's fp32 master weights and 16-bit shards are set from the loaded
+        weights too, at every ZeRO stage (0-3, optimizer offload included), so the next ``step`` starts from the
+        loaded weights. DeepSpeed leaves its masters as they were (its ``load_checkpoint`` refreshes them
+        separately), so there the next step silently reverts the load. At ZeRO-3 the state dict is loaded
+        parameter by parameter, gathering nothing, after checking every key and shape first (a refused load
+        changes nothing); the model's ``load_state_dict`` hooks do not run there (use ``custom_load_fn``).
+        A tensor-parallel model is refused (use ``load_checkpoint``). See hf_zero/runtime/module_load.py."""
+        from hf_zero.runtime.module_load import load_module_state_dict
+
+        load_module_state_dict(self, checkpoint, strict=strict, custom_load_fn=custom_load_fn,
+                               fetch_z3_params=fetch_z3_params, z3_params_to_fetch=z3_params_to_fetch,
+                               allowed_missing_keys=allowed_missing_keys)

@@ -22,6 +22,8 @@ _LAZY = {
     "unset_z3_leaf_modules": "hf_zero.zero.leaf",
     "get_z3_leaf_modules": "hf_zero.zero.leaf",
     "set_z3_leaf_module": "hf_zero.zero.leaf",
+    "set_z3_leaf_modules_by_name": "hf_zero.zero.leaf",
+    "set_z3_leaf_modules_by_suffix": "hf_zero.zero.leaf",
     "z3_leaf_module": "hf_zero.zero.leaf",
     "z3_leaf_parameter": "hf_zero.zero.leaf",
 }
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from hf_zero.zero.gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
     from hf_zero.zero.init import Init
     from hf_zero.zero.leaf import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
+                                   set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
                                    unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 
 

@@ -1,4 +1,5 @@
-"""``GatheredParameters``: full parameters inside a block; ``register_external_parameter``.
+"""``GatheredParameters``: full parameters inside a block; ``register_external_parameter``;
+``unwrap_model_for_generation``: the whole model gathered once for ``generate()``.
 
     with GatheredParameters(model.lm_head.weight, modifier_rank=0):
         if rank == 0:
@@ -9,15 +10,18 @@ Ordinary (never partitioned) tensors pass through untouched, as transformers rel
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .stage3.gather import gatherer_for
 from .stage3.param import HoldReason, ParamState, ShardedParam, sharded_param_of
-from .stage3.runtime import EXTERNAL_PARAMS_ATTR, bump_external_version
+from .stage3.runtime import EXTERNAL_PARAMS_ATTR, Stage3Runtime, bump_external_version
 
-__all__ = ["GatheredParameters", "register_external_parameter", "unregister_external_parameter"]
+__all__ = ["GatheredParameters", "register_external_parameter", "unregister_external_parameter",
+           "unwrap_model_for_generation"]
 
 
 def _as_list(params) -> list:
@@ -128,3 +132,30 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
     if len(kept) != len(params):
         module.__dict__[EXTERNAL_PARAMS_ATTR] = kept
         bump_external_version()
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: nn.Module):
+    """DeepSpeed's (``deepspeed.runtime.zero.stage3``): for the block, every ZeRO-3 parameter of ``model`` (the
+    engine) is gathered once and the engine's forward hooks are off, so ``model.generate(...)`` runs each of its
+    forwards as an unpartitioned model would, with no per-module gathers. On exit the hooks come back and the
+    parameters are partitioned again; edits made inside are discarded (as DeepSpeed's). Yields ``model``. A
+    collective on entry and exit under ZeRO-3 (call on every rank); without ZeRO-3 it just yields ``model``.
+
+    Memory: the whole model's 16-bit weights on every rank for the duration, as DeepSpeed. A module that is not an
+    engine but has partitioned parameters (built under ``zero.Init``) is gathered the same way; with no engine to
+    ask, its hooks (if any) stay, and find everything gathered."""
+    params = list(model.parameters())
+    runtime = getattr(model, "stage3", None)  # the engine's ZeRO-3 runtime
+    runtime = runtime if isinstance(runtime, Stage3Runtime) else None
+    if runtime is None and not any(sharded_param_of(p) is not None for p in params):
+        yield model
+        return
+    if runtime is not None:
+        runtime.suspend_module_hooks()
+    try:
+        with GatheredParameters(params):
+            yield model
+    finally:
+        if runtime is not None:
+            runtime.resume_module_hooks()

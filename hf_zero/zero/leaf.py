@@ -18,7 +18,8 @@ from typing import Sequence
 from torch import nn
 
 __all__ = ["set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
-           "z3_leaf_parameter", "set_z3_leaf_module", "LEAF_ATTR"]
+           "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
+           "LEAF_ATTR"]
 
 LEAF_ATTR = "_z3_leaf"  # DeepSpeed's attribute name: code that sets it directly keeps working
 
@@ -51,6 +52,57 @@ def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | s
 def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str],
                           raise_if_not_found: bool = True) -> list[nn.Module]:
     return _set(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def set_z3_leaf_modules_by_name(model: nn.Module, module_names: Sequence[str], flag: bool = True,
+                                raise_if_not_found: bool = True) -> tuple[list[nn.Module], list[str]]:
+    """Set the leaf flag of the modules named ``module_names`` (exact ``model.named_modules()`` names, ``""`` for
+    ``model`` itself). Returns ``(modules, missing)``: the modules in the order of the names (a name given twice
+    appears twice, as in DeepSpeed), and the names that matched no module."""
+    by_name = dict(model.named_modules())
+    found, missing = [], []
+    for name in module_names:
+        module = by_name.get(name)
+        if module is None:
+            missing.append(name)
+        else:
+            setattr(module, LEAF_ATTR, bool(flag))
+            found.append(module)
+    if missing and raise_if_not_found:
+        raise ValueError(f"hf_zero: no module named {missing} in {type(model).__name__} (names are those of "
+                         f"model.named_modules(), e.g. {_examples(by_name)}); pass raise_if_not_found=False to allow "
+                         f"this")
+    _changed()
+    return found, missing
+
+
+def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: Sequence[str], flag: bool = True,
+                                  raise_if_not_found: bool = True) -> tuple[list[nn.Module], list[str]]:
+    """Set the leaf flag of every module whose ``model.named_modules()`` name ends with one of
+    ``module_name_suffixes`` (plain string suffix: ``"mlp"`` also matches ``"layers.0.shared_mlp"``). Returns
+    ``(modules, missing)``: each matched module once, and the suffixes that matched nothing."""
+    by_name = dict(model.named_modules())
+    found, missing, seen = [], [], set()
+    for suffix in module_name_suffixes:
+        matched = [m for name, m in by_name.items() if name.endswith(suffix)]
+        if not matched:
+            missing.append(suffix)
+        for module in matched:
+            setattr(module, LEAF_ATTR, bool(flag))
+            if id(module) not in seen:
+                seen.add(id(module))
+                found.append(module)
+    if missing and raise_if_not_found:
+        raise ValueError(f"hf_zero: no module name of {type(model).__name__} ends with {missing} (names are those of "
+                         f"model.named_modules(), e.g. {_examples(by_name)}); pass raise_if_not_found=False to allow "
+                         f"this")
+    _changed()
+    return found, missing
+
+
+def _examples(by_name: dict) -> str:
+    names = [n for n in by_name if n][:4]
+    return ", ".join(repr(n) for n in names) + (" ..." if len(by_name) > 5 else "") if names else "none"
 
 
 def _matches(module: nn.Module, spec: type | str) -> bool:

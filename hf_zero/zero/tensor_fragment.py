@@ -21,12 +21,14 @@ elements per rank, rank r holding elements ``[r * shard_numel, (r + 1) * shard_n
   local setters are refused at stages 0-2, where every rank holds the full weights: writing one shard would leave
   the ranks disagreeing; use the full setter there.
 - A parameter the optimizer does not own (frozen, or no engine) gives None from the getters, as in DeepSpeed.
+- ``safe_update_full_grad_vectorized(params, fn)``: each parameter's gradient becomes ``fn(full_grad, param)``;
+  the same collectives as a get and a set per parameter (DeepSpeed batches them per group at ZeRO-3).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -38,7 +40,8 @@ if TYPE_CHECKING:
     from hf_zero.zero.optimizer import ZeroOptimizer
     from hf_zero.zero.sharded_group import ShardedGroup
 
-__all__ = ["track", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+__all__ = ["track", "fragment_of", "safe_update_full_grad_vectorized",
+           "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
            "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"]
@@ -83,10 +86,17 @@ def track(optimizer: "ZeroOptimizer") -> None:
             _FRAGMENTS[param] = _Fragment(optimizer, group_index, index)
 
 
-def _fragment(param: torch.Tensor, what: str) -> _Fragment | None:
+def fragment_of(param: torch.Tensor) -> _Fragment | None:
+    """Where the optimizer that trains ``param`` keeps it; None when none does (frozen, no engine, engine gone).
+    Unlike the safe_* functions this also answers under an optimizer offload (``group.master`` is then meta)."""
     frag = _FRAGMENTS.get(param)
     if frag is not None and frag._optimizer() is None:
         return None  # its engine is gone: the parameter is an ordinary tensor again
+    return frag
+
+
+def _fragment(param: torch.Tensor, what: str) -> _Fragment | None:
+    frag = fragment_of(param)
     if frag is not None and frag.group.master.is_meta and frag.group.shard_numel > 0:
         raise NotImplementedError(f"hf_zero {what}: the fp32 weights and optimizer states are offloaded "
                                   "(zero_optimization.offload_optimizer); read them before enabling the offload "
@@ -201,6 +211,26 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
         return
     lo, hi = frag.span
     state[lo:hi].copy_(_own_shard(frag, value))
+
+
+def safe_update_full_grad_vectorized(param_list: Sequence[torch.Tensor],
+                                     update_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Replace each parameter's full gradient ``g`` with ``update_func(g, param)`` (DeepSpeed's signature; the
+    function gets the fp32 full gradient, see :func:`safe_get_full_grad`, and returns the new one, same shape).
+    Parameters without a gradient (frozen, or no backward yet) are skipped and ``update_func`` is not called for
+    them. A collective at stages 1-3 once gradients are reduced: every rank passes the same list."""
+    for param in param_list:
+        if not param.requires_grad:
+            continue
+        grad = safe_get_full_grad(param)
+        if grad is None:
+            continue
+        new = update_func(grad, param)
+        if not torch.is_tensor(new) or new.numel() != grad.numel():
+            raise ValueError(f"hf_zero safe_update_full_grad_vectorized: update_func returned "
+                             f"{tuple(new.shape) if torch.is_tensor(new) else type(new).__name__} for a gradient of "
+                             f"shape {tuple(grad.shape)}; it must return a tensor of the gradient's shape")
+        safe_set_full_grad(param, new)
 
 
 # ---- local (this rank's shard) ----------------------------------------------------------------------------------

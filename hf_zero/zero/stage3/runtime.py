@@ -132,6 +132,8 @@ class Stage3Runtime:
         self._end_of_backward_queued = False
         self._deferred: set[ShardedParam] = set()  # frozen params kept whole after a recomputation, see _post_forward
         self._handles = []
+        self._root_handles = []  # the iteration boundary's hooks on the root (see _install_hooks)
+        self._hooks_suspended = False  # suspend_module_hooks() .. resume_module_hooks()
         self._module_handles: dict[nn.Module, tuple[str, list]] = {}  # module -> ("group" | "track", hooks)
         self._install_hooks()
         self._stepped = False
@@ -257,11 +259,43 @@ class Stage3Runtime:
         if self.whole:  # nothing is partitioned after the first forward: no other hook has anything to do
             return
         self._sync_module_hooks()
-        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
-        self._handles.append(self.module.register_forward_hook(self._root_post_forward))
+        self._install_root_hooks()
         for sp in self._sps:
             if sp.requires_grad:
                 self._handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    def _install_root_hooks(self) -> None:
+        self._root_handles = [self.module.register_forward_pre_hook(self._root_pre_forward, prepend=True),
+                              self.module.register_forward_hook(self._root_post_forward)]
+
+    def suspend_module_hooks(self) -> None:
+        """Take every forward hook off the model (``unwrap_model_for_generation``, whose block holds every parameter
+        gathered: the hooks would have nothing to gather, and cost a call per module per generated token). The
+        parameters decided persistent are published first (a collective: call on every rank). The gradient hooks
+        stay. :meth:`resume_module_hooks` puts the hooks back."""
+        if self._hooks_suspended:
+            raise RuntimeError("hf_zero ZeRO-3: unwrap_model_for_generation is already active for this engine (the "
+                               "blocks cannot be nested: the inner one's exit would partition what the outer holds)")
+        if self.states.any_open():
+            raise RuntimeError("hf_zero ZeRO-3: unwrap_model_for_generation inside the model's forward; enter it "
+                               "between training steps")
+        self._publish_persistent()
+        for h in self._root_handles + [h for _, hs in self._module_handles.values() for h in hs]:
+            h.remove()
+        self._root_handles = []
+        self._module_handles.clear()
+        self._hooks_suspended = True
+
+    def resume_module_hooks(self) -> None:
+        """Undo :meth:`suspend_module_hooks`: the hooks of the current groups (leaf flags changed meanwhile apply
+        from the next forward, as always)."""
+        if not self._hooks_suspended:
+            raise RuntimeError("hf_zero ZeRO-3: resume_module_hooks without suspend_module_hooks")
+        self._hooks_suspended = False
+        if self.whole:  # it never had module hooks (see _install_hooks)
+            return
+        self._sync_module_hooks()
+        self._install_root_hooks()
 
     def _sync_module_hooks(self) -> None:
         """Hooks on exactly the modules that have a group now. A module keeping its group keeps its hooks (they
@@ -430,8 +464,10 @@ class Stage3Runtime:
                 f"{available} bytes ({available / 2**30:.2f} GiB) are available. Save it instead with "
                 "engine.save_16bit_model() or save_checkpoint() (both stream module by module); the swap files are "
                 "removed when the process exits")
-        for h in self._handles + self._publish_handles + [h for _, hs in self._module_handles.values() for h in hs]:
+        for h in (self._handles + self._root_handles + self._publish_handles
+                  + [h for _, hs in self._module_handles.values() for h in hs]):
             h.remove()
+        self._root_handles = []
         self._publish_handles, self._unpublished = [], []  # gathered below with the rest; nothing left to publish
         self._handles.clear()
         self._module_handles.clear()

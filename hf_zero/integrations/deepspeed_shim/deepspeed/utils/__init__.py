@@ -1,5 +1,5 @@
-"""``deepspeed.utils``: logger, log_dist, print_dist, OnDevice, set_z3_leaf_modules, is_initialized, RepeatingLoader,
-the safe_get_*/safe_set_* accessors of sharded parameters, the ``comms_logging``, ``groups``, ``logging`` and
+"""``deepspeed.utils``: logger, log_dist, print_dist, OnDevice, set_z3_leaf_modules (also by module name and name
+suffix), is_initialized, RepeatingLoader, safe_update_full_grad_vectorized and the safe_get_*/safe_set_* accessors of sharded parameters, the ``comms_logging``, ``groups``, ``logging`` and
 ``timer`` modules and ``zero_to_fp32`` (offline consolidation of a checkpoint)."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
@@ -13,6 +13,8 @@ _forward(__name__, {
     "unset_z3_leaf_modules": "hf_zero.zero:unset_z3_leaf_modules",
     "get_z3_leaf_modules": "hf_zero.zero:get_z3_leaf_modules",
     "set_z3_leaf_module": "hf_zero.zero:set_z3_leaf_module",
+    "set_z3_leaf_modules_by_name": "hf_zero.zero:set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix": "hf_zero.zero:set_z3_leaf_modules_by_suffix",
     "z3_leaf_module": "hf_zero.zero:z3_leaf_module",
     "z3_leaf_parameter": "hf_zero.zero:z3_leaf_parameter",
     "is_initialized": "hf_zero.comm:is_initialized",
@@ -21,5 +23,6 @@ _forward(__name__, {
         "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
         "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
         "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-        "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state")},
+        "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
+        "safe_update_full_grad_vectorized")},
 }, submodules=["comms_logging", "groups", "logging", "tensor_fragment", "timer", "torch", "zero_to_fp32"])

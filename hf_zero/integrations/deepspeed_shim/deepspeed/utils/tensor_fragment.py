@@ -1,5 +1,5 @@
 """``deepspeed.utils.tensor_fragment``: ``fragment_address`` (pickled in DeepSpeed's ZeRO-1/2 checkpoints; scripts
-allow it with ``add_safe_globals``) and the safe_get_*/safe_set_* accessors DeepSpeed defines here."""
+allow it with ``add_safe_globals``) and the safe_get_*/safe_set_*/safe_update_* accessors DeepSpeed defines here."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
@@ -9,5 +9,6 @@ _forward(__name__, {
         "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
         "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
         "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-        "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state")},
+        "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
+        "safe_update_full_grad_vectorized")},
 })
