@@ -232,6 +232,7 @@ def _load_universal_flag_on_ordinary_tag(ckpt: str):
     model = Tiny()
     cfg = {**config(2, "fp32"), "checkpoint": {"load_universal": True}}
     engine, *_ = hf_zero.initialize(model=model, model_parameters=param_groups(model, 2), config=cfg)
+    assert engine.load_universal_checkpoint() is True  # DeepSpeed's getter
     try:
         engine.load_checkpoint(ckpt, tag="global_step3")
     except CheckpointError as exc:
@@ -323,3 +324,48 @@ def test_ds_to_universal_of_an_hf_zero_tag_loads_with_load_universal(tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
     assert client == {"epoch": 7, "path": str(root / "global_step3_universal")}
     assert torch.equal(scale, torch.arange(1.0, 4.0))
+
+
+def _universal_flag_on_other_engines(tmp: str):
+    """checkpoint.load_universal where universal checkpoints cannot go: a pipeline engine refuses it by name."""
+    import torch.nn.functional as F
+
+    import hf_zero
+    from hf_zero.pipe import PipelineModule
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _pipe_util import ADAM, ds_config, layer_list
+
+    net = PipelineModule(layer_list(False), num_stages=1, loss_fn=F.mse_loss, partition_method="uniform")
+    cfg = {**ds_config(1, 0, "gpipe", optimizer=ADAM), "checkpoint": {"load_universal": True}}
+    engine, *_ = hf_zero.initialize(model=net, config=cfg)
+    try:
+        engine.load_checkpoint(tmp)
+    except NotImplementedError as exc:
+        return str(exc)
+
+
+def test_load_universal_is_refused_by_a_pipeline_engine(tmp_path):
+    msg = run_distributed(_universal_flag_on_other_engines, 1, args=(str(tmp_path),))[0]
+    assert msg is not None and "checkpoint.load_universal with a pipeline engine" in msg, msg
+
+
+def _universal_flag_on_a_tp_engine(tmp: str):
+    import hf_zero
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tp_util import make_model
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2},
+           "checkpoint": {"load_universal": True}}
+    engine, *_ = hf_zero.initialize(model=make_model("llama"), config=cfg)
+    try:
+        engine.load_checkpoint(tmp)
+    except NotImplementedError as exc:
+        return str(exc)
+
+
+def test_load_universal_is_refused_by_a_tensor_parallel_engine(tmp_path):
+    for msg in run_distributed(_universal_flag_on_a_tp_engine, 2, args=(str(tmp_path),)):
+        assert msg is not None and "checkpoint.load_universal with tensor parallelism" in msg, msg

@@ -183,15 +183,13 @@ def _agree(engine, mine: Any, what: str) -> list[Any]:
 
 
 def load_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bool, load_optimizer_states: bool,
-                    load_lr_scheduler_states: bool, load_module_weights: bool = True):
+                    load_lr_scheduler_states: bool, load_module_weights: bool = True, universal: bool = False):
     """Restore a checkpoint (any saved world size). Returns ``(path, client_state)``, or ``(None, None)``.
 
     ``load_module_weights=False``: the caller has loaded the module (a tensor-parallel model's full weights are
-    sliced into its DTensors by hf_zero/checkpoint/tp.py)."""
+    sliced into its DTensors by hf_zero/checkpoint/tp.py). ``universal`` (``checkpoint.load_universal``): the tag
+    is a DeepSpeed universal checkpoint, named by ``latest_universal`` (what ds_to_universal writes)."""
     root = Path(load_dir)
-    # checkpoint.load_universal: DeepSpeed's universal checkpoints, named by 'latest_universal' (ds_to_universal's)
-    universal = bool(getattr(getattr(engine, "_config", None), "checkpoint", None) and
-                     engine._config.checkpoint.load_universal)
     latest_name = "latest_universal" if universal else "latest"
     # every rank loads the same tag, or none does (a node whose 'latest' differs is named, not mixed in)
     tag = agree_on_tag(engine.global_rank, engine.world_size, root, tag,

@@ -504,6 +504,11 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         """This process's index on its node (LOCAL_RANK; DeepSpeed scripts pick their device with it)."""
         return comm.get_local_rank()
 
+    def load_universal_checkpoint(self) -> bool:
+        """DeepSpeed's getter: ``checkpoint.load_universal`` (load_checkpoint reads DeepSpeed universal checkpoints,
+        the tag named by ``latest_universal``)."""
+        return bool(self._config.checkpoint.load_universal)
+
     def use_node_local_storage(self) -> bool:
         """DeepSpeed's getter: ``checkpoint.use_node_local_storage`` (every node writes its own checkpoint copy)."""
         return bool(self._config.checkpoint.use_node_local_storage)
@@ -573,6 +578,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         from hf_zero.checkpoint.tp import is_tp_checkpoint, load_tp_checkpoint
 
         if tp_info(self.module) is not None or is_tp_checkpoint(load_dir, tag):
+            if self.load_universal_checkpoint():
+                raise NotImplementedError("hf_zero: checkpoint.load_universal with tensor parallelism: DeepSpeed "
+                                          "universal checkpoints load into ZeRO engines (stages 0-3) only; hf_zero's "
+                                          "own tensor-parallel checkpoints re-cut on load without it")
             return load_tp_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                       load_optimizer_states=load_optimizer_states and not load_module_only,
                                       load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
@@ -580,7 +589,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
 
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states and not load_module_only,
-                               load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+                               load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+                               universal=self.load_universal_checkpoint())
 
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The full model state dict on every rank (stages 0-2: parameters are whole everywhere). A tensor-parallel

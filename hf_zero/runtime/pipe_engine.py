@@ -238,6 +238,10 @@ class PipelineEngine(HfZeroEngine):
                         custom_load_fn=None):
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...) is not supported for pipeline checkpoints")
+        if self._config.checkpoint.load_universal:
+            raise NotImplementedError("hf_zero: checkpoint.load_universal with a pipeline engine: DeepSpeed universal "
+                                      "checkpoints load into ZeRO engines only; hf_zero's pipeline checkpoints "
+                                      "re-stage on load without it")
         from hf_zero.checkpoint.pipeline import load_pipeline_checkpoint
 
         return load_pipeline_checkpoint(self, load_dir, tag=tag,
