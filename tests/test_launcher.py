@@ -277,6 +277,23 @@ def test_deepspeed_command_runs_a_real_deepspeeds_launcher(venv, tmp_path):
     assert "REAL DEEPSPEED RUNNER ['--num_gpus', '2', 'x.py']" in result.stdout
 
 
+def test_ds_report_is_hf_zeros_doctor_or_a_real_deepspeeds_report(venv, tmp_path):
+    """``ds_report`` (what DeepSpeed's issue template asks for) and ``python -m deepspeed.env_report``: hf_zero's
+    doctor without DeepSpeed; a real DeepSpeed's ``env_report.cli_main`` when one is importable."""
+    for cmd in ([str(venv.parent / "ds_report")], [str(venv), "-m", "deepspeed.env_report"]):
+        result = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("hf_zero doctor") and "Compiled ops" in result.stdout
+    fake = tmp_path / "site" / "deepspeed"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "env_report.py").write_text("def cli_main():\n    print('REAL DEEPSPEED REPORT')\n")
+    result = subprocess.run([str(venv.parent / "ds_report")], cwd=tmp_path,
+                            env=clean_env(PYTHONPATH=str(tmp_path / "site")), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "REAL DEEPSPEED REPORT", result.stderr
+
+
 def test_launch_error_names_the_flag(venv, tmp_path):
     (tmp_path / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
     result = _launch([venv.parent / "hf-zero", "launch", "--hostfile", "hosts", "train.py"], tmp_path, timeout=60)
