@@ -366,6 +366,7 @@ def test_unwrap_model_for_generation_gathers_once_and_restores_zero3():
 
 def test_unwrap_model_for_generation_outside_zero3_yields_the_model():
     unwrap = _ds("deepspeed.runtime.zero.stage3").unwrap_model_for_generation
+    assert _ds("deepspeed.runtime.zero").unwrap_model_for_generation is unwrap  # DeepSpeed exports it there too
     engine = _engine(2)
     with unwrap(engine) as model:
         assert model is engine and tuple(model.module.l1.weight.shape) == (16, 8)

@@ -1,5 +1,5 @@
 """``deepspeed.zero`` / ``deepspeed.runtime.zero``: Init, GatheredParameters, register_external_parameter, and
-ZeroParamStatus (the values of a ZeRO-3 parameter's ``ds_status``)."""
+ZeroParamStatus (the values of a ZeRO-3 parameter's ``ds_status``), unwrap_model_for_generation."""
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
@@ -8,4 +8,5 @@ _forward(__name__, {
     "GatheredParameters": "hf_zero.zero:GatheredParameters",
     "register_external_parameter": "hf_zero.zero:register_external_parameter",
     "ZeroParamStatus": "hf_zero.zero.stage3.param:ZeroParamStatus",
+    "unwrap_model_for_generation": "hf_zero.zero.gathered:unwrap_model_for_generation",
 }, submodules=["config", "offload_config", "partition_parameters", "stage3", "stage_1_and_2"])
