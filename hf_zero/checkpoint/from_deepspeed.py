@@ -67,7 +67,7 @@ def _trainable_by_name(ds: DeepSpeedTag, engine) -> tuple[dict[str, torch.Tensor
     # sharded groups split a parameter group without reordering it)
     optimizer = engine.optimizer
     engine_groups: list[list[tuple[str, torch.Size]]] = [[] for _ in optimizer.param_groups]
-    for g, pg in zip(optimizer.groups, optimizer._param_group_of):
+    for g, pg in zip(optimizer.groups, optimizer.param_group_of):
         engine_groups[pg].extend((n, torch.Size([int(k)])) for n, k in zip(g.names, g.layout.numels))
     module_shapes = {n: _shape(p) for n, p in engine.module.named_parameters()}
     engine_groups = [[(n, module_shapes.get(n, s)) for n, s in group] for group in engine_groups]

@@ -233,6 +233,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             hyper.append(AdamHyper.of_group(group, int(state["step"].item())))
         return hyper
 
+    @property
+    def param_group_of(self) -> list[int]:
+        """For each sharded group, the index of the ``param_groups`` entry holding its master."""
+        return list(self._param_group_of)
+
     # state -------------------------------------------------------------------------------------------------------
     def state_dict(self):
         """torch's optimizer state over this rank's master shards, plus the skipped-step count (the loss scaler
