@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "ds_report"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -40,3 +40,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     parser.print_help()
     return 2
+
+
+def ds_report() -> int:
+    """The ``ds_report`` command (what DeepSpeed's issue template asks users to paste): a real DeepSpeed's report
+    when one is installed (the rule of the ``deepspeed`` command, hf_zero/integrations/deepspeed_command.py), else
+    ``hf-zero doctor``."""
+    from hf_zero.integrations.deepspeed_command import real_deepspeed_installed
+
+    if real_deepspeed_installed():
+        from deepspeed.env_report import cli_main  # the real one: the shim stands aside
+
+        return cli_main() or 0
+    from hf_zero.doctor import main as doctor_main
+
+    return doctor_main()
+

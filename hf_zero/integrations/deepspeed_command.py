@@ -12,14 +12,15 @@ Installing DeepSpeed after hf-zero overwrites the file with DeepSpeed's own scri
 order pip cannot get right: ``pip uninstall hf-zero`` while DeepSpeed stays removes ``bin/deepspeed`` (it is in
 hf-zero's file list too); ``pip install --force-reinstall --no-deps deepspeed`` puts DeepSpeed's back, and
 ``python -m deepspeed.launcher.runner`` works meanwhile. ``hf-zero doctor`` reports which launcher the command runs.
-``ds_report`` follows the same rule: DeepSpeed's report when DeepSpeed is installed, else ``hf-zero doctor``.
+``ds_report`` (hf_zero/cli.py) follows the same rule: DeepSpeed's report when DeepSpeed is installed, else
+``hf-zero doctor``.
 """
 
 from __future__ import annotations
 
 import sys
 
-__all__ = ["main", "ds_report", "real_deepspeed_installed"]
+__all__ = ["main", "real_deepspeed_installed"]
 
 
 def real_deepspeed_installed() -> bool:
@@ -36,18 +37,6 @@ def main() -> int:
     from hf_zero.launcher import main as launch_main
 
     return launch_main(sys.argv[1:], prog="deepspeed")
-
-
-def ds_report() -> int:
-    """The ``ds_report`` command (what DeepSpeed's issue template asks users to paste): a real DeepSpeed's report
-    when one is installed, else hf_zero's ``doctor`` (versions, compiled ops, which ``deepspeed`` this is)."""
-    if real_deepspeed_installed():
-        from deepspeed.env_report import cli_main  # the real one: the shim stands aside
-
-        return cli_main() or 0
-    from hf_zero.doctor import main as doctor_main
-
-    return doctor_main()
 
 
 if __name__ == "__main__":
