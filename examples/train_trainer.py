@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="evaluate at every save and reload the best checkpoint (lowest eval loss) at the end")
     p.add_argument("--greater_is_better", action="store_true", help="with --load_best_model_at_end: keep the "
                    "checkpoint with the *highest* eval loss (the tests use it to make the best one an early one)")
+    p.add_argument("--torch_compile_backend", default=None, help="TrainingArguments(torch_compile_backend=...): "
+                   "torch.compile the model (e.g. inductor; the engine's compile() under DeepSpeed/hf_zero)")
     p.add_argument("--metrics_out", default=None, help="write losses / eval loss / probe logits here (JSON + .pt)")
     p.add_argument("--zero_log_detail", action="store_true", help="HfZeroCallback's full detail in the logs (time "
                    "shares, per-rank memory spread, MFU, loss scale) instead of tokens/s and peak memory")
@@ -94,6 +96,7 @@ def main(argv=None) -> None:
         dataloader_num_workers=0,
         dataloader_pin_memory=torch.cuda.is_available(),  # page-locked batches only where a GPU copies them
         disable_tqdm=True,
+        torch_compile_backend=args.torch_compile_backend,
     )
     torch.manual_seed(args.seed)
     if args.model_name_or_path:
@@ -128,6 +131,7 @@ def main(argv=None) -> None:
 
 def write_metrics(trainer, eval_loss: float, path: str, at_load: dict) -> None:
     """Per-step losses (all ranks agree) and, from rank 0, logits of the trained weights on a fixed input."""
+    from torch._dynamo.utils import counters
     from transformers import LlamaForCausalLM
 
     losses = {int(e["step"]): float(e["loss"]) for e in trainer.state.log_history if "loss" in e}
@@ -151,7 +155,10 @@ def write_metrics(trainer, eval_loss: float, path: str, at_load: dict) -> None:
     with open(path, "w") as f:
         json.dump({"losses": losses, "grad_norms": norms, "zero_logs": zero_logs, "eval_loss": eval_loss,
                    "global_step": trainer.state.global_step, "world_size": trainer.args.world_size,
-                   "best_model_checkpoint": trainer.state.best_model_checkpoint, "params_at_load": at_load},
+                   "best_model_checkpoint": trainer.state.best_model_checkpoint, "params_at_load": at_load,
+                   # torch.compile's record: whether the engine compiled the model, and the graphs it captured
+                   "compiled": bool(getattr(wrapped, "is_compiled", False)),
+                   "dynamo_graphs": int(counters["stats"]["unique_graphs"])},
                   f, indent=1)
 
 

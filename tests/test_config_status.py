@@ -65,16 +65,16 @@ def test_defaults_warn_about_nothing():
 
 
 def test_not_implemented_key_warns_once_with_what_hf_zero_does_and_is_marked_in_the_table():
-    config = {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 5000}}
+    config = {"zero_optimization": {"stage": 3, "stage3_use_all_reduce_for_fetch_params": True}}
     assert ignored_warnings(config) == [
-        "hf_zero: config key zero_optimization.stage3_module_granularity_threshold is not implemented in hf_zero: "
-        "parameters are fetched module by module"]
+        "hf_zero: config key zero_optimization.stage3_use_all_reduce_for_fetch_params is not implemented in hf_zero: "
+        "parameters are fetched with all-gather (same values)"]
     cfg = load(config)
-    assert cfg.not_implemented == ("zero_optimization.stage3_module_granularity_threshold",)
+    assert cfg.not_implemented == ("zero_optimization.stage3_use_all_reduce_for_fetch_params",)
     table = format_config_table(cfg).splitlines()
-    assert [line.split() for line in table[1:-1] if "granularity" in line] == [
-        ["zero_optimization.stage3_module_granularity_threshold", "5000", "(not", "implemented)"]]
-    assert table[-1] == "  accepted, not yet implemented: zero_optimization.stage3_module_granularity_threshold"
+    assert [line.split() for line in table[1:-1] if "all_reduce_for_fetch" in line] == [
+        ["zero_optimization.stage3_use_all_reduce_for_fetch_params", "true", "(not", "implemented)"]]
+    assert table[-1] == "  accepted, not yet implemented: zero_optimization.stage3_use_all_reduce_for_fetch_params"
 
 
 def test_no_op_key_warns_with_its_reason_and_is_marked_but_not_listed():

@@ -189,6 +189,22 @@ def test_zero3_with_use_cpu_from_pretrained_matches_ddp(work):
     torch.testing.assert_close(_reload_logits(final), z3["logits"], rtol=1e-5, atol=1e-5)
 
 
+def test_zero3_with_torch_compile_matches_ddp(work):
+    """``TrainingArguments(torch_compile_backend=...)`` under ZeRO-3: accelerate calls the engine's ``compile()`` (as
+    it does DeepSpeed's); the ZeRO-3 hooks run between the compiled graphs, so the run trains as the eager one.
+    aot_eager: dynamo and AOTAutograd in full (graph capture, the compiled backward) without inductor's C++ build
+    time; inductor is covered by tests/test_zero3_compile.py."""
+    ddp = _ddp(work)
+    z3 = _train(work, "zero3", "--deepspeed", str(INTEGRATIONS / "ds_config_zero3.json"), "--use_cpu")
+    run = _train(work, "zero3_compiled", "--deepspeed", str(INTEGRATIONS / "ds_config_zero3.json"), "--use_cpu",
+                 "--torch_compile_backend", "aot_eager")
+    assert run["compiled"] and not z3["compiled"]
+    assert run["dynamo_graphs"] > 0 and z3["dynamo_graphs"] == 0
+    _assert_losses_match(run, ddp)
+    torch.testing.assert_close(run["logits"], z3["logits"], rtol=1e-5, atol=1e-5)
+    _assert_complete_safetensors(run["dir"] / "final", work["base"])
+
+
 def test_zero3_with_cpu_offload_matches_ddp(work):
     """Optimizer states and parameters offloaded (ds_config_zero3_offload.json: config AdamW, filled by "auto")."""
     ddp = _ddp(work)

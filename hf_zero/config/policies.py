@@ -78,6 +78,9 @@ class Stage3Policy:
     max_reuse_distance: int
     persistence_threshold: int
     divergence_timeout_s: float
+    # stage3_module_granularity_threshold: modules whose parameters per layer are at most this are gathered whole
+    # (leaf modules, hf_zero/zero/leaf.py); 0 off
+    module_granularity_threshold: int = 0
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,8 @@ def zero_policy(cfg: "HfZeroConfig") -> ZeroPolicy:
             max_live_numel=int(zero.stage3_max_live_parameters),
             max_reuse_distance=_stage3_reuse_distance(cfg),
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
-            divergence_timeout_s=float(zero.stage3_divergence_timeout_s)))
+            divergence_timeout_s=float(zero.stage3_divergence_timeout_s),
+            module_granularity_threshold=int(zero.stage3_module_granularity_threshold)))
 
 
 def precision_policy(cfg: "HfZeroConfig") -> PrecisionPolicy:

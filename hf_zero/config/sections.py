@@ -194,7 +194,8 @@ class ZeroConfig:
         300.0, help="Stage 3 (hf_zero): seconds a parameter gather may wait for the other ranks before the job "
                     "fails with an error naming the module and the ranks that diverged, instead of hanging.")
     stage3_module_granularity_threshold: int = spec(
-        0, help="Stage 3: modules with fewer parameters per descendant are fetched as one unit.")
+        0, help="Stage 3: modules with at most this many parameters per layer (DeepSpeed's measure) are gathered as "
+                "one unit, as leaf modules; 0: off.")
     stage3_use_all_reduce_for_fetch_params: bool = spec(False, help="Stage 3: fetch parameters with all-reduce.")
     stage3_allgather_sequential: bool = spec(
         False, help="Stage 3: all-gather parameters one by one, without buckets.")

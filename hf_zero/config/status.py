@@ -219,7 +219,8 @@ STATUS: dict[str, KeyStatus] = {
     "zero_optimization.stage3_max_reuse_distance": HONOURED,
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": HONOURED,
     "zero_optimization.stage3_divergence_timeout_s": HONOURED,
-    "zero_optimization.stage3_module_granularity_threshold": _todo("parameters are fetched module by module"),
+    # modules at or under it become leaves, chosen by DeepSpeed's measure (hf_zero/zero/leaf.py)
+    "zero_optimization.stage3_module_granularity_threshold": HONOURED,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": _todo("parameters are fetched with all-gather "
                                                                       "(same values)"),
     "zero_optimization.stage3_allgather_sequential": _todo("parameters are all-gathered in buckets (same values)"),

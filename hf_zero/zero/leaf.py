@@ -19,7 +19,7 @@ from torch import nn
 
 __all__ = ["set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
            "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
-           "LEAF_ATTR"]
+           "module_granularity", "set_z3_leaf_modules_by_granularity", "LEAF_ATTR"]
 
 LEAF_ATTR = "_z3_leaf"  # DeepSpeed's attribute name: code that sets it directly keeps working
 
@@ -98,6 +98,75 @@ def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: Sequen
                          f"this")
     _changed()
     return found, missing
+
+
+# DeepSpeed's measure for ``stage3_module_granularity_threshold``, kept so that one config picks the same leaves on
+# both engines. A module's granularity is its subtree's parameter count (full, unpartitioned sizes) divided by its
+# "layers": torch leaf modules that own parameters, plus every composite module (itself included). Modules that own
+# no parameters, torch leaf modules, the containers (whose forward may never run, so their children need their own
+# hooks) and subtrees above _MAX_LEAF_NUMEL (one gather that large costs more memory than hooks cost time) are
+# never chosen.
+_CONTAINERS = frozenset(("Container", "Sequential", "ModuleList", "ModuleDict", "ParameterList", "ParameterDict"))
+_MAX_LEAF_NUMEL = 1_000_000_000
+
+
+def _full_numel(param) -> int:
+    return int(getattr(param, "ds_numel", None) or param.numel())  # ZeRO-3 partitions keep their full size here
+
+
+def module_granularity(model: nn.Module) -> dict[nn.Module, int | None]:
+    """Every module of ``model`` -> its granularity (parameters per layer), None where it can never be a leaf."""
+    out: dict[nn.Module, int | None] = {}
+
+    def visit(module: nn.Module) -> tuple[int, int]:  # (layers, parameters) of the subtree
+        if next(module.parameters(), None) is None:
+            out[module] = None
+            for m in module.modules():
+                out.setdefault(m, None)
+            return 0, 0
+        numel = sum(_full_numel(p) for p in module.parameters(recurse=False))
+        children = list(module.children())
+        if not children:
+            out[module] = None
+            return 1, numel
+        layers = 0
+        for child in children:
+            child_layers, child_numel = visit(child)
+            layers += child_layers
+            numel += child_numel
+        if type(module).__name__ in _CONTAINERS:
+            out[module] = None
+            return layers, numel
+        layers += 1
+        out[module] = numel // layers if numel <= _MAX_LEAF_NUMEL else None
+        return layers, numel
+
+    visit(model)
+    return out
+
+
+def set_z3_leaf_modules_by_granularity(model: nn.Module, threshold: int) -> list[nn.Module]:
+    """``stage3_module_granularity_threshold``: flag as leaves the outermost modules whose granularity is at most
+    ``threshold`` (a parent is preferred to its children), so each is gathered as one unit -- one all-gather and one
+    hook pair instead of one per sub-module, and under ``torch.compile`` one graph per leaf instead of a graph break
+    at every sub-module. Returns the flagged modules, outermost first; none if ``threshold`` is below every
+    module's granularity (the caller says so)."""
+    granularity = module_granularity(model)
+    chosen: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        g = granularity.get(module)
+        if g is not None and g <= threshold:
+            setattr(module, LEAF_ATTR, True)
+            chosen.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    if chosen:
+        _changed()
+    return chosen
 
 
 def _examples(by_name: dict) -> str:

@@ -12,6 +12,7 @@ optimizer's gradient shard. There is nothing to publish after a step beyond the 
 from __future__ import annotations
 
 import bisect
+import logging
 from concurrent.futures import Future
 
 import torch
@@ -21,6 +22,8 @@ from hf_zero.comm.device import accelerator_type
 from hf_zero.comm.host_memory import zero_and_release
 from hf_zero.config.policies import NVMeOffloadPolicy, ZeroPolicy
 from hf_zero.zero.layout import ShardLayout
+
+logger = logging.getLogger("hf_zero")
 
 __all__ = ["Stage3Group", "build_stage3_groups"]
 
@@ -133,6 +136,24 @@ def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> t
     return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin)
 
 
+def _leaves_by_granularity(module, threshold: int) -> None:
+    from hf_zero.zero.leaf import module_granularity, set_z3_leaf_modules_by_granularity
+
+    chosen = set_z3_leaf_modules_by_granularity(module, threshold)
+    if chosen:
+        names = {m: n or "<root>" for n, m in module.named_modules()}
+        classes = sorted({type(m).__name__ for m in chosen})
+        logger.info("hf_zero ZeRO-3: stage3_module_granularity_threshold %d gathers %d modules as one unit each "
+                    "(classes %s; first %s)", threshold, len(chosen), classes, names[chosen[0]])
+        return
+    smallest = min(((g, type(m).__name__) for m, g in module_granularity(module).items() if g is not None),
+                   default=None)
+    hint = (f"the smallest module granularity is {smallest[0]} ({smallest[1]}): set it to at least that"
+            if smallest else "the model has no module with sub-modules that own parameters")
+    logger.warning("hf_zero ZeRO-3: zero_optimization.stage3_module_granularity_threshold %d selects no module, so "
+                   "parameters are still fetched module by module; %s", threshold, hint)
+
+
 def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
                         process_group=None, master_dtype: torch.dtype = torch.float32):
     """Partition ``module`` (if zero.Init did not already) and build one Stage3Group per optimizer group."""
@@ -144,6 +165,8 @@ def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dty
     if isinstance(zero.offload_param, NVMeOffloadPolicy):
         swapper = param_swapper_for(zero.offload_param.nvme_path, rank=rank, aio=zero.offload_param.aio)
     s3 = zero.stage3
+    if s3.module_granularity_threshold > 0:
+        _leaves_by_granularity(module, s3.module_granularity_threshold)
     runtime = Stage3Runtime(
         module, group=process_group, compute_dtype=compute_dtype,
         reduce_bucket_size=zero.reduce_bucket_numel, prefetch_bucket_size=s3.prefetch_bucket_numel,

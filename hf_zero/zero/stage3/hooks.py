@@ -22,7 +22,15 @@ from torch.utils.hooks import RemovableHandle
 from .states import ModuleCall
 
 __all__ = ["PostBackward", "wrap_inputs_for_post_backward", "register_output_grad_hooks",
-           "install_module_hooks", "queue_end_of_backward"]
+           "install_module_hooks", "outside_graph", "queue_end_of_backward"]
+
+
+def outside_graph(hook: Callable) -> Callable:
+    """``hook`` as torch.compile must see it: run eagerly, between compiled graphs. The hooks gather, release and
+    swap ``param.data``, wrap inputs in an autograd Function and talk to other ranks -- none of which can be traced
+    into a graph; each compiled region then starts with its module's parameters gathered. Eager runs call it as
+    before (the wrapper costs one Python call)."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 class PostBackward(torch.autograd.Function):
@@ -91,8 +99,8 @@ def register_output_grad_hooks(output: Any, on_pre_backward: Callable, call: Mod
 def install_module_hooks(module: nn.Module, pre_forward: Callable, post_forward: Callable) -> list[RemovableHandle]:
     """``pre_forward(module, args, kwargs) -> (args, kwargs) | None`` runs before every other pre-hook, so user
     hooks already see full parameters; ``post_forward(module, args, output)``."""
-    return [module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(post_forward)]
+    return [module.register_forward_pre_hook(outside_graph(pre_forward), prepend=True, with_kwargs=True),
+            module.register_forward_hook(outside_graph(post_forward))]
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

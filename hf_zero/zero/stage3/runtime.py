@@ -35,7 +35,7 @@ from hf_zero.zero.layout import capped_bucket_numel
 from hf_zero.zero.leaf import z3_leaf_module
 
 from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
-from .hooks import (install_module_hooks, queue_end_of_backward, register_output_grad_hooks,
+from .hooks import (install_module_hooks, outside_graph, queue_end_of_backward, register_output_grad_hooks,
                     wrap_inputs_for_post_backward)
 from .param import HoldReason, ParamState, ShardedParam, ZeroParamStatus, sharded_param_of
 from .prefetch import GatherTrace
@@ -221,7 +221,8 @@ class Stage3Runtime:
         planned = {id(sp.param) for sp in self._unpublished}
         for mod in self.module.modules():
             if mod is self.module or any(id(p) in planned for p in mod._parameters.values() if p is not None):
-                self._publish_handles.append(mod.register_forward_pre_hook(self._publish_hook, prepend=True))
+                self._publish_handles.append(mod.register_forward_pre_hook(outside_graph(self._publish_hook),
+                                                                              prepend=True))
 
     def _build_groups(self) -> None:
         self._groups.clear()
@@ -265,8 +266,9 @@ class Stage3Runtime:
                 self._handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
 
     def _install_root_hooks(self) -> None:
-        self._root_handles = [self.module.register_forward_pre_hook(self._root_pre_forward, prepend=True),
-                              self.module.register_forward_hook(self._root_post_forward)]
+        self._root_handles = [self.module.register_forward_pre_hook(outside_graph(self._root_pre_forward),
+                                                                    prepend=True),
+                              self.module.register_forward_hook(outside_graph(self._root_post_forward))]
 
     def suspend_module_hooks(self) -> None:
         """Take every forward hook off the model (``unwrap_model_for_generation``, whose block holds every parameter
@@ -815,8 +817,11 @@ class WatchedParameters(dict):
 
     def __getitem__(self, key):
         param = dict.__getitem__(self, key)
+        if torch.compiler.is_compiling():
+            # a compiled graph reads parameters the hooks (run eagerly, outside the graph) have gathered
+            return param
         status = param.__dict__.get("ds_status") if param is not None else None
-        if status is not None and status is not _AVAILABLE and not torch.compiler.is_compiling():
+        if status is not None and status is not _AVAILABLE:
             self._on_read(param)
         return param
 
