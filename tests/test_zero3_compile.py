@@ -162,11 +162,32 @@ def test_granularity_threshold_gathers_chosen_modules_whole():
         assert none[0] == plain[0]
 
 
-def test_throughput_meter_sees_compiled_models():
-    from hf_zero.integrations.throughput import is_compiled
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
 
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
-    assert not is_compiled(model)
-    model[1].compile(backend="eager")  # accelerate's regional compilation: the blocks only
-    assert is_compiled(model)
-    assert is_compiled(torch.compile(torch.nn.Linear(2, 2), backend="eager"))
+    def forward(self, x):
+        return torch.relu(self.linear(x)) * 2
+
+
+def test_flop_window_at_the_first_call_leaves_the_model_compilable():
+    """A dispatch mode active when dynamo first meets a frame makes it skip that code for the whole process: the
+    Trainer callback's first counted micro-batch (and a flops_profiler at step 1) would have kept every module of
+    the class from being compiled. The counting window runs compiled code eagerly instead."""
+    from torch._dynamo.utils import counters
+
+    from hf_zero.profiling.flops import FlopCounter
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = _Block()
+    block.compile(backend="aot_eager")
+    counter = FlopCounter(block)
+    with counter.window("auto"):
+        block(torch.randn(2, 4)).sum().backward()
+    # forward 2*2*4*4, backward the weight's gradient only (the input needs none): counted eagerly
+    assert counter.report.forward == counter.report.backward == 2 * 2 * 4 * 4
+    assert counters["stats"]["unique_graphs"] == 0
+    block(torch.randn(2, 4)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1  # compiled from the next call on

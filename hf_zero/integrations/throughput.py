@@ -10,9 +10,8 @@ evaluation runs without grad and is not counted):
   micro-batch (its forward, backward and optimizer step run inside one :class:`~hf_zero.profiling.FlopCounter`
   window: activation-checkpoint and flash-attention recompute are seen, not assumed). That count also checks the
   analytic figure: beyond 2% apart, a warning names both and the counted figure, scaled by padded tokens, is used.
-  Not for a model under ``torch.compile``: a dispatcher counter active at its first call makes dynamo skip the model's
-  frames for good (it would run eagerly), and compiled kernels are not seen by the dispatcher anyway. Hardware
-  FLOPs are then not reported (no HFU); model FLOPs (MFU) are, where the family is supported.
+  A model under ``torch.compile`` runs that micro-batch eagerly (see ``FlopCounter.window``) and is compiled from the
+  next one on.
 
 Nothing here issues a collective; the callback gathers the totals in ``on_step_end``.
 """
@@ -45,16 +44,6 @@ def _shape_and_tokens(kwargs: dict, args: tuple) -> tuple[int, int, int] | None:
     return int(ids.shape[0]), int(ids.shape[1]), tokens
 
 
-def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` (an engine, a wrapper or a plain module) or any module inside it runs under torch.compile:
-    ``engine.compile()``, ``module.compile()`` (accelerate's regional compilation compiles the repeated blocks) or
-    an ``OptimizedModule`` from ``torch.compile(module)``."""
-    if getattr(model, "is_compiled", False) is True:
-        return True
-    return any(getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod")
-               for m in model.modules())
-
-
 class ThroughputMeter:
     """Running totals since the last :meth:`take`: ``(tokens, model_flops, hardware_flops)`` of this rank."""
 
@@ -70,7 +59,6 @@ class ThroughputMeter:
         self._window: ExitStack | None = None
         self._counter: FlopCounter | None = None
         self._first_shape: tuple[int, int] | None = None
-        self.counts_hardware = not is_compiled(model)
         self._handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
 
     def remove(self) -> None:
@@ -87,15 +75,14 @@ class ThroughputMeter:
         batch, seq, tokens = found
         self.tokens += tokens
         model_flops = self._model_flops(batch, seq)
-        if self._hw_ratio is None and self._first_shape is None and self.counts_hardware:
+        if self._hw_ratio is None and self._first_shape is None:
             self._first_shape = (batch, seq)
             self._counter = FlopCounter(self.model)
             self._window = ExitStack()
             self._window.enter_context(self._counter.window("auto"))
         if model_flops is not None:
             self.model_flops += model_flops
-            if self.counts_hardware:
-                self.hardware_flops += model_flops * (self._hw_ratio or 1.0)
+            self.hardware_flops += model_flops * (self._hw_ratio or 1.0)
 
     def _model_flops(self, batch: int, seq: int) -> float | None:
         if self.flops_known:

@@ -188,8 +188,7 @@ class HfZeroCallback(TrainerCallback):
         if peak:
             stats["zero/peak_tflops"] = peak
             stats["zero/mfu"] = _sig(model_tflops / peak)
-            if all(g[3] > 0 for g in gathered):  # not counted for a compiled model (integrations/throughput.py)
-                stats["zero/hfu"] = _sig(hardware_tflops / peak)
+            stats["zero/hfu"] = _sig(hardware_tflops / peak)
         return stats
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -201,6 +201,10 @@ class FlopCounter:
                  nn.modules.module.register_module_forward_hook(self._post, always_call=True)]
         try:
             with ExitStack() as stack:
+                # torch.compile'd code runs eagerly inside the window: a dispatch mode active when dynamo first
+                # meets a frame makes it skip that code for the rest of the process (no module of that class would
+                # ever be compiled), and compiled kernels would not be counted anyway. Compiled from the next call.
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
                 if phase == "auto":
                     self._tracker = stack.enter_context(ModuleTracker())
                 stack.enter_context(_CountingMode(self._formulas(), self._add))
