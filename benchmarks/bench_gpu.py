@@ -4,6 +4,7 @@ interleaved order (torch, FSDP2, z0, z1, z2, z3, z2+offload, torch, ...) so drif
 FSDP2 is torch's fully_shard on one GPU (tests/_gpu_llama.py: fsdp2_run), bf16 compute, fp32 reduction.
 
     python benchmarks/bench_gpu.py [--rounds 2] [--json OUT.jsonl] [--deepspeed-path DIRS]
+    python benchmarks/bench_gpu.py --rounds 1 --only torch,z0,z3 --compiled   # each also compiled (inductor)
 
 Prints one table: step ms (median over rounds of each round's median), tokens/s, MFU (model FLOPs 6 * params *
 tokens + attention, against the H100 SXM's dense bf16 peak of 989 TFLOP/s), max allocated GiB beside what
@@ -90,11 +91,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default=None, help="comma-separated runner names")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also run each selected runner (torch and the hf_zero stages) compiled: model.compile() / "
+                         "engine.compile(), inductor; the first steps compile and are outside the median")
     ap.add_argument("--deepspeed-path", default=None,
                     help="PYTHONPATH entries holding a real DeepSpeed (scripts/gpu_check.sh's ds_install step): its "
                          "ZeRO-0..3 and ZeRO-2 + CPU offload run in the same rounds, each in its own process")
     args = ap.parse_args()
     runners = [r for r in RUNNERS if args.only is None or r[0] in args.only.split(",") or r[0] == "torch"]
+    if args.compiled:
+        runners += [(f"{name}_compiled", stage, offload) for name, stage, offload in runners
+                    if stage is None or isinstance(stage, int)]
     if args.deepspeed_path:
         runners += [(f"ds_{name}", ("ds", name), False) for name, stage, _ in runners if isinstance(stage, int)]
     results: dict[str, list] = {name: [] for name, _, _ in runners}
@@ -104,8 +111,9 @@ def main() -> None:
                 if isinstance(stage, tuple):
                     run = deepspeed_run(stage[1], args.deepspeed_path, 29700 + rnd * 10 + len(results[name]))
                 else:
-                    run = (gl.torch_run() if stage is None else gl.fsdp2_run() if stage == "fsdp2" else
-                           gl.hf_zero_run(stage, offload))
+                    compiled = name.endswith("_compiled")
+                    run = (gl.torch_run(compiled=compiled) if stage is None else gl.fsdp2_run() if stage == "fsdp2"
+                           else gl.hf_zero_run(stage, offload, compiled=compiled))
             except Exception as exc:  # noqa: BLE001 -- a failing runner is a row, not the end of the table
                 results[name].append({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 print(f"round {rnd} {name}: FAILED {exc!r}"[:400], flush=True)

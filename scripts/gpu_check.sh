@@ -12,7 +12,8 @@
 #    has none and no network);
 # 4. benchmarks/bench_kernels.py (CUDA kernels against torch's), benchmarks/profile_gpu_step.py (host issue time,
 #    synchronisations and top operators of one step per runner) and benchmarks/bench_gpu.py (one round; with
-#    DeepSpeed's runners in the same round when its wheels are carried in .gpu/whl: scripts/gpu_wheels.sh).
+#    DeepSpeed's runners in the same round when its wheels are carried in .gpu/whl: scripts/gpu_wheels.sh), and
+#    bench_compile: the same with torch.compile (torch, ZeRO-0, ZeRO-3 each eager and compiled).
 # Each step has its own time limit and log under OUT_DIR; OUT_DIR/summary.txt has one line per step with its exit
 # status and seconds. A step that fails does not stop the others. Exit status: the number of failed steps.
 set -u
@@ -92,6 +93,9 @@ fi
 step kernels 180 "$PY" benchmarks/bench_kernels.py --device cuda
 step profile 300 "$PY" benchmarks/profile_gpu_step.py "$OUT/profile" --only torch,fsdp2,z0,z3,z2_offload
 step bench 480 "$PY" benchmarks/bench_gpu.py --rounds 1 --json "$OUT/bench.jsonl" "${DS_ARGS[@]}"
+# torch.compile: torch's loop and hf_zero stages 0 and 3 each eager and compiled (docs/compile.md)
+step bench_compile 420 "$PY" benchmarks/bench_gpu.py --rounds 1 --only torch,z0,z3 --compiled \
+  --json "$OUT/bench_compile.jsonl"
 rm -rf "$WORK"
 echo "failed steps: $failed" | tee -a "$OUT/summary.txt"
 tar -C "$OUT" -czf "$OUT/../gpu_check_logs.tgz" . 2>/dev/null || true  # one file: what comes back from a lent GPU

@@ -65,12 +65,15 @@ def _build(layers: int):
     return LlamaForCausalLM(llama_config(layers))
 
 
-def torch_run(steps: int = 12, layers: int = 8, probe=None) -> Run:
+def torch_run(steps: int = 12, layers: int = 8, probe=None, compiled: bool = False) -> Run:
     """The reference: fp32 weights on the GPU, forward under autocast(bf16), torch's fused AdamW. ``probe(name,
     step)``: called once, before the second-to-last step, with a function running one extra training step (the
-    profiler of benchmarks/profile_gpu_step.py)."""
+    profiler of benchmarks/profile_gpu_step.py). ``compiled``: ``model.compile()`` (inductor), the peer of an
+    engine's ``compile()``."""
     _fresh()
     model = _build(layers).cuda()
+    if compiled:
+        model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     data = batches()
     run = Run("torch", numel=sum(p.numel() for p in model.parameters()))
@@ -169,7 +172,7 @@ def ds_config(stage: int, offload: bool = False, **zero) -> dict:
 
 
 def hf_zero_run(stage: int, offload: bool = False, steps: int = 12, layers: int = 8, inspect=None,
-                probe=None) -> Run:
+                probe=None, compiled: bool = False) -> Run:
     """``hf_zero.initialize`` on a model built on the CPU (ZeRO-3: under zero.Init), then the DeepSpeed loop.
     ``inspect(engine)`` runs after the last step, before the engine is dropped (placement checks); ``probe``: as
     for :func:`torch_run`."""
@@ -191,8 +194,10 @@ def hf_zero_run(stage: int, offload: bool = False, steps: int = 12, layers: int 
     else:
         model = _build(layers)
     engine, *_ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if compiled:  # inductor, as accelerate's torch_compile does (docs/compile.md)
+        engine.compile()
     data = batches()
-    mode = f"hf_zero_z{stage}" + ("_offload" if offload else "")
+    mode = f"hf_zero_z{stage}" + ("_offload" if offload else "") + ("_compiled" if compiled else "")
     run = Run(mode, numel=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()))
     run.info["grad_bytes"] = torch.finfo(engine.groups[0].grad.dtype).bits // 8
     for i in range(steps):

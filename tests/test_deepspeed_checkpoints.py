@@ -316,9 +316,16 @@ def test_ds_to_universal_of_an_hf_zero_tag_loads_with_load_universal(tmp_path):
     root = tmp_path / "ckpt"
     reference = run_distributed(_save_then_continue, 2, args=(str(root),))[0]
     done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(root / "global_step3"), "--output_folder", str(root / "global_step3_universal")],
+                           str(root / "global_step3"), "--output_folder", str(root / "global_step3_universal"),
+                           "--num_extract_workers", "8", "--no_strict"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+    # DeepSpeed's tuning flags are accepted and each named on stderr with what happens instead
+    notes = [line for line in done.stderr.splitlines() if "has no effect" in line]
+    assert notes == ["hf_zero: --num_extract_workers has no effect in hf_zero's converter: this process reads the "
+                     "tag itself, without worker processes",
+                     "hf_zero: --no_strict has no effect in hf_zero's converter: the checks stay strict (a parameter "
+                     "missing from the tag is an error)"], done.stderr
     assert (root / "latest_universal").read_text() == "global_step3_universal"
     losses, _, _, client, _, scale = run_distributed(_resume_dir, 1, args=(str(root), 3, 1))[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)

@@ -45,7 +45,7 @@ def _config(stage: int) -> dict:
             "steps_per_print": 1000}
 
 
-def _rank_run(stage: int) -> dict:
+def _rank_run(stage: int, compiled: bool = False) -> dict:
     import torch.distributed as dist
 
     import hf_zero
@@ -65,6 +65,8 @@ def _rank_run(stage: int) -> dict:
     else:
         model = _model()
     engine, *_ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if compiled:  # inductor's CUDA kernels between the ZeRO-3 hooks (docs/compile.md)
+        engine.compile()
     shard_devices = sorted({(sp.storage.device.type if (sp := sharded_param_of(p)) is not None else p.device.type)
                             for p in engine.module.parameters()})
     losses = []
@@ -101,15 +103,17 @@ def _reference() -> tuple[list[list[float]], dict]:
     return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_share_one_gpu(stage):
+@pytest.mark.parametrize("stage,compiled", [(2, False), (3, False), (3, True)])
+def test_two_ranks_share_one_gpu(stage, compiled):
     ref_losses, ref_params = _reference()
-    outs = run_distributed(_rank_run, 2, args=(stage,), fork_server=False, timeout_s=300)
+    outs = run_distributed(_rank_run, 2, args=(stage, compiled), fork_server=False, timeout_s=300)
+    # inductor's fused kernels sum in another order than eager's: 1e-4 on the losses when compiled
+    rel = 1e-4 if compiled else 1e-5
     for rank, out in enumerate(outs):
         assert out["device"] == "cuda:0"
         assert out["shard_devices"] == ["cuda"]
         for step in range(STEPS):
-            assert out["losses"][step] == pytest.approx(ref_losses[step][rank], rel=1e-5), (rank, step)
+            assert out["losses"][step] == pytest.approx(ref_losses[step][rank], rel=rel), (rank, step)
         for name, ref in ref_params.items():
             diff = (out["params"][name] - ref).abs()
             # Adam normalises each element's step: an element whose gradient is ~0 (an embedding row seen once)
@@ -117,7 +121,7 @@ def test_two_ranks_share_one_gpu(stage):
             # may show there (measured on the H100: 1 element of 65536, 7e-5). A partitioning bug moves whole
             # shards. Hence: every element within lr / 2, and at most 0.1% beyond 1e-5.
             assert diff.max() <= LR / 2, (name, diff.max().item())
-            assert (diff > 1e-5).float().mean() <= 1e-3, (name, (diff > 1e-5).sum().item())
+            assert (diff > rel).float().mean() <= 1e-3, (name, (diff > rel).sum().item())
     if stage == 3:  # partitioned in two: each rank holds half of every (unpadded) parameter
         for out in outs:
             checked, unchecked, gathers = out["trailers"]

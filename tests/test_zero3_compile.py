@@ -191,3 +191,39 @@ def test_flop_window_at_the_first_call_leaves_the_model_compilable():
     assert counters["stats"]["unique_graphs"] == 0
     block(torch.randn(2, 4)).sum().backward()
     assert counters["stats"]["unique_graphs"] == 1  # compiled from the next call on
+
+
+def _compile_arguments():
+    import hf_zero
+
+    model = _Block()
+    engine, *_ = hf_zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("hf_zero").addHandler(handler)
+    engine.compile(backend="eager", compiled_autograd_enabled=True)  # DeepSpeed's signature, as accelerate may pass
+    first = model._compiled_call_impl
+    engine.compile(backend="inductor")  # a second call keeps the first compilation, as DeepSpeed's
+    logging.getLogger("hf_zero").removeHandler(handler)
+    loss = engine(torch.ones(2, 4)).sum()
+    engine.backward(loss)
+    engine.step()
+    return engine.is_compiled, model._compiled_call_impl is first, warnings
+
+
+def test_engine_compile_takes_deepspeeds_arguments():
+    compiled, same, warnings = run_distributed(_compile_arguments, world_size=1)[0]
+    assert compiled and same
+    assert len(warnings) == 1 and "compiled_autograd_enabled=True" in warnings[0], warnings
+    with pytest.raises(Exception, match="schedule"):
+        run_distributed(_compile_schedule, world_size=1)
+
+
+def _compile_schedule():
+    import hf_zero
+
+    engine, *_ = hf_zero.initialize(model=_Block(), config={"train_micro_batch_size_per_gpu": 2})
+    engine.compile(schedule=[(0, ["z3"])])

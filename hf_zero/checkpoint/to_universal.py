@@ -153,9 +153,20 @@ def _write(tag: DeepSpeedTag, out: Path) -> None:
     }, out / "mp_rank_00_model_states.pt")
 
 
+# DeepSpeed's flags that tune its extraction (worker pools, a temporary folder of per-parameter files, relaxed
+# checks, state injected for Megatron checkpoints), which this converter does not have: accepted, and a note on
+# stderr names each one given, with what happens instead.
+_NO_EFFECT = {
+    "num_extract_workers": "this process reads the tag itself, without worker processes",
+    "num_merge_workers": "this process reads the tag itself, without worker processes",
+    "keep_temp_folder": "no temporary folder is written",
+    "strict": "the checks stay strict (a parameter missing from the tag is an error)",
+    "inject_missing_state": "the universal checkpoint's own state is always written",
+}
+
+
 def parse_arguments(argv=None) -> argparse.Namespace:
-    """DeepSpeed's command line; the worker counts, ``--keep_temp_folder``, ``--no_strict`` and
-    ``--inject_missing_state`` tune DeepSpeed's extraction, which this one does not have (accepted, no effect)."""
+    """DeepSpeed's command line (the flags in ``_NO_EFFECT`` are accepted and change nothing, said on stderr)."""
     p = argparse.ArgumentParser(description="Convert a checkpoint tag into a universal checkpoint (hf_zero)")
     p.add_argument("--input_folder", required=True, help="the checkpoint tag folder (hf_zero's or DeepSpeed's)")
     p.add_argument("--output_folder", required=True, help="where the universal checkpoint is written")
@@ -169,6 +180,11 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 
 def main(args: argparse.Namespace | None = None) -> int:
     args = args if args is not None else parse_arguments()
+    defaults = parse_arguments(["--input_folder", "-", "--output_folder", "-"])
+    for key, instead in _NO_EFFECT.items():
+        if getattr(args, key) != getattr(defaults, key):
+            flag = "--no_strict" if key == "strict" else f"--{key}"
+            print(f"hf_zero: {flag} has no effect in hf_zero's converter: {instead}", file=sys.stderr)
     out = write_universal(args.input_folder, args.output_folder)
     print(f"hf_zero: universal checkpoint of {args.input_folder} written to {out} "
           f"({out.parent / 'latest_universal'} names it)")

@@ -660,11 +660,21 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self.monitor.close()
 
     # ---- Hugging Face integration surface (owned by the HF integration) ----
-    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule=None) -> None:
+    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
         """``torch.compile`` the wrapped model in place (accelerate calls this when a dynamo backend is configured,
-        as it does DeepSpeed's ``engine.compile``). The ZeRO hooks stay outside the compiled graph."""
+        as it does DeepSpeed's ``engine.compile``). The ZeRO-3 hooks run between the compiled graphs
+        (zero/stage3/hooks.py); a second call does nothing, as in DeepSpeed."""
         if schedule is not None:
             raise ValueError("hf_zero: engine.compile(schedule=...) (DeepCompile passes) is not supported")
+        if self.is_compiled:
+            return
+        if compiled_autograd_enabled:
+            # the gradient hooks (reduce, partition, overflow checks) cannot be traced into compiled autograd's
+            # graph; the forward is compiled, backward runs autograd's own engine -- same gradients
+            logger.warning("hf_zero: engine.compile(compiled_autograd_enabled=True): compiled autograd is not "
+                           "used (hf_zero's gradient hooks are not traceable); the model is compiled and backward "
+                           "runs eagerly, with the same gradients")
         kwargs = dict(compile_kwargs or {})
         if backend is not None:
             kwargs["backend"] = backend
