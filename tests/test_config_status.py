@@ -118,8 +118,8 @@ def test_communication_dtype_equal_to_the_reduction_dtype_is_honoured():
 
 
 def test_sections_count_as_set_when_enabled():
-    assert load({"elasticity": {"enabled": False, "max_train_batch_size": 8}}).not_implemented == ()
-    assert load({"elasticity": {"enabled": True}}).not_implemented == ("elasticity",)
+    assert load({"autotuning": {"enabled": False, "fast": True}}).not_implemented == ()
+    assert load({"autotuning": {"enabled": True}}).not_implemented == ("autotuning",)
     assert load({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}).not_implemented == (
         "optimizer.type OneBitAdam",)
     assert load({"tensor_parallel": {"autotp_size": 1}}).not_implemented == ()

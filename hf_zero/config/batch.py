@@ -26,6 +26,7 @@ class BatchSizes:
     gradient_accumulation_steps: int
     derived: frozenset[str]  # computed from the others
     defaulted: frozenset[str]  # not given and not computable: DeepSpeed's default (1) used
+    elastic: bool = False  # all three from the elasticity section's plan (config/elasticity.py)
 
 
 def resolve_batch(train_batch_size: int | None, micro_batch: int | None, grad_accum: int | None,

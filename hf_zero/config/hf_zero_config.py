@@ -130,7 +130,9 @@ class HfZeroConfig:
         None, help="Quantization / pruning / distillation during training; parsed by hf_zero.compression.")
     tensor_parallel: Mapping[str, Any] | None = spec(
         None, help="AutoTP tensor parallelism (autotp_size, ...); parsed by the tensor_parallel package.")
-    elasticity: Mapping[str, Any] | None = spec(None, help="Elastic batch sizes. " + _RAW_SECTION)
+    elasticity: Mapping[str, Any] | None = spec(
+        None, help="Elastic batch sizes: when enabled, the batch keys come from DeepSpeed's elastic plan for the world "
+                   "size; parsed by hf_zero.config.elasticity.")
     autotuning: Mapping[str, Any] | None = spec(None, help="DeepSpeed autotuner. " + _RAW_SECTION)
     data_efficiency: Mapping[str, Any] | None = spec(None, help="Data sampling and routing. " + _RAW_SECTION)
     curriculum_learning: CurriculumLearningConfig = spec(

@@ -5,7 +5,8 @@ Order matters for the error a user sees first:
 2. fill ``"auto"`` values from ``auto_values``;
 3. parse strictly (unknown keys, types, values) -- a typo is reported before anything else;
 4. any ``"auto"`` still unfilled is an error naming where its value could come from;
-5. batch arithmetic for ``world_size``;
+5. batch arithmetic for ``world_size`` -- or, with ``elasticity`` enabled, the elastic plan's batch sizes for it
+   (:mod:`.elasticity`);
 6. build ``cfg.raw``: the user's dict with typed values, autos filled, batch keys and
    ``zero_optimization.stage`` present (transformers and accelerate read ``engine.config`` from it);
 7. keys hf_zero does not honour (:mod:`.status`): an error for a refused one, a warning for the others;
@@ -29,7 +30,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .auto import auto_paths, fill_autos, unresolved_auto_error
-from .batch import BATCH_KEYS, resolve_batch
+from .batch import BATCH_KEYS, BatchSizes, resolve_batch
+from .elasticity import DEEPSPEED_ELASTICITY_CONFIG, apply_elasticity, parse_elasticity, scheduler_section
 from .errors import ConfigError
 from .hf_zero_config import HfZeroConfig
 from .schema import Auto, json_fields, json_key, parse, to_dict
@@ -81,8 +83,10 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
         raise unresolved_auto_error(leftover)
 
     given = {key: getattr(parsed, key) for key in BATCH_KEYS}
-    batch = resolve_batch(*(None if isinstance(given[key], Auto) else given[key] for key in BATCH_KEYS),
-                          world_size=world_size)
+    batch = _elastic_batch(parsed, resolved, world_size, warn=rank == 0, log=log and rank == 0)
+    if batch is None:
+        batch = resolve_batch(*(None if isinstance(given[key], Auto) else given[key] for key in BATCH_KEYS),
+                              world_size=world_size)
     unfillable = [key for key in BATCH_KEYS if isinstance(given[key], Auto) and key in batch.defaulted]
     if unfillable:
         raise unresolved_auto_error(unfillable)
@@ -92,7 +96,9 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
     sources.update({path: "auto, unresolved" for path in leftover})
     for key in BATCH_KEYS:
         was_auto = isinstance(given[key], Auto) or key in defaulted_autos
-        if key in batch.derived:
+        if batch.elastic:
+            sources[key] = "elasticity"
+        elif key in batch.derived:
             sources[key] = "auto, derived" if was_auto else "derived"
         elif key in batch.defaulted:
             sources[key] = "auto, default" if was_auto else "default"
@@ -115,6 +121,33 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
         if "gradient_clipping" not in resolved:
             _note_default_clipping(cfg.gradient_clipping)
     return cfg
+
+
+def _elastic_batch(parsed: HfZeroConfig, resolved: Mapping[str, Any], world_size: int, *, warn: bool,
+                   log: bool) -> BatchSizes | None:
+    """The elastic plan's batch sizes for ``world_size`` when the ``elasticity`` section is enabled, else None.
+
+    As DeepSpeed: batch keys beside an enabled section are an error unless ``ignore_non_elastic_batch_info``, then
+    they are overridden (a warning names each); a scheduler's copy of the section in ``DEEPSPEED_ELASTICITY_CONFIG``
+    must agree with it."""
+    if parsed.elasticity is None:
+        return None
+    elastic = parse_elasticity(parsed.elasticity)
+    if not elastic.enabled:
+        return None
+    set_keys = {key: resolved[key] for key in BATCH_KEYS if key in resolved}
+    plan = apply_elasticity(elastic, world_size, set_keys,
+                            scheduler_section=scheduler_section(os.environ.get(DEEPSPEED_ELASTICITY_CONFIG)))
+    values = (plan.train_batch_size, plan.micro_batch_size, plan.gradient_accumulation_steps)
+    if warn:
+        for key, value in zip(BATCH_KEYS, values):
+            if key in set_keys and set_keys[key] != value:
+                logger.warning("elasticity: %s %r overridden by the elastic plan: %s", key, set_keys[key], value)
+    if log:
+        logger.info("elasticity: train_batch_size %d, train_micro_batch_size_per_gpu %d, "
+                    "gradient_accumulation_steps %d on world size %d; valid GPU counts: %s", *values, world_size,
+                    list(plan.valid_gpus))
+    return BatchSizes(*values, derived=frozenset(), defaulted=frozenset(), elastic=True)
 
 
 @functools.cache

@@ -213,8 +213,8 @@ STATUS: dict[str, KeyStatus] = {
     "zero_optimization.cpu_offload_use_pin_memory": HONOURED,
     "zero_optimization.stage3_prefetch_bucket_size": HONOURED,
     "zero_optimization.stage3_param_persistence_threshold": HONOURED,
-    "zero_optimization.stage3_model_persistence_threshold": _todo(
-        "every parameter under stage3_param_persistence_threshold stays whole, with no cap on their total"),
+    # hf_zero/config/policies.py:persistent_parameters, used by the ZeRO-3 runtime and the memory estimator
+    "zero_optimization.stage3_model_persistence_threshold": HONOURED,
     "zero_optimization.stage3_max_live_parameters": HONOURED,
     "zero_optimization.stage3_max_reuse_distance": HONOURED,
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": HONOURED,
@@ -288,7 +288,8 @@ STATUS: dict[str, KeyStatus] = {
                                   "or the HF CompressionCallback does", active=_switched_on("compression_training")),
     # tensor_parallel (#18) owns this section.
     "tensor_parallel": HONOURED,  # parsed and checked key by key in hf_zero/tensor_parallel/config.py
-    "elasticity": _todo("batch sizes are not adapted to the world size", active=_switched_on("elasticity")),
+    # the elastic plan sets the three batch keys for the world size (hf_zero/config/elasticity.py, via load_config)
+    "elasticity": HONOURED,
     "autotuning": _todo("nothing is tuned", active=_switched_on("autotuning")),
     "data_efficiency": _todo("data is not sampled or routed", active=_switched_on("data_efficiency")),
     "curriculum_learning": HONOURED,  # DeepSpeed's legacy curriculum (hf_zero/runtime/curriculum.py)
