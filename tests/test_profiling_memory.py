@@ -193,3 +193,48 @@ def test_stage3_peak_is_a_bucket_flush_whatever_the_batch():
     assert peaks[2, 1].peak("accelerator") == peaks[2, 2].peak("accelerator")
     names = {c.name for c in peaks[2, 1].components if c.phase == "gradient_reduction"}
     assert "previous bucket in flight" in names, peaks[2, 1].table()
+
+
+def _model_persistence_cap():
+    from transformers import LlamaForCausalLM
+
+    from hf_zero.zero.stage3.param import sharded_param_of
+
+    out = {}
+    for cap in (None, 200):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(_config())
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 100}
+        if cap is not None:
+            zero["stage3_model_persistence_threshold"] = cap
+        ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+        predicted = estimate_memory(model, ds, world_size=2, seq_len=8, accelerator="cpu", activations=0)
+        engine, *_ = hf_zero.initialize(model=model, config=ds)
+        g = torch.Generator().manual_seed(torch.distributed.get_rank())
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, 128, (2, 8), generator=g)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        persistent = [n for n, p in model.named_parameters() if sharded_param_of(p).persist_planned]
+        out[cap] = (persistent, losses, predicted.model_states(), _storages(engine))
+        engine.destroy()
+    return out
+
+
+def test_model_persistence_threshold_caps_the_whole_parameters():
+    """stage3_model_persistence_threshold: parameters under stage3_param_persistence_threshold stay whole only while
+    their total fits the cap, in model order, as DeepSpeed decides; the estimator keeps the same set."""
+    for by_cap in run_distributed(_model_persistence_cap, 2, timeout_s=300):
+        uncapped, capped = by_cap[None], by_cap[200]
+        norms = [f"model.layers.{i}.{n}.weight" for i in (0, 1) for n in ("input_layernorm",
+                                                                             "post_attention_layernorm")]
+        assert uncapped[0] == norms + ["model.norm.weight"]  # the five 64-element norms
+        assert capped[0] == norms[:3]  # 3 x 64 = 192 fits in 200, a fourth would not
+        torch.testing.assert_close(torch.tensor(capped[1]), torch.tensor(uncapped[1]), rtol=1e-6, atol=0)
+        for predicted, held in (uncapped[2:], capped[2:]):
+            assert predicted == held
+        assert uncapped[3] - capped[3] == 2 * 64 * 4  # two norms fewer kept whole (fp32), shards unchanged

@@ -12,7 +12,7 @@ section with ``device: none`` becomes ``None``, ``cpu`` a :class:`CPUOffloadPoli
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -78,9 +78,25 @@ class Stage3Policy:
     max_reuse_distance: int
     persistence_threshold: int
     divergence_timeout_s: float
+    # stage3_model_persistence_threshold: the most elements the persistence threshold may keep whole in total
+    model_persistence_threshold: int = 2**63 - 1
     # stage3_module_granularity_threshold: modules whose parameters per layer are at most this are gathered whole
     # (leaf modules, hf_zero/zero/leaf.py); 0 off
     module_granularity_threshold: int = 0
+
+
+def persistent_parameters(numels: Sequence[int], param_threshold: int, model_threshold: int = 2**63 - 1
+                          ) -> list[bool]:
+    """Which ZeRO-3 parameters stay whole on every rank, in model order (``named_parameters``): those of at most
+    ``stage3_param_persistence_threshold`` elements, while their running total stays within
+    ``stage3_model_persistence_threshold``. DeepSpeed's rule: a parameter that would pass the cap is skipped and a
+    later, smaller one may still fit. Shared by the runtime and the memory estimator, so both keep the same set."""
+    keep, total = [], 0
+    for n in numels:
+        fits = n <= param_threshold and total + n <= model_threshold
+        keep.append(fits)
+        total += n if fits else 0
+    return keep
 
 
 @dataclass(frozen=True)
@@ -165,6 +181,7 @@ def zero_policy(cfg: "HfZeroConfig") -> ZeroPolicy:
             max_live_numel=int(zero.stage3_max_live_parameters),
             max_reuse_distance=_stage3_reuse_distance(cfg),
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
+            model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
             divergence_timeout_s=float(zero.stage3_divergence_timeout_s),
             module_granularity_threshold=int(zero.stage3_module_granularity_threshold)))
 

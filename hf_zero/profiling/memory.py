@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_zero.config.policies import persistent_parameters
 from hf_zero.profiling.activations import ActivationProfile
 
 __all__ = ["Component", "MemoryEstimate", "ParamLayout", "estimate_memory", "model_state_bytes", "build_meta_model",
@@ -154,8 +155,8 @@ class MemoryEstimate:
 def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compute_dtype: torch.dtype,
                       grad_dtype: torch.dtype | None = None, optimizer: str = "adamw", momentum: float = 0.0,
                       offload_optimizer: str = "none", offload_param: str = "none", accelerator: str = "cuda",
-                      persistence_threshold: int = 100_000, sub_group_size: int = 1_000_000_000
-                      ) -> list[Component]:
+                      persistence_threshold: int = 100_000, sub_group_size: int = 1_000_000_000,
+                      model_persistence_threshold: int = 2**63 - 1) -> list[Component]:
     """Resident model-state components of one rank (phase ``states``), as the engine allocates them."""
     c = torch.empty(0, dtype=compute_dtype).element_size()
     g = torch.empty(0, dtype=grad_dtype or compute_dtype).element_size()
@@ -174,10 +175,12 @@ def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compu
         if c != _FP32 and not bound:
             add("param16 shard", "accelerator", shard * c, "16-bit copy of the master shard")
     else:
-        persistent = [n for n in layout.numels if n <= persistence_threshold]
+        keep = persistent_parameters(layout.numels, persistence_threshold, model_persistence_threshold)
+        persistent = [n for n, k in zip(layout.numels, keep) if k]
         frozen_shard = sum(_ceil_div(n, world_size) for n in frozen)
         add("parameters (persistent, full)", "accelerator", sum(persistent) * c,
-            f"numel <= stage3_param_persistence_threshold ({persistence_threshold})")
+            f"numel <= stage3_param_persistence_threshold ({persistence_threshold})"
+            + (f", at most {model_persistence_threshold} in total" if model_persistence_threshold < 2**63 - 1 else ""))
         if offload_param == "nvme":
             add("parameter shards", "nvme", (shard + frozen_shard) * c, "swap files")
         else:
@@ -264,8 +267,9 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
         if stage > 0 and world_size > 1:
             add("publish all-gather buffer", min(allgather_bucket, padded) * c, "step", "allgather_bucket_size")
     else:
-        threshold = _int(zero.get("stage3_param_persistence_threshold"), 100_000)
-        gathered_numel = sum(n for n in layout.numels if n > threshold)
+        keep = persistent_parameters(layout.numels, _int(zero.get("stage3_param_persistence_threshold"), 100_000),
+                                     _int(zero.get("stage3_model_persistence_threshold"), 2**63 - 1))
+        gathered_numel = sum(n for n, k in zip(layout.numels, keep) if not k)
         from hf_zero.config.policies import STAGE3_REUSE_DISTANCE_DEFAULT
 
         prefetch = capped_bucket_numel(int(float(zero.get("stage3_prefetch_bucket_size", 5e7))), c)
@@ -283,13 +287,13 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
         overlap = zero.get("overlap_comm")
         overlap = True if overlap is None else bool(overlap)  # stage 3's default
         out += _stage3_reduction(layout, profile, world_size=world_size, c=c, overlap=overlap,
-                                 bucket_numel=configured, cpu=accelerator == "cpu", threshold=threshold,
+                                 bucket_numel=configured, cpu=accelerator == "cpu", persistent=keep,
                                  prefetch=prefetch, kept=kept * c if kept is not None else None)
     return out
 
 
 def _stage3_reduction(layout: ParamLayout, profile: ActivationProfile, *, world_size: int, c: int, overlap: bool,
-                      bucket_numel: int, cpu: bool, threshold: int, prefetch: int, kept: int | None
+                      bucket_numel: int, cpu: bool, persistent: list[bool], prefetch: int, kept: int | None
                       ) -> list[Component]:
     """The largest moment of ZeRO-3's gradient reduction, replayed bucket by bucket as
     :class:`~hf_zero.zero.stage3.reduce.Stage3GradReducer` fills them during backward.
@@ -317,7 +321,7 @@ def _stage3_reduction(layout: ParamLayout, profile: ActivationProfile, *, world_
 
     row_capacity = max(capped_bucket_numel(bucket_numel, c) // world_size, 1)
     staged = world_size > 1 and cpu
-    gathered_numels = [layout.numels[i] if layout.numels[i] > threshold else 0 for i in order]
+    gathered_numels = [0 if persistent[i] else layout.numels[i] for i in order]
 
     def gathered_at(pos: int) -> int:
         if kept is not None:
@@ -497,6 +501,7 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
         optimizer=str(opt.get("type", "AdamW")), momentum=float((opt.get("params") or {}).get("momentum", 0.0)),
         offload_optimizer=off_opt, offload_param=off_param, accelerator=accelerator,
         persistence_threshold=_int(zero.get("stage3_param_persistence_threshold"), 100_000),
+        model_persistence_threshold=_int(zero.get("stage3_model_persistence_threshold"), 2**63 - 1),
         sub_group_size=_int(zero.get("sub_group_size"), 1_000_000_000))
     if activations is None:
         from hf_zero.profiling.activations import activation_profile

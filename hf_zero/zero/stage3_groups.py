@@ -171,7 +171,8 @@ def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dty
         module, group=process_group, compute_dtype=compute_dtype,
         reduce_bucket_size=zero.reduce_bucket_numel, prefetch_bucket_size=s3.prefetch_bucket_numel,
         max_live_parameters=s3.max_live_numel, max_reuse_distance=s3.max_reuse_distance,
-        param_persistence_threshold=s3.persistence_threshold, overlap_comm=zero.overlap_comm,
+        param_persistence_threshold=s3.persistence_threshold,
+        model_persistence_threshold=s3.model_persistence_threshold, overlap_comm=zero.overlap_comm,
         grad_scale=1.0 / world, divergence_timeout_s=s3.divergence_timeout_s, swapper=swapper,
         keep_whole_alone=True)
     sp_of = {id(sp.param): sp for sp in runtime.sharded_params()}

@@ -7,7 +7,8 @@ param groups keep working. What changes is its ``.data``::
     GATHERING    param.data = placeholder (0,)        an all-gather into a packed buffer is in flight
     AVAILABLE    param.data = full (shape) view       of a flat (numel,) buffer unpacked from the all-gather
 
-A *persistent* parameter (``numel <= param_persistence_threshold``) is AVAILABLE for its whole life: every rank
+A *persistent* parameter (``numel <= param_persistence_threshold``, within ``model_persistence_threshold`` in total:
+``hf_zero.config.policies.persistent_parameters``) is AVAILABLE for its whole life: every rank
 keeps the full tensor, and its shard is only what the optimizer updates (the runtime re-publishes it).
 
 Where the shard's bytes live is the parameter's ``storage`` (:mod:`.storage`): resident in memory, or in this

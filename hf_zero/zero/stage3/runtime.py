@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hf_zero.comm import buffer_pool, faults, get_rank, get_world_size, shm_ring
+from hf_zero.config.policies import persistent_parameters
 from hf_zero.util.tensors import functorch_transforming
 from hf_zero.zero.host_memory import tune_cpu_training_memory
 from hf_zero.zero.checkpoint_state import ShardReader
@@ -79,7 +80,8 @@ class Stage3Runtime:
     def __init__(self, module: nn.Module, *, group=None, compute_dtype: torch.dtype = torch.float32,
                  reduce_bucket_size: int = 500_000_000, prefetch_bucket_size: int = 50_000_000,
                  max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
-                 param_persistence_threshold: int = 100_000, overlap_comm: bool = False,
+                 param_persistence_threshold: int = 100_000, model_persistence_threshold: int = 2**63 - 1,
+                 overlap_comm: bool = False,
                  grad_scale: float | None = None,
                  divergence_timeout_s: float = DEFAULT_DIVERGENCE_TIMEOUT_S, swapper=None,
                  keep_whole_alone: bool = False) -> None:
@@ -102,6 +104,7 @@ class Stage3Runtime:
         self.max_live_numel = int(max_live_parameters)
         self.max_reuse_numel = int(max_reuse_distance)
         self.persistence_threshold = int(param_persistence_threshold)
+        self.model_persistence_threshold = int(model_persistence_threshold)
         self.gatherer = gatherer_for(group)
         self.gatherer.timeout_s = float(divergence_timeout_s)
         # offload_param nvme (hf_zero.offload.ParamSwapper): every shard that is not persistent lives in a
@@ -173,14 +176,20 @@ class Stage3Runtime:
         device = self.gatherer.device
         self.whole = (self._keep_whole_alone and self.world_size == 1 and self.swapper is None and bool(sps)
                       and all(sp.can_alias_shard(device or sp.storage.device) for sp in sps))
-        persistent = sps if self.whole else [sp for sp in sps if sp.numel <= self.persistence_threshold]
+        if self.whole:
+            persistent = sps
+        else:
+            keep = persistent_parameters([sp.numel for sp in sps], self.persistence_threshold,
+                                         self.model_persistence_threshold)
+            persistent = [sp for sp, k in zip(sps, keep) if k]
         for sp in persistent:
             sp.to_resident()  # zero.Init may have swapped it out; persistent parameters stay in memory
         for sp in sps:
             sp.cast_shard(self.compute_dtype)
         if self.swapper is not None:
+            planned = {id(sp) for sp in persistent}
             for sp in sps:
-                if sp.numel > self.persistence_threshold:
+                if id(sp) not in planned:
                     sp.to_swapped(self.swapper)
         # Decided now, gathered at the first forward (_publish_persistent): until then every parameter is a (0,)
         # placeholder, as under DeepSpeed -- code run between initialize and the first forward (peft's
