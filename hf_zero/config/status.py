@@ -239,9 +239,8 @@ STATUS: dict[str, KeyStatus] = {
                                                active=lambda cfg: cfg.zero.mics_shard_size > 0),
     "zero_optimization.mics_hierarchical_params_gather": _todo("parameters are all-gathered in one level"),
     "zero_optimization.memory_efficient_linear": _no_op("hf_zero's linear layers are torch's"),
-    "zero_optimization.override_module_apply": _todo(
-        "nn.Module.apply sees the partitioned parameters; gather them with zero.GatheredParameters",
-        active=_given_true("zero_optimization.override_module_apply")),
+    # read by zero.Init (hf_zero/zero/init.py): modules built inside gather their parameters in apply(fn)
+    "zero_optimization.override_module_apply": HONOURED,
     "zero_optimization.log_trace_cache_warnings": _todo("trace-cache invalidations are not logged"),
     "zero_optimization.enable_sanity_checks": _todo("no extra consistency checks are run"),
     "aio.block_size": HONOURED,

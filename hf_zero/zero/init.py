@@ -10,6 +10,13 @@ How, without patching tensor constructors: two public global hooks of ``torch.nn
 
 Parameters of the outermost module(s), which no parent adopts, are partitioned on ``__exit__``.
 
+A parent's ``__init__`` that initialises its children with ``self.apply(fn)`` (nanoGPT's ``_init_weights``, timm)
+runs after they were partitioned: ``fn`` would see 1-D placeholders and change nothing, silently. So, with
+``zero_optimization.override_module_apply`` (true by default, as in DeepSpeed), every module built inside the
+context gets an instance ``apply`` that gathers each module's own parameters around ``fn(module)`` (rank 0's result
+kept, then re-partitioned: :func:`_apply_gathered`). Per instance, removed on ``__exit__``: ``nn.Module.apply`` itself
+is never replaced, and modules built elsewhere are untouched.
+
 With ``zero_optimization.offload_param.device: nvme`` in the config (or ``remote_device="nvme"``), each shard
 is written to this rank's swap files under ``nvme_path`` right after it is cut, so a model larger than memory can
 be built: the peak is one submodule's full parameters. The engine built with the same config finds them there.
@@ -24,6 +31,7 @@ never installed.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -154,6 +162,21 @@ def _init_precision(raw: dict | None, dtype: torch.dtype | None) -> InitPrecisio
     return InitPrecision(dtype=dtype or precision.dtype or torch.float32, keep_in_fp32=precision.keep_in_fp32)
 
 
+def _apply_gathered(module: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
+    """``module.apply(fn)`` for a module built under :class:`Init`: children first (their own ``apply``, gathering
+    too where they were built inside), then ``fn(module)`` with the module's own partitioned parameters gathered;
+    rank 0's values are kept on every rank (``modifier_rank=0``, as DeepSpeed's override) and re-partitioned."""
+    for child in module.children():
+        child.apply(fn)
+    params = [p for p in module._parameters.values() if p is not None and sharded_param_of(p) is not None]
+    if not params:
+        fn(module)
+        return module
+    with GatheredParameters(params, modifier_rank=0):
+        fn(module)
+    return module
+
+
 class Init:
     """Context manager: modules built inside get their parameters partitioned as they are constructed.
 
@@ -204,6 +227,9 @@ class Init:
         self._handles: list = []
         self._owner = False
         self._roots: dict[int, nn.Module] = {}  # modules no parent has adopted (yet): the model's root at __exit__
+        # zero_optimization.override_module_apply (DeepSpeed's default true): see the module docstring
+        self._override_apply = bool((self.config.get("zero_optimization") or {}).get("override_module_apply", True))
+        self._applies: dict[int, nn.Module] = {}  # modules given a gathering apply, undone at __exit__
         if module is not None and enabled:
             self._ensure_distributed()
             self.swapper = _param_swapper(self.config, remote_device, dist.get_rank())
@@ -260,13 +286,24 @@ class Init:
             roots, self._roots = self._roots, {}
             for mod in roots.values():  # the outermost modules, which no parent adopted: the model itself
                 self._keep_in_fp32(mod)
+            applies, self._applies = self._applies, {}
+            for mod in applies.values():
+                mod.__dict__.pop("apply", None)
 
     # ------------------------------------------------------------------ hooks
     def _on_parameter(self, module: nn.Module, name: str, param) -> None:
         if param is not None and sharded_param_of(param) is None:
             self._pending.setdefault(id(module), (module, set()))[1].add(name)
             self._roots.setdefault(id(module), module)
+            self._gathering_apply(module)
         return None
+
+    def _gathering_apply(self, module: nn.Module) -> None:
+        if self._override_apply and id(module) not in self._applies:
+            self._applies[id(module)] = module
+            # an instance attribute shadows nn.Module.apply for this module only (plain object attribute: not a
+            # Parameter, buffer or Module, so nn.Module.__setattr__'s bookkeeping is not involved)
+            module.__dict__["apply"] = functools.partial(_apply_gathered, module)
 
     def _on_buffer(self, module: nn.Module, name: str, buffer):
         """A floating buffer registered inside the context becomes the training dtype (see the class docstring)."""
@@ -285,6 +322,7 @@ class Init:
             self._partition_noted(*entry)
         self._roots.pop(id(child), None)
         self._roots.setdefault(id(parent), parent)
+        self._gathering_apply(parent)
         self._keep_in_fp32(child)  # DeepSpeed applies the model's fp32 lists as each module's __init__ ends
         return None
 

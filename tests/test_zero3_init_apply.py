@@ -1,0 +1,66 @@
+"""``self.apply(init_fn)`` in a model's ``__init__`` under ``zero.Init`` (nanoGPT's ``_init_weights``, timm): the
+children are already partitioned when it runs, so without help ``init_fn`` sees 1-D placeholders and silently
+changes nothing. With ``zero_optimization.override_module_apply`` (default true, as in DeepSpeed) each module's own
+parameters are gathered around ``init_fn``, rank 0's result is kept everywhere, and the model comes out partitioned
+with the values the function wrote. 2 CPU ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_zero.testing import run_distributed
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        self.scale = torch.nn.Parameter(torch.ones(3))  # the root's own parameter, partitioned at __exit__
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: torch.nn.Module) -> None:
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.constant_(module.weight, 0.5)
+            torch.nn.init.normal_(module.bias)  # random: each rank draws its own, rank 0's must win
+
+
+def _build(override: bool | None):
+    import hf_zero
+    from hf_zero.zero.stage3.param import sharded_param_of
+
+    torch.manual_seed(torch.distributed.get_rank())  # different draws per rank
+    zero = {"stage": 3}
+    if override is not None:
+        zero["override_module_apply"] = override
+    with hf_zero.zero.Init(config_dict_or_path={"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}):
+        net = Net()
+    partitioned = all(sharded_param_of(p) is not None and p.numel() == 0 for p in net.parameters())
+    leftover = [name for name, m in net.named_modules() if "apply" in m.__dict__]
+    with hf_zero.zero.GatheredParameters(list(net.parameters())):
+        values = {n: p.detach().clone() for n, p in net.named_parameters()}
+    return values, partitioned, leftover
+
+
+def _both():
+    return _build(None), _build(False)
+
+
+def test_apply_in_init_writes_through_partitioned_parameters():
+    results = run_distributed(_both, world_size=2)
+    (rank0, _), (rank1, _) = results
+    for values, partitioned, leftover in (rank0, rank1):
+        assert partitioned and leftover == []  # partitioned as ever, and no instance apply left behind
+        for name in ("a.weight", "b.0.weight", "b.1.weight"):
+            assert torch.equal(values[name], torch.full_like(values[name], 0.5)), name
+        assert torch.equal(values["scale"], torch.ones(3))
+    for name, value in rank0[0].items():  # the random biases: rank 0's draw on both ranks
+        assert torch.equal(rank1[0][name], value), name
+    # override_module_apply false: DeepSpeed's behaviour then -- the function saw placeholders, nn.Linear's own
+    # initialisation stays (weights within its +-1/sqrt(8) bound, not 0.5)
+    for _, off in results:
+        values, partitioned, leftover = off
+        assert partitioned and leftover == []
+        for name in ("a.weight", "b.0.weight", "b.1.weight"):
+            assert values[name].abs().max().item() <= 8 ** -0.5, name
