@@ -47,6 +47,12 @@ def fault_now() -> None:
     print(f"FAULT_AT {time.time():.3f}", flush=True)
 
 
+def next_batch_that_never_comes() -> None:
+    """A data loader that hangs: the rank is alive, answers its heartbeats, and never reaches the collective."""
+    while True:
+        time.sleep(0.05)
+
+
 def main() -> None:
     torch.manual_seed(0)
     model = Net()
@@ -66,6 +72,9 @@ def main() -> None:
         if faulty and CASE in ("branch", "swap", "skip"):
             fault_now()
             model.mode = CASE
+        if faulty and CASE == "hang":
+            fault_now()
+            next_batch_that_never_comes()
         if faulty and CASE == "extra_microbatch":
             fault_now()
             engine.backward(engine(x).pow(2).mean())  # one micro-batch more than the other rank

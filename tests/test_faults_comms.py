@@ -64,6 +64,22 @@ def test_sigstopped_rank_is_named_and_every_rank_exits(stage):
     assert run.continued_at is not None and times[1] < BOUND_S + SLACK_S
 
 
+def test_rank_hung_outside_hf_zero_is_named_with_its_stack():
+    """Rank 1 hangs in its own code (a data loader that never returns) before step 2's collectives: rank 0 gives
+    up after comms_timeout_s, names rank 1 as alive elsewhere and shows where its main thread is; rank 1 prints the
+    same stack as it exits. Both within the bound."""
+    run = launch("hang", 2, TIMEOUT_S)
+    times = _assert_ended(run, "hang stage 2")
+    waiting, hung = run.ranks
+    assert waiting.returncode == 1 and hung.returncode == 1, (waiting.output, hung.output)
+    assert "rank 1 is alive" in waiting.output and "never reached this collective" in waiting.output, waiting.output
+    assert "rank 1's main thread (innermost last):" in waiting.output, waiting.output
+    assert "in next_batch_that_never_comes" in waiting.output and "time.sleep(0.05)" in waiting.output
+    assert "rank 1 stops because rank 0:" in hung.output, hung.output
+    assert hung.output.count("in next_batch_that_never_comes") == 1, hung.output  # the stack, printed once
+    assert TIMEOUT_S <= times[0] < BOUND_S + SLACK_S and times[1] < BOUND_S + SLACK_S
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_killed_rank_is_named_by_the_survivor(stage):
     run = launch("kill", stage, TIMEOUT_S)

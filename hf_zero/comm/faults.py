@@ -26,8 +26,13 @@ ignores wait timeouts in places (its reduce-scatter) and hangs on exit with work
   script (a full disk, a user error). Every other rank reads it: a rank blocked in a collective that will never
   finish prints the published cause and exits; a rank that raised exits when Python exits. Exit is ``os._exit``
   with status 1, because a process group with work in flight blocks interpreter shutdown forever.
+* **Where a rank that never came is**: a rank that is alive but runs other code (a data loader that hangs, a
+  branch the others did not take) is asked, through the store, for its main thread's stack; its watchdog thread
+  answers within a period, and the error the waiting rank raises ends with that stack. The rank itself prints it
+  as it exits.
 
-The channel keeps no state in the steady state beyond a heartbeat (one store write per ``period``).
+The channel keeps no state in the steady state beyond a heartbeat (one store write and one key check per
+``period``).
 """
 
 from __future__ import annotations
@@ -250,6 +255,15 @@ _KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "barrier": 4, "
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 
 
+def _main_thread_stack(limit: int = 12) -> str:
+    """The main thread's innermost ``limit`` frames, innermost last, as a traceback prints them (read from the
+    watchdog thread: where the training loop is while the collectives wait for it)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return ""
+    return "".join(traceback.format_stack(frame, limit=limit)).rstrip("\n")
+
+
 def _root_store(store):
     while hasattr(store, "underlying_store"):
         store = store.underlying_store
@@ -290,6 +304,7 @@ class FaultChannel:
         self.watching: tuple[str, object, float] | None = None
         self._interrupted: tuple[str, float] | None = None
         self.suspended_s = 0.0
+        self._stack_sent = False  # answered a waiting rank's request for this process's stack (diagnose)
         self.hostname = socket.gethostname()
         self._io_timeout_s = min(_GRACE_MAX_S, max(1.0, timeout_s() / 4))
         self._store = self._client()
@@ -479,6 +494,8 @@ class FaultChannel:
         closed = "closed" in str(exc).lower() or "reset" in str(exc).lower()
         how = "lost its connection to a peer" if closed else f"waited {limit:g}s"
         store_ok = self._try(lambda s: s.set(self.prefix + f"stuck/{self.rank}", what) or True, default=False)
+        # ranks that are alive elsewhere post their main thread's stack (the watchdog, _answer_stack_request)
+        self._try(lambda s: s.set(self.prefix + "stackreq", str(me)))
         if not store_ok:
             host = self.global_ranks[0]
             return PeerFailure(
@@ -489,17 +506,24 @@ class FaultChannel:
         first = self.published()
         if first is not None and not first.startswith(f"rank {me}:"):
             return PeerFailure(f"hf_zero: rank {me} stops because {first} (this rank was in {what})")
-        lines = [f"rank {me} {how} in {what}"]
+        lines, stacks = [f"rank {me} {how} in {what}"], []
         for r in range(self.world):
             if r == self.rank:
                 continue
             if r in reports:
                 lines.append(f"rank {self.global_ranks[r]} is alive and was blocked in {reports[r]}")
-            else:
-                lines.append(f"rank {self.global_ranks[r]} {self._whereabouts(r)}")
+                continue
+            where = self._whereabouts(r)
+            lines.append(f"rank {self.global_ranks[r]} {where}")
+            if where.startswith("is alive"):  # its watchdog answered the stack request during the grace period
+                stack = self._try(lambda s: s.get(self.prefix + f"stack/{r}")
+                                  if s.check([self.prefix + f"stack/{r}"]) else None)
+                if stack:
+                    stacks.append(f"\nrank {self.global_ranks[r]}'s main thread (innermost last):\n"
+                                  f"{stack.decode()}")
         return PeerFailure("hf_zero: a collective could not complete: " + "; ".join(lines) +
                            ". comms_timeout_s bounds every hf_zero collective; raise it only if a rank is "
-                           "legitimately slower." + self._suspended_note())
+                           "legitimately slower." + self._suspended_note() + "".join(stacks))
 
     def _whereabouts(self, r: int) -> str:
         proc = self._try(lambda s: s.get(self.prefix + f"proc/{r}"))
@@ -528,31 +552,64 @@ class FaultChannel:
     # ---- the thread ----------------------------------------------------------------------------------------------
     def _monitor(self) -> None:
         last = time.monotonic()
-        foreign_since: float | None = None
+        foreign: tuple[str, float] | None = None  # (another rank's published fault, when this thread first read it)
+        store_lost_since: float | None = None
+        me = self.global_ranks[self.rank]
         while not self._stop.wait(self._period):
             now = time.monotonic()
             if now - last > max(2.0, 10 * self._period):
                 self.suspended_s += now - last - self._period
             last = now
-            self._try(lambda s: s.set(self.prefix + f"hb/{self.rank}", repr(time.time())), store=self._mon_store)
+            beat = self._try(lambda s: s.set(self.prefix + f"hb/{self.rank}", repr(time.time())) or True,
+                             store=self._mon_store, default=False)
+            store_lost_since = None if beat else (store_lost_since or now)
+            self._answer_stack_request()
             if self._watch(now):
                 continue
             if self.raised:
                 continue
             inw = self.in_wait
             first = self.published(store=self._mon_store)
-            me = self.global_ranks[self.rank]
-            if first is not None and not first.startswith(f"rank {me}:"):
-                if inw is not None or foreign_since is not None and now - foreign_since > self.grace():
+            if first is not None and not first.startswith(f"rank {me}:") and foreign is None:
+                foreign = (first, now)
+            if foreign is not None:
+                # in a collective: that wait can never finish, go now; named as the rank that never came: go now
+                # (its stack is in the message); elsewhere, give this rank's own code the grace period to fail by
+                # itself -- the fault is remembered, since the store's host may be gone by then
+                named = f"rank {me} is alive" in foreign[0]
+                if inw is not None or named or now - foreign[1] > self.grace():
                     self._try(lambda s: s.add(self.prefix + "seen", 1), store=self._mon_store)
-                    where = f" (this rank was in {inw[0]})" if inw else ""
-                    _die(f"hf_zero: rank {me} stops because {first}{where}{self._suspended_note()}")
-                foreign_since = foreign_since or now
+                    where = (f" (this rank was in {inw[0]})" if inw else
+                             "" if f"rank {me}'s main thread" in foreign[0] else self._own_stack_note())
+                    _die(f"hf_zero: rank {me} stops because {foreign[0]}{where}{self._suspended_note()}")
+                continue
+            if store_lost_since is not None and inw is None and now - store_lost_since > timeout_s() + self.grace():
+                # not in a collective (whose own wait would name the cause) and no heartbeat could be written for
+                # longer than any collective may wait: the store's host is gone, and no peer can reach this rank
+                host = self.global_ranks[0]
+                _die(f"hf_zero: rank {me} stops: the launcher's store (hosted by rank {host}'s process unless "
+                     f"torchrun's agent hosts it) has not answered for {now - store_lost_since:.1f}s: rank {host} "
+                     f"died or is stopped{self._own_stack_note()}{self._suspended_note()}")
             if inw is not None and now - inw[1] > inw[2] + self.grace():
                 # the wait ignored its timeout (gloo in places): diagnose from here and end the process
                 exc = self.diagnose(inw[0], inw[2], TimeoutError("the wait did not return"))
                 self.fail(exc)
                 _die(str(exc))
+
+    def _answer_stack_request(self) -> None:
+        """A waiting rank asked where every rank is (diagnose): post this process's main-thread stack, once."""
+        if self._stack_sent:
+            return
+        key = self.prefix + "stackreq"
+        if self._try(lambda s: s.check([key]), store=self._mon_store, default=False):
+            self._stack_sent = True
+            stack = _main_thread_stack()
+            self._try(lambda s: s.set(self.prefix + f"stack/{self.rank}", stack), store=self._mon_store)
+
+    def _own_stack_note(self) -> str:
+        """Where this rank's main thread is while it is not in an hf_zero collective (it ran other code)."""
+        stack = _main_thread_stack()
+        return f"; this rank was not in a collective, its main thread (innermost last):\n{stack}" if stack else ""
 
     @contextlib.contextmanager
     def watch(self, what: str, interrupt):
