@@ -33,7 +33,8 @@ def _config(stage: int, **zero) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
 
 
-def _train(stage: int, backend: str | None, leaves: str | None = None, zero: dict | None = None):
+def _train(stage: int, backend: str | None, leaves: str | None = None, zero: dict | None = None,
+           lora: bool = False):
     """``STEPS`` optimizer steps (2 micro-batches each); returns (losses, graph count after each micro-batch,
     full weights, this rank's parameter elements, leaf module names, hf_zero warnings)."""
     import hf_zero
@@ -44,6 +45,10 @@ def _train(stage: int, backend: str | None, leaves: str | None = None, zero: dic
     counters.clear()
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config())
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     if leaves == "decoder_layers":
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -58,6 +63,7 @@ def _train(stage: int, backend: str | None, leaves: str | None = None, zero: dic
         logging.getLogger("hf_zero").removeHandler(handler)
     if backend is not None:
         engine.compile(backend=backend)
+    logging.getLogger("torch._dynamo").addHandler(handler)  # dynamo's recompile-limit warning
     names = {m: n or "<root>" for n, m in model.named_modules()}
     leaf_names = [names[m] for m in hf_zero.zero.get_z3_leaf_modules(model)]
     rank = torch.distributed.get_rank()
@@ -70,14 +76,15 @@ def _train(stage: int, backend: str | None, leaves: str | None = None, zero: dic
         engine.step()
         losses.append(loss.item())
         graphs.append(counters["stats"]["unique_graphs"])
+    logging.getLogger("torch._dynamo").removeHandler(handler)
     local = sum(p.numel() for p in model.parameters())
     with hf_zero.zero.GatheredParameters(list(model.parameters())):
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return losses, graphs, weights, local, leaf_names, warnings
 
 
-def _eager_then_compiled(stage: int, backend: str, leaves: str | None = None):
-    return _train(stage, None, leaves), _train(stage, backend, leaves)
+def _eager_then_compiled(stage: int, backend: str, leaves: str | None = None, lora: bool = False):
+    return _train(stage, None, leaves, lora=lora), _train(stage, backend, leaves, lora=lora)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -118,6 +125,17 @@ def test_leaf_decoder_layers_compile_each_layer_as_one_graph():
     torch.testing.assert_close(torch.tensor(compiled[0]), torch.tensor(per_module[0]), rtol=1e-6, atol=0)
     # each layer's attention and MLP linears, norms and the arithmetic between them in one graph
     assert compiled[1][-1] < per_module[1][-1] - 8, (compiled[1], per_module[1])
+
+
+def test_lora_compiles_every_linear_variant_without_eager_fallback():
+    """LoRA under ZeRO-3: frozen and trainable linears of several shapes, each its own graph of nn.Linear.forward --
+    more variants than dynamo's default recompile limit (8), past which it runs the rest eagerly with a warning.
+    engine.compile raises the limit to what the model needs."""
+    for eager, compiled in run_distributed(_eager_then_compiled, world_size=2, args=(3, "aot_eager", None, True)):
+        torch.testing.assert_close(torch.tensor(compiled[0]), torch.tensor(eager[0]), rtol=1e-6, atol=0)
+        assert not any("recompile_limit" in w for w in compiled[5]), compiled[5]
+        graphs = compiled[1]
+        assert graphs[-1] > 8 and graphs[3] == graphs[-1], graphs  # settled by the second optimizer step
 
 
 # DeepSpeed 0.19.8's granularity of each module of tiny_llama_config()'s model (modules it never chooses omitted)

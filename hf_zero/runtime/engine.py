@@ -678,6 +678,17 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         kwargs = dict(compile_kwargs or {})
         if backend is not None:
             kwargs["backend"] = backend
+        if self.stage3 is not None and not self.stage3.whole:
+            # one graph per hooked module, compiled once per (class, parameter shapes, requires_grad): a model with
+            # more variants than dynamo's per-code recompile limit (8) would run the rest eagerly, with a warning
+            import torch._dynamo
+
+            needed = self.stage3.hooked_module_variants() + 2
+            if needed > torch._dynamo.config.recompile_limit:
+                logger.info("hf_zero: engine.compile raises torch._dynamo.config.recompile_limit from %d to %d: "
+                            "ZeRO-3 compiles each module with gathered parameters as its own graph, and this model "
+                            "has %d kinds of them", torch._dynamo.config.recompile_limit, needed, needed - 2)
+                torch._dynamo.config.recompile_limit = needed
         self.module.compile(**kwargs)
         self._hf_is_compiled = True
 

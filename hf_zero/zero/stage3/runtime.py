@@ -279,6 +279,14 @@ class Stage3Runtime:
                                                                     prepend=True),
                               self.module.register_forward_hook(outside_graph(self._root_post_forward))]
 
+    def hooked_module_variants(self) -> int:
+        """Distinct (module class, own parameters' shapes and requires_grad) among the modules with gather hooks.
+        Under torch.compile each such module's forward is a graph of its own, compiled once per variant of its
+        class's code (a LoRA model's frozen and trainable linears of each shape): what dynamo's recompile limit must
+        allow for none of them to fall back to eager (Engine.compile)."""
+        return len({(type(mod).__qualname__, tuple((tuple(sp.shape), sp.requires_grad) for sp in g.sps))
+                    for mod, g in self._groups.items()})
+
     def suspend_module_hooks(self) -> None:
         """Take every forward hook off the model (``unwrap_model_for_generation``, whose block holds every parameter
         gathered: the hooks would have nothing to gather, and cost a call per module per generated token). The
