@@ -21,30 +21,9 @@ from hf_zero.zero import GatheredParameters, TiledLinear, TiledLinearReturnBias
 from hf_zero.zero.tiling import tile_boundaries
 
 from _shim_util import ds as _ds
+from _tiling_fixture import BiasSkippingLinear, inputs, weights
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "tiling" / "deepspeed_tiling.json").read_text())
-
-
-class BiasSkippingLinear(nn.Linear):
-    """A Megatron-style tile (``skip_bias_add``), as in make_fixture.py: returns ``(x @ W.T, bias)``."""
-
-    def forward(self, x):
-        return F.linear(x, self.weight), self.bias
-
-
-def _fixture_weights(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    """make_fixture.py's ``weights``: values fixed by the shape."""
-    lin = nn.Linear(in_features, out_features, bias=bias)
-    with torch.no_grad():
-        n = out_features * in_features
-        lin.weight.copy_(torch.sin(torch.arange(n, dtype=torch.float32) * 0.37).reshape(out_features, in_features))
-        if bias:
-            lin.bias.copy_(torch.cos(torch.arange(out_features, dtype=torch.float32) * 0.61))
-    return lin
-
-
-def _fixture_inputs(in_features: int) -> torch.Tensor:
-    return torch.cos(torch.arange(2 * 3 * in_features, dtype=torch.float32) * 0.23).reshape(2, 3, in_features)
 
 
 def _tile_shapes(module: TiledLinear) -> list:
@@ -117,8 +96,8 @@ def test_forward_results_are_deepspeeds(case):
         kw["linear_cls"] = BiasSkippingLinear
     cls = {"TiledLinear": TiledLinear, "TiledLinearReturnBias": TiledLinearReturnBias}[case["class"]]
     in_f, out_f = case["in_features"], case["out_features"]
-    m = cls(in_f, out_f, init_linear=_fixture_weights(in_f, out_f, kw.get("bias", True)), **kw)
-    x = _fixture_inputs(in_f)
+    m = cls(in_f, out_f, init_linear=weights(in_f, out_f, kw.get("bias", True)), **kw)
+    x = inputs(in_f)
     if kw.get("input_is_already_split"):
         x = [x[..., m.in_parts[i]:m.in_parts[i + 1]] for i in range(m.in_splits)]
     with torch.no_grad():

@@ -6,17 +6,17 @@ tests/test_zero_tiling.py (CI has no DeepSpeed). Run with real DeepSpeed and wit
 (DeepSpeed 0.19.8 wrote the file here.) Recorded: the constructor's signature, the tile boundaries DeepSpeed's
 ``partition_uniform`` gives over a grid, each case's tiles (weight shape, bias shape or null, in row-major order),
 the exception type of bad splits, and the forward results of a few cases on deterministic weights and inputs
-(``weights``/``inputs`` below; the test builds the same ones).
+(``weights``/``inputs`` of tests/_tiling_fixture.py, which the test builds too).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import deepspeed
 from deepspeed.runtime.utils import partition_uniform
@@ -24,27 +24,8 @@ from deepspeed.runtime.zero import TiledLinear, TiledLinearReturnBias
 
 assert "hf_zero" not in (deepspeed.__file__ or ""), "run with HF_ZERO_DISABLE_DEEPSPEED_SHIM=1 and real DeepSpeed"
 
-
-class BiasSkippingLinear(torch.nn.Linear):
-    """A Megatron-style tile (``skip_bias_add``): returns ``(x @ W.T, bias)``; TiledLinearReturnBias needs pairs."""
-
-    def forward(self, x):
-        return F.linear(x, self.weight), self.bias
-
-
-def weights(in_features: int, out_features: int, bias: bool) -> torch.nn.Linear:
-    """A Linear with values fixed by its shape (no RNG), so the test can rebuild it."""
-    lin = torch.nn.Linear(in_features, out_features, bias=bias)
-    with torch.no_grad():
-        n = out_features * in_features
-        lin.weight.copy_(torch.sin(torch.arange(n, dtype=torch.float32) * 0.37).reshape(out_features, in_features))
-        if bias:
-            lin.bias.copy_(torch.cos(torch.arange(out_features, dtype=torch.float32) * 0.61))
-    return lin
-
-
-def inputs(in_features: int) -> torch.Tensor:
-    return torch.cos(torch.arange(2 * 3 * in_features, dtype=torch.float32) * 0.23).reshape(2, 3, in_features)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the pieces the test rebuilds
+from _tiling_fixture import BiasSkippingLinear, inputs, weights  # noqa: E402
 
 
 SHAPE_CASES = [
