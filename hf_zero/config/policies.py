@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 
+# stage3_model_persistence_threshold's default, DeepSpeed's sys.maxsize: no cap on the elements kept whole
+NO_PERSISTENCE_CAP = 2**63 - 1
+
 if TYPE_CHECKING:
     import torch
 
@@ -79,13 +82,13 @@ class Stage3Policy:
     persistence_threshold: int
     divergence_timeout_s: float
     # stage3_model_persistence_threshold: the most elements the persistence threshold may keep whole in total
-    model_persistence_threshold: int = 2**63 - 1
+    model_persistence_threshold: int = NO_PERSISTENCE_CAP
     # stage3_module_granularity_threshold: modules whose parameters per layer are at most this are gathered whole
     # (leaf modules, hf_zero/zero/leaf.py); 0 off
     module_granularity_threshold: int = 0
 
 
-def persistent_parameters(numels: Sequence[int], param_threshold: int, model_threshold: int = 2**63 - 1
+def persistent_parameters(numels: Sequence[int], param_threshold: int, model_threshold: int = NO_PERSISTENCE_CAP
                           ) -> list[bool]:
     """Which ZeRO-3 parameters stay whole on every rank, in model order (``named_parameters``): those of at most
     ``stage3_param_persistence_threshold`` elements, while their running total stays within

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from .errors import ConfigError
+from .policies import NO_PERSISTENCE_CAP
 from .schema import AUTO, Auto, spec
 
 __all__ = [
@@ -182,7 +183,7 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int | Auto = spec(
         100_000, auto=True, help="Stage 3: parameters with fewer elements are not partitioned.")
     stage3_model_persistence_threshold: int = spec(
-        2**63 - 1, help="Stage 3: upper bound on the elements kept unpartitioned by the persistence threshold.")
+        NO_PERSISTENCE_CAP, help="Stage 3: upper bound on the elements kept unpartitioned by the persistence threshold.")
     stage3_max_live_parameters: int = spec(1_000_000_000, help="Stage 3: parameter elements resident per rank.")
     stage3_max_reuse_distance: int = spec(
         1_000_000_000, help="Stage 3: keep a parameter gathered if it is used again within this many elements. "

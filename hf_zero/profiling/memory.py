@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_zero.config.policies import persistent_parameters
+from hf_zero.config.policies import NO_PERSISTENCE_CAP, persistent_parameters
 from hf_zero.profiling.activations import ActivationProfile
 
 __all__ = ["Component", "MemoryEstimate", "ParamLayout", "estimate_memory", "model_state_bytes", "build_meta_model",
@@ -156,7 +156,7 @@ def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compu
                       grad_dtype: torch.dtype | None = None, optimizer: str = "adamw", momentum: float = 0.0,
                       offload_optimizer: str = "none", offload_param: str = "none", accelerator: str = "cuda",
                       persistence_threshold: int = 100_000, sub_group_size: int = 1_000_000_000,
-                      model_persistence_threshold: int = 2**63 - 1) -> list[Component]:
+                      model_persistence_threshold: int = NO_PERSISTENCE_CAP) -> list[Component]:
     """Resident model-state components of one rank (phase ``states``), as the engine allocates them."""
     c = torch.empty(0, dtype=compute_dtype).element_size()
     g = torch.empty(0, dtype=grad_dtype or compute_dtype).element_size()
@@ -180,7 +180,7 @@ def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compu
         frozen_shard = sum(_ceil_div(n, world_size) for n in frozen)
         add("parameters (persistent, full)", "accelerator", sum(persistent) * c,
             f"numel <= stage3_param_persistence_threshold ({persistence_threshold})"
-            + (f", at most {model_persistence_threshold} in total" if model_persistence_threshold < 2**63 - 1 else ""))
+            + (f", at most {model_persistence_threshold} in total" if model_persistence_threshold < NO_PERSISTENCE_CAP else ""))
         if offload_param == "nvme":
             add("parameter shards", "nvme", (shard + frozen_shard) * c, "swap files")
         else:
@@ -268,7 +268,7 @@ def _transients(layout: ParamLayout, *, stage: int, world_size: int, c: int, g: 
             add("publish all-gather buffer", min(allgather_bucket, padded) * c, "step", "allgather_bucket_size")
     else:
         keep = persistent_parameters(layout.numels, _int(zero.get("stage3_param_persistence_threshold"), 100_000),
-                                     _int(zero.get("stage3_model_persistence_threshold"), 2**63 - 1))
+                                     _int(zero.get("stage3_model_persistence_threshold"), NO_PERSISTENCE_CAP))
         gathered_numel = sum(n for n, k in zip(layout.numels, keep) if not k)
         from hf_zero.config.policies import STAGE3_REUSE_DISTANCE_DEFAULT
 
@@ -501,7 +501,7 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
         optimizer=str(opt.get("type", "AdamW")), momentum=float((opt.get("params") or {}).get("momentum", 0.0)),
         offload_optimizer=off_opt, offload_param=off_param, accelerator=accelerator,
         persistence_threshold=_int(zero.get("stage3_param_persistence_threshold"), 100_000),
-        model_persistence_threshold=_int(zero.get("stage3_model_persistence_threshold"), 2**63 - 1),
+        model_persistence_threshold=_int(zero.get("stage3_model_persistence_threshold"), NO_PERSISTENCE_CAP),
         sub_group_size=_int(zero.get("sub_group_size"), 1_000_000_000))
     if activations is None:
         from hf_zero.profiling.activations import activation_profile

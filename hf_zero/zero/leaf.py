@@ -145,13 +145,16 @@ def module_granularity(model: nn.Module) -> dict[nn.Module, int | None]:
     return out
 
 
-def set_z3_leaf_modules_by_granularity(model: nn.Module, threshold: int) -> list[nn.Module]:
+def set_z3_leaf_modules_by_granularity(model: nn.Module, threshold: int,
+                                       granularity: dict[nn.Module, int | None] | None = None) -> list[nn.Module]:
     """``stage3_module_granularity_threshold``: flag as leaves the outermost modules whose granularity is at most
     ``threshold`` (a parent is preferred to its children), so each is gathered as one unit -- one all-gather and one
     hook pair instead of one per sub-module, and under ``torch.compile`` one graph per leaf instead of a graph break
     at every sub-module. Returns the flagged modules, outermost first; none if ``threshold`` is below every
-    module's granularity (the caller says so)."""
-    granularity = module_granularity(model)
+    module's granularity (the caller says so). ``granularity``: :func:`module_granularity` of ``model``, when the
+    caller has it already."""
+    if granularity is None:
+        granularity = module_granularity(model)
     chosen: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:

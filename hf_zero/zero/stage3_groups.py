@@ -139,14 +139,15 @@ def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> t
 def _leaves_by_granularity(module, threshold: int) -> None:
     from hf_zero.zero.leaf import module_granularity, set_z3_leaf_modules_by_granularity
 
-    chosen = set_z3_leaf_modules_by_granularity(module, threshold)
+    granularity = module_granularity(module)
+    chosen = set_z3_leaf_modules_by_granularity(module, threshold, granularity)
     if chosen:
         names = {m: n or "<root>" for n, m in module.named_modules()}
         classes = sorted({type(m).__name__ for m in chosen})
         logger.info("hf_zero ZeRO-3: stage3_module_granularity_threshold %d gathers %d modules as one unit each "
                     "(classes %s; first %s)", threshold, len(chosen), classes, names[chosen[0]])
         return
-    smallest = min(((g, type(m).__name__) for m, g in module_granularity(module).items() if g is not None),
+    smallest = min(((g, type(m).__name__) for m, g in granularity.items() if g is not None),
                    default=None)
     hint = (f"the smallest module granularity is {smallest[0]} ({smallest[1]}): set it to at least that"
             if smallest else "the model has no module with sub-modules that own parameters")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hf_zero.comm import buffer_pool, faults, get_rank, get_world_size, shm_ring
-from hf_zero.config.policies import persistent_parameters
+from hf_zero.config.policies import NO_PERSISTENCE_CAP, persistent_parameters
 from hf_zero.util.tensors import functorch_transforming
 from hf_zero.zero.host_memory import tune_cpu_training_memory
 from hf_zero.zero.checkpoint_state import ShardReader
@@ -80,7 +80,7 @@ class Stage3Runtime:
     def __init__(self, module: nn.Module, *, group=None, compute_dtype: torch.dtype = torch.float32,
                  reduce_bucket_size: int = 500_000_000, prefetch_bucket_size: int = 50_000_000,
                  max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
-                 param_persistence_threshold: int = 100_000, model_persistence_threshold: int = 2**63 - 1,
+                 param_persistence_threshold: int = 100_000, model_persistence_threshold: int = NO_PERSISTENCE_CAP,
                  overlap_comm: bool = False,
                  grad_scale: float | None = None,
                  divergence_timeout_s: float = DEFAULT_DIVERGENCE_TIMEOUT_S, swapper=None,
