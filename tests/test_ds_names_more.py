@@ -519,3 +519,23 @@ def test_dynamic_loss_scaler_halves_with_hysteresis_and_doubles_after_the_window
     low = DynamicLossScaler(init_scale=1, scale_window=1, min_scale=1, delayed_shift=1, consecutive_hysteresis=False)
     with pytest.raises(RuntimeError, match="minimum"):
         low.update_scale(True)
+
+
+def test_recursive_getattr_and_setattr_from_both_homes():
+    """``deepspeed.compression.helper`` (where DeepSpeed-Chat's LoRA module imports them) and
+    ``deepspeed.utils.module_utils`` (their home since DeepSpeed 0.19): dotted-path get and set on a module tree,
+    as DeepSpeed's own (a missing part raises AttributeError)."""
+    helper, module_utils = _ds("deepspeed.compression.helper"), _ds("deepspeed.utils.module_utils")
+    assert helper.recursive_getattr is module_utils.recursive_getattr
+    assert helper.recursive_setattr is module_utils.recursive_setattr
+    model = torch.nn.Sequential(collections.OrderedDict(
+        block=torch.nn.Sequential(collections.OrderedDict(proj=torch.nn.Linear(3, 4), act=torch.nn.ReLU()))))
+    assert helper.recursive_getattr(model, "block.proj") is model.block.proj
+    assert helper.recursive_getattr(model, "block.proj.weight").shape == (4, 3)
+    lora = torch.nn.Linear(3, 4, bias=False)
+    helper.recursive_setattr(model, "block.proj", lora)
+    assert model.block.proj is lora and list(dict(model.named_modules())) == ["", "block", "block.proj", "block.act"]
+    helper.recursive_setattr(model, "head", torch.nn.Identity())  # one part: set on the root
+    assert isinstance(model.head, torch.nn.Identity)
+    with pytest.raises(AttributeError, match="missing"):
+        helper.recursive_getattr(model, "block.missing.weight")

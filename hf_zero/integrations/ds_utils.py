@@ -3,6 +3,8 @@
 ``deepspeed.utils``: :func:`log_dist`, :func:`print_dist` (a message on the chosen ranks, prefixed
 ``[Rank r]``), :class:`OnDevice` (build a module's tensors on a device, e.g. ``meta``, in a dtype).
 ``deepspeed.runtime.utils``: :func:`see_memory_usage`, :func:`clip_grad_norm_`, :func:`get_global_norm`.
+``deepspeed.utils.module_utils`` (and its old home ``deepspeed.compression.helper``, which DeepSpeed-Chat's LoRA
+module imports): :func:`recursive_getattr`, :func:`recursive_setattr`.
 """
 
 from __future__ import annotations
@@ -21,12 +23,26 @@ from hf_zero.integrations.compat import logger
 from hf_zero.profiling.memory_usage import see_memory_usage
 
 __all__ = ["log_dist", "print_dist", "OnDevice", "see_memory_usage", "clip_grad_norm_", "get_global_norm",
-           "required_torch_version", "empty_cache", "DeepSpeedOptimizerCallable", "DeepSpeedSchedulerCallable"]
+           "required_torch_version", "empty_cache", "recursive_getattr", "recursive_setattr", "DeepSpeedOptimizerCallable", "DeepSpeedSchedulerCallable"]
 
 
 # deepspeed.runtime.engine's type aliases: what initialize(optimizer=..., lr_scheduler=...) may also be given
 DeepSpeedOptimizerCallable = Callable[[Union[Iterable[torch.nn.Parameter], dict]], torch.optim.Optimizer]
 DeepSpeedSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+
+def recursive_getattr(model, module_name: str):
+    """``model.a.b.c`` for ``module_name="a.b.c"`` (an AttributeError names the first missing part)."""
+    out = model
+    for part in module_name.split("."):
+        out = getattr(out, part)
+    return out
+
+
+def recursive_setattr(model, module_name: str, module) -> None:
+    """Sets ``model.a.b.c = module`` for ``module_name="a.b.c"`` (DeepSpeed-Chat swaps in its LoRA layers so)."""
+    parent, _, leaf = module_name.rpartition(".")
+    setattr(recursive_getattr(model, parent) if parent else model, leaf, module)
 
 
 def empty_cache() -> None:

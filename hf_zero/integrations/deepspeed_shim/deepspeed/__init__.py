@@ -23,5 +23,5 @@ _forward(__name__, {
     "get_accelerator": "hf_zero.comm.accelerator:get_accelerator",
     # as in DeepSpeed, deepspeed.checkpointing is deepspeed.runtime.activation_checkpointing.checkpointing
     "checkpointing": "deepspeed.runtime.activation_checkpointing.checkpointing",
-}, submodules=["accelerator", "checkpoint", "comm", "elasticity", "inference", "launcher", "moe", "monitor",
+}, submodules=["accelerator", "checkpoint", "comm", "compression", "elasticity", "inference", "launcher", "moe", "monitor",
                 "ops", "pipe", "profiling", "runtime", "sequence", "utils"])

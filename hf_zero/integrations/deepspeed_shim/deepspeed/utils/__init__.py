@@ -25,4 +25,4 @@ _forward(__name__, {
         "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
         "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
         "safe_update_full_grad_vectorized")},
-}, submodules=["comms_logging", "groups", "logging", "tensor_fragment", "timer", "torch", "zero_to_fp32"])
+}, submodules=["comms_logging", "groups", "logging", "module_utils", "tensor_fragment", "timer", "torch", "zero_to_fp32"])
