@@ -1,6 +1,7 @@
 """The large-block cache of torch's CPU allocator (csrc/alloc/host_cache.cpp, hf_zero.ops.host_cache).
 
-Installing it is process-wide and permanent, so each case runs in a fresh interpreter and reports numbers as JSON:
+Installing it is process-wide and permanent, so each case runs in a process of its own (forked from the test fork
+server, where torch is imported and the cache is not installed) and reports numbers as JSON:
 which pointer a request got, what the cache holds, hits, misses and evictions. The reference is the policy as
 documented: reuse of the most recently freed block of the smallest fitting size within 25%, no new mapping while
 live + cached would exceed the most ever live (headroom 0), at most ``cap_bytes`` cached.
@@ -8,6 +9,8 @@ live + cached would exceed the most ever live (headroom 0), at most ``cap_bytes`
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -17,6 +20,7 @@ import textwrap
 import pytest
 
 from hf_zero.ops import host_cache
+from hf_zero.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(not host_cache.available() or not sys.platform.startswith("linux"),
                                 reason="needs hf_zero._C built with the host cache (Linux)")
@@ -39,17 +43,18 @@ def big(mib, fill=None):
 """
 
 
-def _run(body: str, env: dict | None = None) -> dict:
-    code = _PRELUDE + textwrap.dedent(body)
-    from hf_zero.comm.process_group import free_port
+def _exec(code: str) -> dict:
+    """Runs ``code`` and returns the JSON object it printed last."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "<host cache case>", "exec"), {"__name__": "__host_cache_case__"})
+    return json.loads(out.getvalue().strip().splitlines()[-1])
 
-    # a world of one of its own: the port of a test that ran before in this process may still be taken
-    dist_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-                "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **dist_env, **(env or {})})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+def _run(body: str, env: dict | None = None) -> dict:
+    """``body`` in a process of its own, forked from the test fork server (torch already imported, the cache not
+    installed: installing is what the cases test), as a world of one."""
+    return run_distributed(_exec, 1, args=(_PRELUDE + textwrap.dedent(body),), env=env, timeout_s=120)[0]
 
 
 def test_freed_block_is_reused_for_the_next_request_of_its_size():
