@@ -234,7 +234,7 @@ def test_an_unknown_top_level_key_is_ignored_with_a_warning_naming_it():
     assert cfg.zero.stage == 0 and cfg.train_micro_batch_size_per_gpu == 2
 
 
-@pytest.mark.parametrize("section", [{"compile": {"deepcompile": False}}, {"hybrid_engine": {"enabled": False}},
+@pytest.mark.parametrize("section", [{"compile": {"deepcompile": False}}, {"nebula": {"enabled": False}},
                                      {"compile": None}])
 def test_an_unsupported_option_switched_off_is_accepted(section, recwarn):
     cfg = load({**section, "train_micro_batch_size_per_gpu": 2})
@@ -639,7 +639,7 @@ TOP_LEVEL_KEYS = frozenset({
     "comms_logger", "checkpoint", "data_types", "pipeline", "compression_training", "tensor_parallel", "elasticity",
     "autotuning", "data_efficiency", "curriculum_learning", "comms_timeout_s", "comms_divergence_check",
     "data_parallel_size", "sequence_parallel_size", "torch_autocast", "dataloader_drop_last",
-    "use_data_before_expert_parallelism", "timers",
+    "use_data_before_expert_parallelism", "timers", "hybrid_engine",
 })
 ZERO_KEYS = frozenset({
     "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",

@@ -28,6 +28,7 @@ from .sections import (
     DataTypesConfig,
     FlopsProfilerConfig,
     FP16Config,
+    HybridEngineConfig,
     MonitorConfig,
     TimersConfig,
     TorchAutocastConfig,
@@ -48,7 +49,6 @@ class HfZeroConfig:
     """A validated DeepSpeed config. Build it with :func:`hf_zero.config.load_config`."""
 
     _unsupported_keys: ClassVar[dict[str, str]] = {
-        "hybrid_engine": "The RLHF hybrid engine",
         "sparse_attention": "Sparse attention kernels",
         "eigenvalue": "Eigenvalue-based layer-wise learning rates",
         "progressive_layer_drop": "Progressive layer dropping",
@@ -123,6 +123,8 @@ class HfZeroConfig:
     comet: CometConfig = spec(default_factory=CometConfig, help="Comet metrics.")
     comms_logger: CommsLoggerConfig = spec(default_factory=CommsLoggerConfig, help="Log collectives.")
     timers: TimersConfig = spec(default_factory=TimersConfig, help="The throughput timer (engine.tput_timer).")
+    hybrid_engine: HybridEngineConfig = spec(default_factory=HybridEngineConfig,
+                                             help="RLHF: the training engine generates (engine.generate).")
     checkpoint: CheckpointConfig = spec(default_factory=CheckpointConfig, help="Checkpoint tagging and layout.")
     data_types: DataTypesConfig = spec(default_factory=DataTypesConfig, help="Dtypes of internal buffers.")
     pipeline: Mapping[str, Any] | None = spec(None, help="Pipeline-parallel engine options. " + _RAW_SECTION)

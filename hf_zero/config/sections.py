@@ -357,6 +357,29 @@ class TimersConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HybridEngineConfig:
+    """``hybrid_engine``: DeepSpeed's RLHF hybrid engine -- the training engine also generates (the actor's rollouts
+    in DeepSpeed-Chat's step 3). hf_zero/runtime/hybrid_engine.py."""
+
+    enabled: bool = spec(False, help="engine.generate / module.generate run with the ZeRO-3 parameters gathered "
+                                     "once per call (pin_parameters); RNG states synced from rank 0 at start.")
+    max_out_tokens: int = spec(512, help="Sizes DeepSpeed's inference-kernel workspace (hf_zero has none).")
+    inference_tp_size: int = spec(1, help="Tensor-parallel size of DeepSpeed's injected generation kernels.")
+    release_inference_cache: bool = spec(False, help="Free DeepSpeed's inference workspace after each generate().")
+    pin_parameters: bool = spec(True, help="ZeRO-3: gather every parameter once for a whole generate() call (true) "
+                                           "or layer by layer at each decoding step (false).")
+    tp_gather_partition_size: int = spec(8, help="Layers gathered at a time with inference_tp_size > 1.")
+    enable_cuda_graph: bool = spec(False, help="Replay decoding steps as CUDA graphs (DeepSpeed's injected path).")
+
+    def __post_init__(self) -> None:
+        if self.max_out_tokens < 1:
+            raise ConfigError("max_out_tokens", f"must be > 0, got {self.max_out_tokens}")
+        for key in ("inference_tp_size", "tp_gather_partition_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """``checkpoint``: how checkpoints are tagged, written and loaded."""
 

@@ -87,6 +87,15 @@ def _given_true(path: str) -> Callable[["HfZeroConfig"], bool]:
     return active
 
 
+def _hybrid_set(key: str) -> Callable[["HfZeroConfig"], bool]:
+    """A ``hybrid_engine`` key counts as set only with the engine enabled: DeepSpeed-Chat writes every key with
+    ``enabled: false`` too, and then none of them does anything in DeepSpeed either."""
+    def active(cfg: "HfZeroConfig") -> bool:
+        section = cfg.hybrid_engine
+        return section.enabled and getattr(section, key) != getattr(type(section)(), key)
+    return active
+
+
 def _one_bit(cfg: "HfZeroConfig") -> bool:
     from .optim import ONE_BIT_OPTIMIZERS
 
@@ -292,6 +301,26 @@ STATUS: dict[str, KeyStatus] = {
     "autotuning": _todo("nothing is tuned", active=_switched_on("autotuning")),
     "data_efficiency": _todo("data is not sampled or routed", active=_switched_on("data_efficiency")),
     "curriculum_learning": HONOURED,  # DeepSpeed's legacy curriculum (hf_zero/runtime/curriculum.py)
+    # hf_zero/runtime/hybrid_engine.py. DeepSpeed also swaps in its inference kernels for the model families it has
+    # policies for; the other keys size or tune those kernels. hf_zero generates with the model's own forward (so
+    # does DeepSpeed for a model without a policy, e.g. OPT with transformers >= 4.56).
+    "hybrid_engine.enabled": HONOURED,
+    "hybrid_engine.pin_parameters": HONOURED,
+    "hybrid_engine.max_out_tokens": _no_op(
+        "it sizes DeepSpeed's inference-kernel workspace; hf_zero generates with the model's own forward, which "
+        "needs none", active=_hybrid_set("max_out_tokens")),
+    "hybrid_engine.release_inference_cache": _no_op(
+        "hf_zero keeps no inference workspace between generate() calls: what it gathers for one is released when "
+        "it returns", active=_hybrid_set("release_inference_cache")),
+    "hybrid_engine.inference_tp_size": _todo(
+        "each rank generates its own batch with the whole model gathered (the same tokens, no tensor-parallel "
+        "split of the generation)", active=_hybrid_set("inference_tp_size")),
+    "hybrid_engine.tp_gather_partition_size": _no_op(
+        "it groups layers for inference_tp_size > 1, which hf_zero does not split",
+        active=_hybrid_set("tp_gather_partition_size")),
+    "hybrid_engine.enable_cuda_graph": _todo("decoding steps run eagerly (DeepSpeed captures graphs only for its "
+                                             "injected kernels, never at ZeRO-3)",
+                                             active=_hybrid_set("enable_cuda_graph")),
 }
 
 

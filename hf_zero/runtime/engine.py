@@ -31,6 +31,7 @@ from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.backward import BackwardSessions
 from hf_zero.runtime.curriculum import CurriculumScheduler
 from hf_zero.runtime.ds_engine_api import DeepSpeedEngineAPI
+from hf_zero.runtime.hybrid_engine import HybridGeneration
 from hf_zero.runtime.input_cast import cast_inputs_half
 from hf_zero.runtime.monitor import MonitorMaster, boundary_events
 from hf_zero.runtime.optimizers import OptimizerPlan, adopt_client_groups
@@ -225,6 +226,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         # step(); DeepSpeed-Chat's scripts call engine.tput_timer.update_epoch_count() after each epoch
         self.tput_timer = ThroughputTimer(config.timers.throughput, batch_size=self.train_batch_size(),
                                           steps_per_output=config.steps_per_print)
+        # hybrid_engine: module.generate gathers a ZeRO-3 model once per call; eval() logs the round's breakdown
+        self.hybrid = HybridGeneration(self, config.hybrid_engine) if config.hybrid_engine.enabled else None
         see_memory_usage("Engine after configure distributed model", force=self.memory_breakdown())
 
     def _no_optimizer(self, what: str = "") -> None:
@@ -440,6 +443,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                     self.timers.seconds if timed else None))
             self._log_step()
         self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
+        if self.hybrid is not None:
+            self.hybrid.after_step()
         self.micro_steps += 1
         self._boundary_override = None
         see_memory_usage("Engine after step", force=self.memory_breakdown())
@@ -648,8 +653,21 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             self.timers.reset()
         logger.info("hf_zero: %s", msg)
 
+    def train(self, mode: bool = True):
+        """``nn.Module.train`` (``eval()`` is ``train(False)``); with ``hybrid_engine`` also the generation round's
+        timing (hf_zero/runtime/hybrid_engine.py)."""
+        hybrid = self.__dict__.get("hybrid")  # nn.Module.__init__ calls train() before the engine is built
+        if hybrid is not None and not mode:
+            hybrid.before_eval()
+        out = super().train(mode)
+        if hybrid is not None and mode:
+            hybrid.after_train()
+        return out
+
     def destroy(self) -> None:
         """Remove the gradient / gather hooks (the model is usable on its own afterwards)."""
+        if self.hybrid is not None:
+            self.hybrid.close()
         if self.reducer is not None:
             self.reducer.remove()
         if self.stage3 is not None:
