@@ -34,7 +34,7 @@ _WORDS = (
 class ModelSpec:
     """How one Hub name is stood in for: ``config`` builds the transformers config, ``auto_class`` names the
     ``transformers`` Auto class whose ``from_config`` builds the random weights (None: config only), and
-    ``tokenizer`` is "bert-cased", "bert-uncased", "bytes", "t5" (Unigram over words and characters, T5's
+    ``tokenizer`` is "bert-cased", "bert-uncased", "bytes", "gpt2" (the bytes vocabulary as a GPT2TokenizerFast), "t5" (Unigram over words and characters, T5's
     100 sentinels) or None."""
 
     config: Callable[[], object]
@@ -84,6 +84,20 @@ def _gptj():
         n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=512, vocab_size=1024, bos_token_id=256,
         eos_token_id=256,
     )
+
+
+def _opt(word_embed_proj_dim: int):
+    def make():
+        from transformers import OPTConfig
+
+        # word_embed_proj_dim < hidden_size: the project_in/project_out layers opt-350m has and opt-125m lacks
+        return OPTConfig(
+            hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2, vocab_size=1024,
+            max_position_embeddings=512, word_embed_proj_dim=word_embed_proj_dim, bos_token_id=256,
+            eos_token_id=256, pad_token_id=256, dropout=0.0,
+        )
+
+    return make
 
 
 def _t5():
@@ -154,6 +168,9 @@ MODELS: dict[str, ModelSpec] = {
     ),
     "patrickvonplaten/t5-tiny-random": ModelSpec(_t5, "AutoModelForSeq2SeqLM", "t5"),
     "hf-internal-testing/tiny-random-gptj": ModelSpec(_gptj, "AutoModelForCausalLM", "bytes"),
+    # DeepSpeed-Chat's actor and critic (scripts/deepspeed_chat/run.py)
+    "facebook/opt-125m": ModelSpec(_opt(32), "AutoModelForCausalLM", "gpt2"),
+    "facebook/opt-350m": ModelSpec(_opt(16), "AutoModelForCausalLM", "gpt2"),
 }
 
 # Datasets: (name, config) -> {split: rows}. GLUE/MRPC's columns, random sentences over _WORDS.
@@ -186,6 +203,20 @@ def _write_tokenizer(kind: str, out_dir: str) -> None:
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {sym: i for i, sym in enumerate(sorted(alphabet))}
     vocab["<|endoftext|>"] = len(vocab)
+    if kind == "gpt2":
+        # the same vocabulary as a GPT2TokenizerFast (OPT's class): vocab.json + merges.txt, so that
+        # save_vocabulary works as on the real model (DeepSpeed-Chat's save_hf_format calls it)
+        from transformers import GPT2TokenizerFast
+
+        os.makedirs(out_dir, exist_ok=True)
+        vocab_file, merges_file = os.path.join(out_dir, "vocab.json"), os.path.join(out_dir, "merges.txt")
+        with open(vocab_file, "w", encoding="utf-8") as f:
+            json.dump(vocab, f)
+        with open(merges_file, "w", encoding="utf-8") as f:
+            f.write("#version: 0.2\n")
+        # positional: transformers 4 names them vocab_file / merges_file, 5 vocab / merges (a path or the contents)
+        GPT2TokenizerFast(vocab_file, merges_file, pad_token="<|endoftext|>").save_pretrained(out_dir)
+        return
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
