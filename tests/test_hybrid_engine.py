@@ -82,6 +82,10 @@ def _rounds(stage: int, hybrid: dict | None):
         engine.eval()  # closes round 2: its breakdown line
         via_engine = engine.generate(_prompts(rank), max_new_tokens=2, do_sample=False, pad_token_id=0,
                                      synced_gpus=stage == 3)
+        from hf_zero.zero.gathered import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(engine):  # the script's own block (TRL's pattern): generate inside it
+            nested = engine.module.generate(_prompts(rank), max_new_tokens=2, do_sample=False, pad_token_id=0)
         wrapped = "generate" in engine.module.__dict__
         engine.destroy()
         restored = "generate" not in engine.module.__dict__
@@ -90,7 +94,7 @@ def _rounds(stage: int, hybrid: dict | None):
         hf_zero_logger.setLevel(old_level)
     lines = [r for r in records if "hybrid engine" in r]
     return dict(tokens=tokens, losses=losses, gathered=gathered, numel=numel, lines=lines, rng_synced=rng_synced,
-                via_engine=via_engine, wrapped=wrapped, restored=restored)
+                via_engine=via_engine, nested=nested, wrapped=wrapped, restored=restored)
 
 
 def _three_ways(stage: int):
@@ -117,6 +121,7 @@ def test_generate_between_steps_matches_the_plain_model_and_engine(stage):
             assert run["losses"] == plain["losses"]  # generation changed no weight
             assert run["wrapped"] and run["restored"]  # module.generate wrapped, and given back by destroy()
             assert run["via_engine"].shape == (2, 7)  # engine.generate is the same call
+            torch.testing.assert_close(run["nested"], run["via_engine"], rtol=0, atol=0)
         assert not plain["wrapped"]
         # every rank starts from rank 0's random-number state with the hybrid engine (seeded differently here)
         assert hybrid["rng_synced"] and unpinned["rng_synced"] and not plain["rng_synced"]

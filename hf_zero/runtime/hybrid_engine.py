@@ -79,8 +79,10 @@ class HybridGeneration:
 
     @property
     def gathers_once(self) -> bool:
-        """ZeRO-3 with ``pin_parameters``: generate() gathers the whole model once."""
-        return self._engine.stage3 is not None and self._config.pin_parameters
+        """ZeRO-3 with ``pin_parameters``, outside the script's own ``unwrap_model_for_generation`` block (which
+        already holds everything gathered): generate() gathers the whole model once."""
+        runtime = self._engine.stage3
+        return runtime is not None and self._config.pin_parameters and not runtime.hooks_suspended
 
     def generate(self, *args, **kwargs):
         """The model's ``generate``; under ZeRO-3 with ``pin_parameters`` with every parameter gathered once for

@@ -287,6 +287,12 @@ class Stage3Runtime:
         return len({(type(mod).__qualname__, tuple((tuple(sp.shape), sp.requires_grad) for sp in g.sps))
                     for mod, g in self._groups.items()})
 
+    @property
+    def hooks_suspended(self) -> bool:
+        """Inside :meth:`suspend_module_hooks` .. :meth:`resume_module_hooks` (an ``unwrap_model_for_generation``
+        block): every parameter is held gathered."""
+        return self._hooks_suspended
+
     def suspend_module_hooks(self) -> None:
         """Take every forward hook off the model (``unwrap_model_for_generation``, whose block holds every parameter
         gathered: the hooks would have nothing to gather, and cost a call per module per generated token). The
