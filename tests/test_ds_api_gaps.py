@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -217,6 +219,22 @@ def test_load_module_state_dict_needs_the_module_key_and_reads_frozen_fragments(
                                   strict=False)
     assert torch.equal(engine.module.l2.bias.detach(), frozen * 2)
     assert torch.equal(engine.module.l1.weight.detach(), state["l1.weight"])
+
+
+def test_quantize_nontrainable_params_says_it_keeps_the_weights(caplog):
+    """DeepSpeed-Chat's --enable_mixed_precision_lora calls engine.optimizer.quantize_nontrainable_params() after
+    initialize (an AttributeError here before). Not quantizing is what zero_quantized_nontrainable_weights' status
+    says: logged by name, no weight or step changed."""
+    engine = _engine(3)
+    with hf_zero.zero.GatheredParameters(list(engine.module.parameters())):
+        before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with caplog.at_level(logging.WARNING, logger="hf_zero"):
+        engine.optimizer.quantize_nontrainable_params()
+    assert "zero_quantized_nontrainable_weights is not implemented" in caplog.text
+    with hf_zero.zero.GatheredParameters(list(engine.module.parameters())):
+        for n, p in engine.module.named_parameters():
+            assert torch.equal(p.detach(), before[n]), n
+    assert engine.global_steps == 0
 
 
 # ---- set_z3_leaf_modules_by_name / _by_suffix ---------------------------------------------------------------------

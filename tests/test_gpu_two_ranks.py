@@ -128,3 +128,51 @@ def test_two_ranks_share_one_gpu(stage, compiled):
             assert unchecked == 0 and 0 < checked <= gathers, out["trailers"]
         full = {n: p.numel() for n, p in ref_params.items()}
         assert outs[0]["shard_numels"] == [-(-n // 2) for n in list(full.values())[:3]]
+
+
+def _hybrid_rank_run() -> dict:
+    """ZeRO-3 with ``hybrid_engine`` on CUDA shards: greedy rollouts between steps (DeepSpeed-Chat's actor)."""
+    import torch.distributed as dist
+
+    import hf_zero
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rank = dist.get_rank()
+    model = _model()
+    torch.cuda.manual_seed(10 + rank)  # seeded apart: the hybrid engine gives every rank rank 0's CUDA RNG state
+    engine, *_ = hf_zero.initialize(model=model, model_parameters=model.parameters(),
+                                    config={**_config(3), "hybrid_engine": {"enabled": True}})
+    states = [None, None]
+    dist.all_gather_object(states, torch.cuda.get_rng_state(engine.device))
+    prompts = _batch(rank, 0, engine.device)[:, :8]
+    gatherer = engine.stage3.gatherer
+    before = gatherer.gathered_numel
+    engine.eval()
+    with torch.no_grad():
+        tokens = engine.module.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
+                                        do_sample=False, pad_token_id=0, synced_gpus=True)
+    gathered = gatherer.gathered_numel - before
+    engine.train()
+    x = _batch(rank, 1, engine.device)
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    out = {"tokens": tokens.cpu(), "device": str(tokens.device), "rng_synced": bool(torch.equal(*states)),
+           "gathered": gathered, "loss": loss.item()}
+    engine.destroy()
+    return out
+
+
+def test_hybrid_engine_generates_with_cuda_shards_gathered_once():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model().cuda().eval()
+    numel = sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        ref = [model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=6, do_sample=False,
+                              pad_token_id=0).cpu() for p in (_batch(r, 0, "cuda")[:, :8] for r in range(2))]
+    outs = run_distributed(_hybrid_rank_run, 2, fork_server=False, timeout_s=300)
+    for rank, out in enumerate(outs):
+        assert out["device"] == "cuda:0" and out["rng_synced"]
+        torch.testing.assert_close(out["tokens"], ref[rank], rtol=0, atol=0)
+        assert 0.9 * numel <= out["gathered"] <= numel, (out["gathered"], numel)  # once, not per decoding step
+        assert 4.0 < out["loss"] < 8.0  # a step after the rollout trains (log(512) ~ 6.2 at the start)

@@ -169,6 +169,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return [self.offload.state_tensors(gi)["master"] for gi in range(len(self.groups))]
         return [g.master for g in self.groups]
 
+    def quantize_nontrainable_params(self) -> None:
+        """DeepSpeed ZeRO-3's: with ``zero_quantized_nontrainable_weights``, quantize the shards of parameters made
+        frozen after partitioning (LoRA). DeepSpeed-Chat's ``--enable_mixed_precision_lora`` calls it after
+        ``initialize``. hf_zero stores frozen weights unquantized (that key warns at initialize as not
+        implemented), so this logs the same and changes nothing -- what DeepSpeed does with the key off."""
+        logger.warning("hf_zero: optimizer.quantize_nontrainable_params() changes nothing: hf_zero keeps frozen "
+                       "weights in the training dtype (zero_optimization.zero_quantized_nontrainable_weights is not "
+                       "implemented)")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the model's gradients; the gradient shards are cleared by step() itself."""
         for g in self.groups:
