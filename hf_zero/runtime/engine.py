@@ -67,6 +67,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self.module = module
         self._config = config
         self._mpu = None  # initialize(mpu=...) sets it: DeepSpeed keeps it as engine.mpu
+        self.hybrid: HybridGeneration | None = None  # hybrid_engine.enabled: set by _finish_init
         self._inside_no_sync = False  # engine.no_sync(): backward passes reduce nothing
         self._coalescing = False  # engine.coalesce_grad_reduction(): passes hold gradients until the block ends
         self.process_group = process_group
@@ -656,12 +657,11 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
     def train(self, mode: bool = True):
         """``nn.Module.train`` (``eval()`` is ``train(False)``); with ``hybrid_engine`` also the generation round's
         timing (hf_zero/runtime/hybrid_engine.py)."""
-        hybrid = self.__dict__.get("hybrid")  # nn.Module.__init__ calls train() before the engine is built
-        if hybrid is not None and not mode:
-            hybrid.before_eval()
+        if self.hybrid is not None and not mode:
+            self.hybrid.before_eval()
         out = super().train(mode)
-        if hybrid is not None and mode:
-            hybrid.after_train()
+        if self.hybrid is not None and mode:
+            self.hybrid.after_train()
         return out
 
     def destroy(self) -> None:

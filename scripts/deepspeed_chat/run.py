@@ -230,6 +230,10 @@ def main(argv=None) -> int:
                 if case == "step3" and stage == 2 and v.get("he") and v.get("offload") and not v.get("lora"):
                     continue
                 runs.append((case, stage, v))
+    previous = {}  # --report-only: the last run's exit codes and timings, re-read once
+    if a.report_only and os.path.exists(os.path.join(work, "summary.json")):
+        with open(os.path.join(work, "summary.json")) as f:
+            previous = {r["case"]: r for r in json.load(f)}
     results = []
     for case, stage, v in runs:
         name = f"{case}_z{stage}" + "".join(f"_{k}" for k, on in v.items() if on)
@@ -238,7 +242,6 @@ def main(argv=None) -> int:
             out = os.path.join(work, engine, name)
             if a.report_only:
                 if os.path.exists(os.path.join(out, "run.log")):
-                    previous = {r["case"]: r for r in json.load(open(os.path.join(work, "summary.json")))}
                     row[engine] = {**previous.get(name, {}).get(engine, {}), **read_log(os.path.join(out, "run.log"))}
                 continue
             shutil.rmtree(out, ignore_errors=True)
