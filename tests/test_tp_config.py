@@ -26,7 +26,9 @@ def test_sizes_and_aliases():
 @pytest.mark.parametrize("section,key", [
     ({"autotp_size": 2, "tp": {"tp_size": 4}}, "tensor_parallel.tp.tp_size"),
     ({"autotp_size": -1}, "tensor_parallel.autotp_size"),
-    ({"autotp_size": 2, "partition_config": {}}, "tensor_parallel.partition_config"),
+    ({"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}},
+     "tensor_parallel.partition_config.layer_specs[0].partition_type"),
+    ({"autotp_size": 2, "preset_model": "lama"}, "tensor_parallel.preset_model"),
     ({"autotp_size": 2, "injection_policy_tuple": None}, "tensor_parallel.injection_policy_tuple"),
     ({"autotp_size": 2, "tp": {"mpu": None}}, "tensor_parallel.tp.mpu"),
     ({"autotp_size": 2, "tp": {"tp_grain_size": 64}}, "tensor_parallel.tp.tp_grain_size"),

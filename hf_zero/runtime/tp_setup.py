@@ -61,7 +61,7 @@ def setup_tensor_parallel(model: nn.Module, tp_cfg: TPConfig, *, world_size: int
         return None
     if info is None:
         apply_tp(model, mesh, vocab_parallel_head=tp_cfg.vocab_parallel_lm_head,
-                 sequence_parallel=tp_cfg.sequence_parallel)
+                 sequence_parallel=tp_cfg.sequence_parallel, layer_specs=tp_cfg.layer_specs)
         info = tp_info(model)
     elif tp_cfg.enabled and tp_cfg.size != info.size:
         raise ConfigError("tensor_parallel.autotp_size", f"{tp_cfg.size}, but the model was sharded over "
@@ -134,7 +134,7 @@ def _setup_pipeline_stage(model: nn.Module, tp_cfg: TPConfig, grid) -> TPLayout 
                                                      "not supported (untested); use virtual_stages 1")
     if tp_info(model) is None:
         layout = TPMesh(grid.device_mesh)
-        apply_tp(model, layout, vocab_parallel_head=tp_cfg.vocab_parallel_lm_head)
+        apply_tp(model, layout, vocab_parallel_head=tp_cfg.vocab_parallel_lm_head, layer_specs=tp_cfg.layer_specs)
         if tp_cfg.vocab_parallel_lm_head:
             model.cross_entropy_sum = _vocab_parallel_ce_sum
         model.full_state_dict_fn = full_state_dict

@@ -50,8 +50,9 @@ def is_lora_layer(module: nn.Module) -> bool:
 
 
 def parallelize_lora_layer(name: str, module: nn.Module, style: str, mesh: DeviceMesh, *,
-                           sequence_parallel: bool = False) -> dict[str, tuple[int, int]]:
-    """Split the adapters of LoRA layer ``name`` (its base layer already parallel with ``style``).
+                           sequence_parallel: bool = False, parts=None) -> dict[str, tuple]:
+    """Split the adapters of LoRA layer ``name`` (its base layer already parallel with ``style``; ``parts``: a
+    ``fused_colwise`` base layer's sub-parameters, whose ``lora_B`` rows are permuted the same way).
 
     Returns the fused-permutation entries ``{param name: (parts, dim)}`` for ``TPInfo.fused``.
     """
@@ -74,13 +75,13 @@ def parallelize_lora_layer(name: str, module: nn.Module, style: str, mesh: Devic
             parallelize_module(lora_b, mesh, SequenceParallel(use_local_output=True))
         elif style == "rowwise":
             parallelize_module(lora_a, mesh, LocalRowwise())
-        elif style == "fused_qkv_colwise":
-            tp = mesh.size()
+        elif style in ("fused_qkv_colwise", "fused_colwise"):
+            tp, n = mesh.size(), 3 if style == "fused_qkv_colwise" else parts
             for pname, param in lora_b.named_parameters(recurse=False):
-                param.data = fused_to_rank_major(param.data, 3, tp, 0)  # (out, r) / (out,): rows in base order
-                fused[f"{name}.lora_B.{adapter}.{pname}"] = (3, 0)
+                param.data = fused_to_rank_major(param.data, n, tp, 0)  # (out, r) / (out,): rows in base order
+                fused[f"{name}.lora_B.{adapter}.{pname}"] = (n, 0)
             parallelize_module(lora_b, mesh, LocalColwise())
         else:
             raise ValueError(f"hf_zero: module {name!r} carries LoRA adapters on a {style!r} tensor-parallel layer; "
-                             "adapters are supported on colwise, rowwise and fused_qkv_colwise layers")
+                             "adapters are supported on colwise, rowwise and fused (fused_qkv_colwise, fused_colwise) layers")
     return fused

@@ -28,13 +28,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from hf_zero.tensor_parallel.adapters import is_lora_layer, parallelize_lora_layer, peft_base_model
+from hf_zero.tensor_parallel.layer_specs import LayerSpecs, plan_from_specs
 from hf_zero.tensor_parallel.layers import LocalColwise, LocalRowwise, LocalVocabEmbedding, LocalVocabHead
 from hf_zero.tensor_parallel.loss import VocabParallelCausalLMLoss
 from hf_zero.tensor_parallel.mesh import TPMesh
 from hf_zero.tensor_parallel.plans import match_modules, resolve_plan
 from hf_zero.tensor_parallel.regions import SharedCopy
 from hf_zero.tensor_parallel.sequence import SEQ_DIM, SP_STYLES, install_sequence_check, sp_style
-from hf_zero.tensor_parallel.styles import Conv1DColwise, Conv1DRowwise, ReplicatedGradAllReduce
+from hf_zero.tensor_parallel.styles import (Conv1DColwise, Conv1DRowwise, ReplicatedGradAllReduce,
+                                            fused_to_rank_major)
 
 __all__ = ["apply_tp", "TPInfo", "tp_info", "is_tp_sharded", "check_adapters_sharded"]
 
@@ -130,6 +132,8 @@ def _style(name: str, style: str, module: nn.Module, sp: bool = False, shared: S
         return ColwiseParallel(input_layouts=Shard(SEQ_DIM) if sp else Replicate(), output_layouts=Replicate())
     if style == "fused_qkv_colwise":
         return Conv1DColwise(fused_parts=3)
+    if style == "fused_colwise":  # an nn.Linear whose rows apply_tp already permuted rank-major
+        return LocalColwise(shared=shared)
     if style == "replicated_with_grad_allreduce":
         return ReplicatedGradAllReduce()
     if style == "vocab_embedding":
@@ -149,7 +153,7 @@ def _check_sizes(model: nn.Module, matched: dict[str, str], tp: int) -> None:
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    splits_heads = any(s in ("colwise", "fused_qkv_colwise") and ("attn" in n or "attention" in n)
+    splits_heads = any(s in ("colwise", "fused_qkv_colwise", "fused_colwise") and ("attn" in n or "attention" in n)
                        for n, s in matched.items())
     if splits_heads and heads is not None:
         if heads % tp:
@@ -162,7 +166,8 @@ def _check_sizes(model: nn.Module, matched: dict[str, str], tp: int) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, str] | None = None,
-             vocab_parallel_head: bool = True, sequence_parallel: bool = False) -> nn.Module:
+             vocab_parallel_head: bool = True, sequence_parallel: bool = False,
+             layer_specs: LayerSpecs | None = None) -> nn.Module:
     """Shard ``model`` in place over ``tp_mesh``; returns it. See the module docstring for what changes.
 
     ``tp_mesh``: the :class:`TPMesh` from :func:`~hf_zero.tensor_parallel.build_mesh` (the engine then knows the
@@ -173,6 +178,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
 
     ``sequence_parallel=True``: the residual stream between the TP regions is split along the sequence over the
     TP ranks (sequence.py); the sequence length must then be a multiple of the TP size.
+
+    ``layer_specs``: DeepSpeed's ``partition_config`` / ``preset_model`` (layer_specs.py) decide the plan instead;
+    its fused sub-parameter layers are split rank-major ([q_r | k_r | v_r] on rank r).
     """
     layout = tp_mesh if isinstance(tp_mesh, TPMesh) else None
     if layout is not None:
@@ -183,9 +191,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
         raise ValueError(f"hf_zero: apply_tp needs the 1-D tensor-parallel mesh (mesh['tp']), got {tp_mesh.ndim}-D")
     outer, model = model, peft_base_model(model)  # PEFT: the transformers model inside (plan, embeddings, loss)
     before = dict(model.named_parameters(remove_duplicate=False))  # to map replaced parameters (TPInfo.replaced)
-    resolved, source = resolve_plan(model, plan, vocab_parallel_head=vocab_parallel_head,
-                                    sequence_parallel=sequence_parallel)
-    matched = match_modules(model, resolved)
+    parts: dict[str, int | tuple[int, ...]] = {}
+    if layer_specs is not None and plan is None:
+        if sequence_parallel:
+            raise ValueError("hf_zero: sequence parallelism with layer specs (partition_config / preset_model) is "
+                             "not supported")
+        matched, parts = plan_from_specs(model, layer_specs, vocab_parallel_head=vocab_parallel_head)
+        source = layer_specs.source
+    else:
+        resolved, source = resolve_plan(model, plan, vocab_parallel_head=vocab_parallel_head,
+                                        sequence_parallel=sequence_parallel)
+        matched = match_modules(model, resolved)
     if not matched:
         raise ValueError(f"hf_zero: the tensor-parallel plan from {source} names no module of "
                          f"{type(model).__name__}: {sorted(resolved)}")
@@ -199,10 +215,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
     shared = SharedCopy(tp_mesh.get_group())
     for name, style in matched.items():
         module = modules[name]
+        if style == "fused_colwise":  # rows permuted rank-major first: Shard(0) then gives rank r [p0_r | p1_r ..]
+            fused.update(_permute_fused(name, module.base_layer if is_lora_layer(module) else module, parts[name],
+                                        tp))
         if is_lora_layer(module):  # the base layer as planned, its adapters split to match
             base = module.base_layer
             parallelize_module(base, tp_mesh, _style(name, style, base, sequence_parallel, shared))
-            fused.update(parallelize_lora_layer(name, module, style, tp_mesh, sequence_parallel=sequence_parallel))
+            fused.update(parallelize_lora_layer(name, module, style, tp_mesh, sequence_parallel=sequence_parallel,
+                                                parts=parts.get(name)))
         else:
             frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
             parallelize_module(module, tp_mesh, _style(name, style, module, sequence_parallel, shared))
@@ -227,6 +247,22 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
             info.replaced[id(old)] = (weakref.ref(old), param)
     model.hf_zero_tp = info
     return outer
+
+
+@torch.no_grad()
+def _permute_fused(name: str, linear: nn.Module, parts: int | tuple[int, ...], tp: int) -> dict:
+    """Reorder the rows of a fused ``nn.Linear`` (``parts``: equal sub-parameters, or their sizes) rank-major, so
+    that the column split gives each rank its slice of every sub-parameter; the entries for ``TPInfo.fused``."""
+    rows = linear.weight.shape[0]
+    sizes = [rows // parts] * parts if isinstance(parts, int) else list(parts)
+    if sum(sizes) != rows or any(n % tp for n in sizes):
+        raise ValueError(f"hf_zero: {name} has {rows} output features; the layer spec's sub-parameters {sizes} must "
+                         f"add up to them and each be divisible by the tensor-parallel size {tp}")
+    out = {}
+    for pname, p in linear.named_parameters(recurse=False):
+        p.data = fused_to_rank_major(p.data, parts, tp, 0)
+        out[f"{name}.{pname}"] = (parts, 0)
+    return out
 
 
 def _name_of(model: nn.Module, module: nn.Module | None) -> str | None:

@@ -19,9 +19,13 @@ Every key DeepSpeed documents for AutoTP training is either honoured or refused 
                              dropout along the sequence over the TP group (sequence.py); false / 0 / 1: off; another
                              size, or asked without autotp_size > 1, refused. The sequence length must then be a
                              multiple of autotp_size (checked at each forward)
-    partition_config, injection_policy_tuple, tp.mpu, tp.tp_group, keep_module_on_host, preset_model,
-    replace_with_kernel_inject, quantize_*, ...   refused: pass plan= to hf_zero.tensor_parallel.apply_tp for a
-                             custom plan; the others belong to DeepSpeed's inference engine
+    partition_config, preset_model
+                             honoured: DeepSpeed's configurable AutoTP layer specs (regular expressions over
+                             parameter names -> column / row / skip, fused sub-parameter shapes) and its built-in
+                             presets, translated once in layer_specs.py; they replace the model's own plan
+    injection_policy_tuple, tp.mpu, tp.tp_group, keep_module_on_host, replace_with_kernel_inject, quantize_*, ...
+                             refused: they belong to DeepSpeed's inference engine (a custom plan in code:
+                             hf_zero.tensor_parallel.apply_tp(model, mesh, plan=...))
 """
 
 from __future__ import annotations
@@ -31,16 +35,17 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from hf_zero.config.errors import ConfigError, closest
+from hf_zero.tensor_parallel.layer_specs import LayerSpecs, parse_layer_specs
 
 __all__ = ["TPConfig", "parse_tp_config"]
 
 logger = logging.getLogger("hf_zero")
 
 SECTION = "tensor_parallel"
-_KNOWN = ("autotp_size", "tp", "dtype", "vocab_parallel_lm_head", "vocab_parallel_ce_backend", "tp_overlap_comm")
-_REFUSED = ("partition_config", "injection_policy_tuple", "keep_module_on_host", "replace_with_kernel_inject",
-            "quantize_config", "quantize_groups", "quantize_bits", "checkpoint", "base_dir", "enabled",
-            "preset_model")
+_KNOWN = ("autotp_size", "tp", "dtype", "vocab_parallel_lm_head", "vocab_parallel_ce_backend", "tp_overlap_comm",
+          "partition_config", "preset_model")
+_REFUSED = ("injection_policy_tuple", "keep_module_on_host", "replace_with_kernel_inject", "quantize_config",
+            "quantize_groups", "quantize_bits", "checkpoint", "base_dir", "enabled")
 # Megatron / transformers / DeepSpeed spellings of "split the norms and residual stream along the sequence between
 # the TP regions" (sequence.py); a size must be the TP size: this sequence parallelism runs over the TP group
 _SEQUENCE_PARALLEL = ("sequence_parallel", "sequence_parallel_size", "enable_sequence_parallel", "sp_size")
@@ -54,6 +59,7 @@ class TPConfig:
     dtype: str | None = None            # "fp32" | "fp16" | "bf16" when the section names one
     vocab_parallel_lm_head: bool = True
     sequence_parallel: bool = False     # residual stream split along the sequence over the TP group
+    layer_specs: LayerSpecs | None = None  # partition_config / preset_model: they decide the plan
 
     @property
     def enabled(self) -> bool:
@@ -93,9 +99,9 @@ def parse_tp_config(section: Mapping[str, Any] | None) -> TPConfig:
             sp_keys.append((key, section[key]))
             continue
         if key in _REFUSED:
-            raise ConfigError(f"{SECTION}.{key}", "is not supported by hf_zero's tensor parallelism (custom layer "
-                                                  "plans: hf_zero.tensor_parallel.apply_tp(model, mesh, plan=...); "
-                                                  "inference-engine keys do not apply to training); remove it")
+            raise ConfigError(f"{SECTION}.{key}", "is not supported by hf_zero's tensor parallelism (it belongs to "
+                                                  "DeepSpeed's inference engine; custom layer splits: "
+                                                  f"{SECTION}.partition_config); remove it")
         if key not in _KNOWN:
             hint = closest(key, _KNOWN)
             raise ConfigError(f"{SECTION}.{key}", "unknown key" + (f"; did you mean {hint!r}?" if hint else
@@ -139,4 +145,14 @@ def parse_tp_config(section: Mapping[str, Any] | None) -> TPConfig:
         raise ConfigError(f"{SECTION}.{asked[0]}", "sequence parallelism splits the sequence over the tensor-parallel "
                                                    f"group, but tensor parallelism is off; set {SECTION}.autotp_size "
                                                    "> 1 or remove it")
-    return TPConfig(size=size, dtype=dtype, vocab_parallel_lm_head=vocab, sequence_parallel=bool(asked))
+    specs = parse_layer_specs(section.get("partition_config"), section.get("preset_model"), size)
+    if specs is not None and size == 1:
+        logger.warning("hf_zero: %s.%s changes nothing: tensor parallelism is off (%s.autotp_size is not > 1)",
+                       SECTION, "partition_config" if "partition_config" in section else "preset_model", SECTION)
+        specs = None
+    if specs is not None and asked:
+        raise ConfigError(f"{SECTION}.{asked[0]}", "sequence parallelism with partition_config / preset_model is "
+                                                   "not supported (its norms and residual splits come from the "
+                                                   "model family's plan); use one or the other")
+    return TPConfig(size=size, dtype=dtype, vocab_parallel_lm_head=vocab, sequence_parallel=bool(asked),
+                    layer_specs=specs)

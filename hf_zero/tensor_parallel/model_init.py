@@ -55,6 +55,6 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
         return model
     comm.init_distributed()  # as deepspeed.initialize would: from the launcher's environment, if not yet
     apply_tp(model, build_mesh(tp_size, key="tp_model_init(tp_size)"),
-             vocab_parallel_head=tp_cfg.vocab_parallel_lm_head, sequence_parallel=sp)
+             vocab_parallel_head=tp_cfg.vocab_parallel_lm_head, sequence_parallel=sp, layer_specs=tp_cfg.layer_specs)
     tp_info(model).dtype = dtype
     return model

@@ -10,6 +10,8 @@ that order before sharding; :func:`fused_from_rank_major` undoes it when a full 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,19 +22,29 @@ __all__ = ["Conv1DColwise", "Conv1DRowwise", "ReplicatedGradAllReduce", "fused_t
            "fused_from_rank_major"]
 
 
-def fused_to_rank_major(t: torch.Tensor, parts: int, tp: int, dim: int) -> torch.Tensor:
-    """Reorder ``dim`` of a fused ``[p_0 | p_1 | ... ]`` tensor (``parts`` equal blocks) so that its ``tp``
-    contiguous chunks are ``[p_0,r | p_1,r | ...]`` for r = 0..tp-1."""
-    size = t.shape[dim]
-    blocks = t.unflatten(dim, (parts, tp, size // (parts * tp)))  # (.., parts, tp, w, ..)
-    return blocks.transpose(dim, dim + 1).flatten(dim, dim + 2)
+def _part_sizes(parts: int | Sequence[int], size: int) -> list[int]:
+    """``parts`` equal blocks of a dim of ``size``, or the blocks' sizes as given (a fused [q | k | v] with
+    grouped-query attention has a larger q)."""
+    if isinstance(parts, int):
+        return [size // parts] * parts
+    sizes = [int(n) for n in parts]
+    if sum(sizes) != size:
+        raise ValueError(f"hf_zero: fused parts {sizes} add up to {sum(sizes)}, not the dimension's {size}")
+    return sizes
 
 
-def fused_from_rank_major(t: torch.Tensor, parts: int, tp: int, dim: int) -> torch.Tensor:
+def fused_to_rank_major(t: torch.Tensor, parts: int | Sequence[int], tp: int, dim: int) -> torch.Tensor:
+    """Reorder ``dim`` of a fused ``[p_0 | p_1 | ... ]`` tensor (``parts``: that many equal blocks, or the blocks'
+    sizes) so that its ``tp`` contiguous chunks are ``[p_0,r | p_1,r | ...]`` for r = 0..tp-1."""
+    blocks = [b.chunk(tp, dim) for b in t.split(_part_sizes(parts, t.shape[dim]), dim)]
+    return torch.cat([b[r] for r in range(tp) for b in blocks], dim)
+
+
+def fused_from_rank_major(t: torch.Tensor, parts: int | Sequence[int], tp: int, dim: int) -> torch.Tensor:
     """Inverse of :func:`fused_to_rank_major`."""
-    size = t.shape[dim]
-    blocks = t.unflatten(dim, (tp, parts, size // (parts * tp)))
-    return blocks.transpose(dim, dim + 1).flatten(dim, dim + 2)
+    sizes = _part_sizes(parts, t.shape[dim])
+    pieces = t.split([n // tp for _ in range(tp) for n in sizes], dim)  # rank-major: rank r's piece of each part
+    return torch.cat([pieces[r * len(sizes) + i] for i in range(len(sizes)) for r in range(tp)], dim)
 
 
 def _to_dtensor(x, mesh, placement: Placement):
