@@ -83,5 +83,6 @@ def parallelize_lora_layer(name: str, module: nn.Module, style: str, mesh: Devic
             parallelize_module(lora_b, mesh, LocalColwise())
         else:
             raise ValueError(f"hf_zero: module {name!r} carries LoRA adapters on a {style!r} tensor-parallel layer; "
-                             "adapters are supported on colwise, rowwise and fused (fused_qkv_colwise, fused_colwise) layers")
+                             "adapters are supported on colwise, rowwise and fused (fused_qkv_colwise, fused_colwise) "
+                             "layers")
     return fused

@@ -271,11 +271,6 @@ def parse_layer_specs(partition_config: Any, preset_model: Any, autotp_size: int
     return LayerSpecs(specs, strict, heads, source)
 
 
-def _weight_2d(module: nn.Module) -> bool:
-    w = module._parameters.get("weight")
-    return w is not None and w.dim() == 2
-
-
 def plan_from_specs(model: nn.Module, specs: LayerSpecs, *, vocab_parallel_head: bool = True
                     ) -> tuple[dict[str, str], dict[str, int | tuple[int, ...]]]:
     """``({module name: style}, {module name: sub-parameters})`` for ``model`` (a transformers model, names
@@ -293,9 +288,14 @@ def plan_from_specs(model: nn.Module, specs: LayerSpecs, *, vocab_parallel_head:
             module = module.base_layer
         elif any(name.startswith(f"{n}.") for n in lora):
             continue
-        if not name or not _weight_2d(module) or module is emb or isinstance(module, nn.Embedding):
+        weight = module._parameters.get("weight")
+        if not name or weight is None or module is emb or isinstance(module, nn.Embedding):
             continue
         spec = specs.find(f"{name}.weight", model_type)
+        if weight.dim() != 2:  # norms and the like: whole; grad_allreduce sums their gradients (Qwen3's q_norm)
+            if spec is not None and spec.grad_allreduce:
+                plan[name] = "replicated_with_grad_allreduce"
+            continue
         if name.rsplit(".", 1)[-1] in specs.lm_head_patterns and isinstance(module, nn.Linear):
             head_names.append(name)
             style = _head_style(name, spec, vocab_parallel_head)
