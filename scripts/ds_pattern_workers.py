@@ -250,3 +250,28 @@ def mpu_autotp():
     except Exception as exc:  # noqa: BLE001 -- recording what DeepSpeed says
         out["mismatch"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
+
+
+def autotp_layer_specs(name: str):
+    """tests/test_tp_layer_specs.py's cases on DeepSpeed's AutoTP (``partition_config`` / ``preset_model``); ``name``
+    is a key of its CASES, or "neox_shaped" (the DeepSpeedExamples spec with ``shape`` on GPT-NeoX). Returns the
+    losses; the test's docstring records them."""
+    import deepspeed
+
+    import test_tp_layer_specs as t
+    from _tp_util import token_data
+
+    if name == "neox_shaped":
+        kind, tp = "neox", {"partition_config": {"use_default_specs": False, "layer_specs": t.NEOX_SHAPED}}
+    else:
+        kind, tp = t.CASES[name]
+    model = t._model(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.LR, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=t._config(tp))
+    losses = []
+    for ids in token_data(t.STEPS, batch=2):
+        loss = t._loss(engine, ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "reference": t._reference(kind)[0]}

@@ -12,6 +12,13 @@ micro-batch 2 of ``token_data(3, batch=2)``, the models below; ``deepspeed.initi
                                               function. hf_zero refuses it, naming the spec and the layout.
     a fused [q | k | v] (grouped-query, unequal sizes) and [gate | up] model with ``shape`` sub-parameters
                                               5.143937, 4.998004, 5.089378 (one process: 5.143937, 4.998006, 5.089370)
+    Qwen3, a q_norm / k_norm spec (skip + grad_allreduce) merged before preset_model "qwen2"
+                                              4.907468, 4.866898, 4.871544 (one process: ..., 4.866898, 4.871640)
+    the fused model under PEFT LoRA           the one-process losses exactly: nothing was split. DeepSpeed matches
+                                              the specs against the PeftModel's names ("base_model.model.qkv.
+                                              base_layer.weight"), which ``qkv\.weight$`` does not match from the
+                                              start; hf_zero matches names within the model PEFT wraps, as without
+                                              PEFT, and splits the base layers and their adapters
 hf_zero's losses are held to one process's within 2e-5 and to DeepSpeed's within 2e-6.
 """
 
@@ -121,9 +128,10 @@ CASES = {  # name -> (model kind, tensor_parallel keys besides autotp_size)
     # custom specs first, then the preset's (use_default_specs true): Qwen3's per-head norms see this rank's heads
     "qwen3_merged": ("qwen3", {"preset_model": "qwen2", "partition_config": {"layer_specs": QWEN3_SPECS}}),
 }
-# the losses DeepSpeed 0.19.8 printed for the same runs (module docstring)
+# the losses DeepSpeed 0.19.8 printed for the same runs (module docstring; scripts/ds_pattern_workers.py
+# autotp_layer_specs)
 DEEPSPEED = {"llama_preset": [4.890985, 4.864985, 4.857524], "neox_specs": [4.898342, 4.821056, 4.886102],
-             "fused": [5.143937, 4.998004, 5.089378]}
+             "fused": [5.143937, 4.998004, 5.089378], "qwen3_merged": [4.907468, 4.866898, 4.871544]}
 
 
 def _config(tp: dict, autotp: int = 2) -> dict:
