@@ -130,12 +130,14 @@ def engine_env(engine: str, base: dict[str, str], app: str, site: str | None) ->
     return env
 
 
-def launch(python: str, engine: str, cwd: str, args: list[str], env: dict[str, str], log: str, timeout: float):
-    """``deepspeed --num_gpus 2 main.py ARGS`` from the engine's interpreter (both provide the command);
-    DeepSpeed's CPU launcher counts NUMA nodes, not processes, so the 2 ranks are asked for by name."""
+def launch(python: str, engine: str, cwd: str, args: list[str], env: dict[str, str], log: str, timeout: float, *,
+           script: str = "main.py", flags: tuple[str, ...] = (), ranks: int = 2):
+    """``deepspeed --num_gpus 2 [FLAGS] main.py ARGS`` from the engine's interpreter (both provide the command);
+    DeepSpeed's CPU launcher counts NUMA nodes, not processes, so the ranks are asked for by name."""
     launcher = [python, "-m", "deepspeed.launcher.runner"] if engine == "deepspeed" else \
         [python, "-m", "hf_zero.integrations.deepspeed_command"]
-    cmd = launcher + ["--num_gpus", "2", "--master_port", str(29500 + random.randint(0, 999)), "main.py"] + args
+    cmd = launcher + ["--num_gpus", str(ranks), "--master_port", str(29500 + random.randint(0, 999)), *flags,
+                      script] + args
     start = time.time()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")

@@ -34,7 +34,8 @@ _WORDS = (
 class ModelSpec:
     """How one Hub name is stood in for: ``config`` builds the transformers config, ``auto_class`` names the
     ``transformers`` Auto class whose ``from_config`` builds the random weights (None: config only), and
-    ``tokenizer`` is "bert-cased", "bert-uncased", "bytes", "gpt2" (the bytes vocabulary as a GPT2TokenizerFast), "t5" (Unigram over words and characters, T5's
+    ``tokenizer`` is "bert-cased", "bert-uncased", "bytes", "gpt2" (the bytes vocabulary as a GPT2TokenizerFast),
+    "roberta" (the same with RoBERTa's special tokens), "t5" (Unigram over words and characters, T5's
     100 sentinels) or None."""
 
     config: Callable[[], object]
@@ -129,6 +130,14 @@ def _qwen_moe():
     )
 
 
+def _roberta():
+    from transformers import RobertaConfig
+
+    # the "roberta" tokenizer's ids: <s> 0, <pad> 1, </s> 2, <unk> 3, the 256 bytes, <mask> 260
+    return RobertaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         vocab_size=261, max_position_embeddings=130, bos_token_id=0, pad_token_id=1, eos_token_id=2)
+
+
 def _mobilevit():
     from transformers import MobileViTConfig
 
@@ -171,12 +180,42 @@ MODELS: dict[str, ModelSpec] = {
     # DeepSpeed-Chat's actor and critic (scripts/deepspeed_chat/run.py)
     "facebook/opt-125m": ModelSpec(_opt(32), "AutoModelForCausalLM", "gpt2"),
     "facebook/opt-350m": ModelSpec(_opt(16), "AutoModelForCausalLM", "gpt2"),
+    # DeepSpeedExamples' training scripts (scripts/ds_examples/run.py): HelloDeepSpeed loads the tokenizer only
+    "roberta-base": ModelSpec(_roberta, None, "roberta"),
 }
 
-# Datasets: (name, config) -> {split: rows}. GLUE/MRPC's columns, random sentences over _WORDS.
+# Datasets: (name, config) -> {split: rows}, random sentences over _WORDS in each dataset's columns (_COLUMNS).
 DATASETS: dict[tuple[str, str], dict[str, int]] = {
     ("nyu-mll/glue", "mrpc"): {"train": 64, "validation": 32, "test": 32},
+    # DeepSpeedExamples' HelloDeepSpeed and bf16_master_weight
+    ("wikitext", "wikitext-2-v1"): {"train": 256, "validation": 32, "test": 32},
+    ("wikitext", "wikitext-103-raw-v1"): {"train": 2048, "validation": 32, "test": 32},
 }
+
+
+def _mrpc_rows(rng: random.Random, n: int) -> dict[str, list]:
+    return {
+        "sentence1": [" ".join(rng.choices(_WORDS, k=8)) for _ in range(n)],
+        "sentence2": [" ".join(rng.choices(_WORDS, k=8)) for _ in range(n)],
+        "label": [rng.randint(0, 1) for _ in range(n)],
+        "idx": list(range(n)),
+    }
+
+
+def _wikitext_rows(rng: random.Random, n: int) -> dict[str, list]:
+    """WikiText's one ``text`` column: paragraphs ending in a newline, every fourth line empty, some headings."""
+    lines = []
+    for i in range(n):
+        if i % 4 == 3:
+            lines.append("")
+        elif i % 16 == 0:
+            lines.append(f" = {' '.join(rng.choices(_WORDS, k=2)).title()} = \n")
+        else:
+            lines.append(" " + " ".join(rng.choices(_WORDS, k=rng.randint(8, 40))) + " . \n")
+    return {"text": lines}
+
+
+_COLUMNS = {"nyu-mll/glue": _mrpc_rows, "wikitext": _wikitext_rows}
 
 
 def repo_dir(hub_cache: str, name: str, kind: str = "models") -> str:
@@ -185,11 +224,29 @@ def repo_dir(hub_cache: str, name: str, kind: str = "models") -> str:
 
 
 def _write_tokenizer(kind: str, out_dir: str) -> None:
+    from tokenizers import pre_tokenizers
+
     if kind.startswith("bert"):
         from transformers import BertTokenizerFast
 
         vocab = {token: i for i, token in enumerate(_bert_vocab())}
         BertTokenizerFast(vocab=vocab, do_lower_case=kind == "bert-uncased").save_pretrained(out_dir)
+        return
+    if kind == "roberta":
+        # byte-level BPE without merges, RoBERTa's special tokens at RoBERTa's ids (0-3) and <mask> after the bytes
+        from transformers import RobertaTokenizerFast
+
+        os.makedirs(out_dir, exist_ok=True)
+        vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>"])}
+        for sym in sorted(pre_tokenizers.ByteLevel.alphabet()):
+            vocab[sym] = len(vocab)
+        vocab["<mask>"] = len(vocab)
+        vocab_file, merges_file = os.path.join(out_dir, "vocab.json"), os.path.join(out_dir, "merges.txt")
+        with open(vocab_file, "w", encoding="utf-8") as f:
+            json.dump(vocab, f)
+        with open(merges_file, "w", encoding="utf-8") as f:
+            f.write("#version: 0.2\n")
+        RobertaTokenizerFast(vocab_file, merges_file).save_pretrained(out_dir)
         return
     if kind == "t5":
         from transformers import T5Tokenizer
@@ -197,7 +254,7 @@ def _write_tokenizer(kind: str, out_dir: str) -> None:
         T5Tokenizer(vocab=_t5_vocab()).save_pretrained(out_dir)
         return
     # "bytes": byte-level BPE over the 256 byte symbols and no merges (every byte one token).
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -257,12 +314,7 @@ def _write_dataset(name: str, config_name: str, splits: dict[str, int], datasets
     rng = random.Random(0)
 
     def rows(n):
-        return {
-            "sentence1": [" ".join(rng.choices(_WORDS, k=8)) for _ in range(n)],
-            "sentence2": [" ".join(rng.choices(_WORDS, k=8)) for _ in range(n)],
-            "label": [rng.randint(0, 1) for _ in range(n)],
-            "idx": list(range(n)),
-        }
+        return _COLUMNS[name](rng, n)
 
     scratch = os.path.join(datasets_cache, "_build")
     os.makedirs(scratch, exist_ok=True)
