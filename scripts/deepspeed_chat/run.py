@@ -176,9 +176,11 @@ def _numbers(run: dict) -> list[float]:
             if _NUMBER.search(x)]
 
 
-def report(results: list[dict], engines: list[str]) -> str:
+def report(results: list[dict], engines: list[str], numbers=None, unit: str = "numbers") -> str:
     """A markdown table: each case's exit status per engine and how far hf_zero's printed numbers are from
-    DeepSpeed's (the largest relative difference over every loss, score and accuracy the scripts print)."""
+    DeepSpeed's (the largest relative difference over every loss, score and accuracy the scripts print;
+    ``numbers(run)``: which of a run's printed values to compare, default all of them)."""
+    numbers = numbers or _numbers
     head = "| case | " + " | ".join(engines) + (" | largest relative difference |" if len(engines) == 2 else " |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in results:
@@ -186,11 +188,11 @@ def report(results: list[dict], engines: list[str]) -> str:
                  for e in engines]
         diff = ""
         if len(engines) == 2 and all(row[e]["rc"] == 0 for e in engines):
-            a, b = (_numbers(row[e]) for e in engines)
+            a, b = (numbers(row[e]) for e in engines)
             if len(a) == len(b) and a:
-                diff = f"{max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)):.1e} over {len(a)} numbers"
+                diff = f"{max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)):.1e} over {len(a)} {unit}"
             else:
-                diff = f"{len(a)} vs {len(b)} numbers"
+                diff = f"{len(a)} vs {len(b)} {unit}"
         lines.append(f"| {row['case']} | " + " | ".join(cells) + (f" | {diff} |" if len(engines) == 2 else " |"))
     return "\n".join(lines)
 

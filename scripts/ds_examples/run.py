@@ -108,22 +108,8 @@ def numbers(run: dict) -> list[float]:
 
 
 def report(results: list[dict], engines: list[str]) -> str:
-    """A markdown table: each case's exit status per engine and, where both ran, the largest relative difference
-    between the losses they printed (ZenFlow's step times are not compared)."""
-    head = "| case | " + " | ".join(engines) + (" | largest relative difference |" if len(engines) == 2 else " |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for row in results:
-        cells = [f"rc {row[e]['rc']}" + (f" ({row[e]['error'][:110]})" if row[e].get("error") and row[e]["rc"]
-                                         else "") for e in engines]
-        diff = ""
-        if len(engines) == 2 and all(row[e]["rc"] == 0 for e in engines):
-            a, b = (numbers(row[e]) for e in engines)
-            if a and len(a) == len(b):
-                diff = f"{max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)):.1e} over {len(a)} losses"
-            else:
-                diff = f"{len(a)} vs {len(b)} losses"
-        lines.append(f"| {row['case']} | " + " | ".join(cells) + (f" | {diff} |" if len(engines) == 2 else " |"))
-    return "\n".join(lines)
+    """The DeepSpeed-Chat runner's table, comparing the losses (ZenFlow's step times are not compared)."""
+    return chat.report(results, engines, numbers, "losses")
 
 
 def main(argv=None) -> int:
