@@ -273,10 +273,14 @@ def test_fused_checkpoint_loads_without_tensor_parallelism():
 
 def test_parse_presets_and_merge_order():
     cfg = parse_tp_config({"autotp_size": 2, "preset_model": "Llama"})
-    assert cfg.layer_specs.specs == PRESETS["llama"] and "preset_model='llama'" in cfg.layer_specs.source
+    assert [s.patterns for s in cfg.layer_specs.specs] == [s.patterns for s in PRESETS["llama"]]
+    assert cfg.layer_specs.specs[0].where == "tensor_parallel.preset_model='llama'"
+    assert "preset_model='llama'" in cfg.layer_specs.source
     merged = parse_tp_config({"autotp_size": 2, "preset_model": "qwen2",
                               "partition_config": {"layer_specs": QWEN3_SPECS}}).layer_specs
-    assert merged.specs[0].grad_allreduce and merged.specs[1:] == PRESETS["qwen2"]
+    assert merged.specs[0].grad_allreduce
+    assert [(s.patterns, s.partition_type) for s in merged.specs[1:]] == [(s.patterns, s.partition_type)
+                                                                           for s in PRESETS["qwen2"]]
     spec = parse_tp_config({"autotp_size": 2, "partition_config": {"layer_specs": FUSED_SPECS}}).layer_specs.specs
     assert [s.parts for s in spec] == [(64, 32, 32), None, 2, None]
     assert [s.partition_type for s in spec] == ["column", "row", "column", "row"]
@@ -339,3 +343,24 @@ def test_plan_refusals_name_the_module():
     with pytest.raises(ValueError, match="row-parallel LM head"):
         plan({"preset_model": "llama", "partition_config": {"layer_specs": [dict(head, partition_type="row")]}},
              vocab=False)
+
+
+def test_phi3_preset_names_why_its_fused_qkv_cannot_be_split():
+    """DeepSpeed 0.19.8's own ``phi3`` preset on a tiny Phi-3 (2 CPU ranks, TP 2): the first forward fails with
+    "mat1 and mat2 shapes cannot be multiplied (32x64 and 32x64)" -- transformers' Phi3Attention slices qkv_proj's
+    output at the config's full sizes. hf_zero refuses before splitting anything, naming the module and the cause."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    model = Phi3ForCausalLM(Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=4, pad_token_id=0))
+    specs = parse_tp_config({"autotp_size": 2, "preset_model": "phi3"}).layer_specs
+    with pytest.raises(ValueError) as err:
+        plan_from_specs(model, specs)
+    msg = str(err.value)
+    assert msg.startswith("hf_zero: tensor_parallel.preset_model='phi3' splits model.layers.0.self_attn.qkv_proj")
+    assert "full sizes" in msg and 'partition_type "skip"' in msg
+    # the MLP's [gate | up] alone splits (Phi3MLP chunks its output in two halves, which a rank's slice also is)
+    plan, parts = plan_from_specs(model, parse_tp_config({"autotp_size": 2, "partition_config": {"layer_specs": [
+        {"patterns": [r".*\.gate_up_proj\.weight$"], "shape": [2, -1]},
+        {"patterns": [r".*\.down_proj\.weight$"], "partition_type": "row"}]}}).layer_specs)
+    assert plan["model.layers.0.mlp.gate_up_proj"] == "fused_colwise" and parts == {"model.layers.0.mlp.gate_up_proj": 2}

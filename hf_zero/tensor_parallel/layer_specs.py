@@ -29,18 +29,20 @@ with a partition_config too, ``use_default_specs: true`` puts the custom specs f
 
 Refused, each naming the key: sub-parameter ``shape`` on a row-parallel layer or with a ``partition_dim`` other than
 0, shapes of more than two dimensions (DeepSpeed's MoE expert views), a row-parallel LM head, ``grad_allreduce`` on
-a split layer, and a ``shape`` on a fused ``query_key_value`` that GPT-NeoX / BLOOM store per head
-(``[q_h, k_h, v_h]`` for each head h): the blocks ``shape`` describes are not there, and the split would hand each
-rank a mix of heads its row-parallel output projection does not expect. DeepSpeed trains that spec (its
-DeepSpeedExamples AutoTP example for Pythia carries it) without an error, on a different function than the model's:
-on a tiny GPT-NeoX its first loss is 4.893878 where the model's is 4.898342 (docs/tensor_parallel.md).
+a split layer, and a ``shape`` on a fused projection whose model code cannot run split (``_UNSPLITTABLE``):
+GPT-NeoX / BLOOM store ``query_key_value`` per head (``[q_h, k_h, v_h]`` for each head h), so the blocks ``shape``
+describes are not there and the split would hand each rank a mix of heads its row-parallel output projection does
+not expect -- DeepSpeed trains that spec (its DeepSpeedExamples AutoTP example for Pythia carries it) without an
+error, on a different function than the model's: on a tiny GPT-NeoX its first loss is 4.893878 where the model's is
+4.898342 (docs/tensor_parallel.md); Phi-3 slices ``qkv_proj``'s output at the config's full sizes, so DeepSpeed's
+own ``phi3`` preset fails in the forward with a shape error (hf_zero names the cause instead).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from torch import nn
@@ -57,9 +59,20 @@ _TYPES = ("column", "row", "skip")
 _SPEC_KEYS = ("patterns", "partition_type", "shape", "partition_dim", "model_types", "gather_output", "grad_allreduce")
 _CONFIG_KEYS = ("layer_specs", "use_default_specs", "strict_mode", "lm_head_patterns", "tp_size",
                 "embedding_partition_dim")
-# model types whose fused query_key_value holds each head's q, k and v together: a plain column split keeps
-# whole heads on each rank; [q | k | v] sub-parameters do not exist there
-_PER_HEAD_QKV = {"gpt_neox": r"query_key_value", "bloom": r"query_key_value"}
+# fused projections whose transformers code a sub-parameter split cannot serve: model type -> (module name
+# pattern, why, what to do instead)
+_PER_HEAD = ("stores that projection per head ([q_h, k_h, v_h] for each head h): each rank would get a mix of heads "
+             "that its row-parallel output projection does not expect, and train a different function than the "
+             "model's (DeepSpeed 0.19.8 accepts this spec and does that: docs/tensor_parallel.md)",
+             'Remove "shape" from the spec: a plain column split keeps whole heads on each rank')
+_UNSPLITTABLE = {
+    "gpt_neox": (r"query_key_value", *_PER_HEAD),
+    "bloom": (r"query_key_value", *_PER_HEAD),
+    "phi3": (r"qkv_proj", "slices that projection's output at the config's full sizes (num_attention_heads * "
+             "head_dim), which a rank's slice does not have (DeepSpeed 0.19.8's preset fails in the forward: 'mat1 "
+             "and mat2 shapes cannot be multiplied')", 'Leave the attention whole (partition_type "skip" for '
+             "qkv_proj and o_proj) and split the MLP"),
+}
 
 
 @dataclass(frozen=True)
@@ -234,7 +247,8 @@ def parse_layer_specs(partition_config: Any, preset_model: Any, autotp_size: int
             hint = closest(str(preset_model).lower(), PRESETS)
             raise ConfigError("tensor_parallel.preset_model", f"{preset_model!r} is not a preset" +
                               (f"; did you mean {hint!r}?" if hint else f"; presets: {sorted(PRESETS)}"))
-        preset = PRESETS[preset_model.lower()]
+        name = preset_model.lower()
+        preset = tuple(replace(s, where=f"tensor_parallel.preset_model={name!r}") for s in PRESETS[name])
     if not partition_config:  # None or {}: absent, as DeepSpeed reads it
         return None if preset is None else LayerSpecs(preset, source=f"tensor_parallel.preset_model="
                                                                      f"{preset_model.lower()!r}")
@@ -316,14 +330,11 @@ def plan_from_specs(model: nn.Module, specs: LayerSpecs, *, vocab_parallel_head:
             if not isinstance(module, nn.Linear):
                 raise ValueError(f"hf_zero: {spec.where}.shape: {name} is a {type(module).__name__}; sub-parameter "
                                  "splits apply to nn.Linear weights")
-            qkv = _PER_HEAD_QKV.get(model_type or "")
-            if qkv is not None and re.search(qkv, name):
-                raise ValueError(
-                    f"hf_zero: {spec.where}.shape splits {name} into [q | k | v] blocks, but {model_type} stores "
-                    "that projection per head ([q_h, k_h, v_h] for each head h): each rank would get a mix of heads "
-                    "that its row-parallel output projection does not expect, and train a different function than "
-                    "the model's (DeepSpeed 0.19.8 accepts this spec and does that: docs/tensor_parallel.md). Remove "
-                    "\"shape\" from the spec: a plain column split keeps whole heads on each rank")
+            known = _UNSPLITTABLE.get(model_type or "")
+            if known is not None and re.search(known[0], name):
+                key = spec.where if "preset_model" in spec.where else f"{spec.where}.shape"
+                raise ValueError(f"hf_zero: {key} splits {name} into sub-parameters, but "
+                                 f"{model_type} {known[1]}. {known[2]}")
             plan[name], fused[name] = "fused_colwise", spec.parts
             continue
         if spec.partition_type == "row":
