@@ -77,6 +77,16 @@ def _any_enabled(section: Any) -> bool:
     return False
 
 
+def _data_efficiency_beyond_batching(cfg: "HfZeroConfig") -> bool:
+    """``data_efficiency`` asks for more than dynamic batching: curriculum sampling or data routing."""
+    section = _get(cfg, "data_efficiency")
+    if not isinstance(section, Mapping):
+        return False
+    sampling = section.get("data_sampling")
+    rest = {k: v for k, v in sampling.items() if k != "dynamic_batching"} if isinstance(sampling, Mapping) else {}
+    return _any_enabled(section.get("data_routing")) or any(_any_enabled(v) for v in rest.values())
+
+
 def _given_true(path: str) -> Callable[["HfZeroConfig"], bool]:
     """Set when the user wrote ``true`` (the default is true, and hf_zero behaves as ``false``)."""
     def active(cfg: "HfZeroConfig") -> bool:
@@ -299,7 +309,10 @@ STATUS: dict[str, KeyStatus] = {
     # the elastic plan sets the three batch keys for the world size (hf_zero/config/elasticity.py, via load_config)
     "elasticity": HONOURED,
     "autotuning": _todo("nothing is tuned", active=_switched_on("autotuning")),
-    "data_efficiency": _todo("data is not sampled or routed", active=_switched_on("data_efficiency")),
+    # dynamic batching (data_sampling.dynamic_batching) is honoured by the data loader a script builds with
+    # get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed (runtime/variable_batch.py)
+    "data_efficiency": _todo("its curriculum sampling and data routing (random-LTD) are not run; only "
+                             "data_sampling.dynamic_batching is", active=_data_efficiency_beyond_batching),
     "curriculum_learning": HONOURED,  # DeepSpeed's legacy curriculum (hf_zero/runtime/curriculum.py)
     # hf_zero/runtime/hybrid_engine.py. DeepSpeed also swaps in its inference kernels for the model families it has
     # policies for; the other keys size or tune those kernels. hf_zero generates with the model's own forward (so
