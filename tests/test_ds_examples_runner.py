@@ -99,3 +99,13 @@ def test_stand_ins_serve_hello_deepspeed(tmp_path):
     assert got["round_trip"] == "the cat sat"
     assert got["columns"] == ["text"] and got["rows"] == 256 and got["empty"] == 64
     assert got["line"].endswith(" . \n") and got["big"] == 102  # 5% of 2048 rows, as datasets rounds it
+
+
+def test_the_failing_ranks_cause_wins_over_its_peers_lost_connection(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("[rank0]: TypeError: empty(): argument 'dtype' must be torch.dtype, not type\n"
+                   "[rank1]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:19146.\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: x FAILED\n")
+    assert ex.read_log(str(log))["error"].startswith("[rank0]: TypeError: empty()")
+    log.write_text("[rank1]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:19146.\n")
+    assert "Connection closed by peer" in ex.read_log(str(log))["error"]  # the only error there is

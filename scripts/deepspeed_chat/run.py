@@ -151,7 +151,6 @@ def launch(python: str, engine: str, cwd: str, args: list[str], env: dict[str, s
 
 def read_log(log: str) -> dict:
     found: dict[str, list] = {k: [] for k in _LOSS_LINES}
-    error = None
     with open(log, errors="replace") as f:
         lines = f.read().splitlines()
     for line in lines:
@@ -160,10 +159,12 @@ def read_log(log: str) -> dict:
             m = pattern.search(text)
             if m:
                 found[key].append([g for g in m.groups()])
-    for line in reversed(lines):  # the exception a rank died of (bare or with a message), not the launcher's
-        if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)(:|$)", line.strip()) and "ChildFailedError" not in line:
-            error = line.strip()[:300]
-            break
+    # the exception a rank died of (bare or with a message), not the launcher's, and not a peer's lost connection
+    # when the rank that failed first says why
+    errors = [line.strip()[:300] for line in reversed(lines)
+              if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)(:|$)", line.strip())
+              and "ChildFailedError" not in line]
+    error = next((e for e in errors if "Connection closed by peer" not in e), errors[0] if errors else None)
     return {k: v for k, v in found.items() if v} | ({"error": error} if error else {})
 
 
@@ -191,7 +192,7 @@ def report(results: list[dict], engines: list[str], numbers=None, unit: str = "n
             a, b = (numbers(row[e]) for e in engines)
             if len(a) == len(b) and a:
                 diff = f"{max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)):.1e} over {len(a)} {unit}"
-            else:
+            elif a or b:
                 diff = f"{len(a)} vs {len(b)} {unit}"
         lines.append(f"| {row['case']} | " + " | ".join(cells) + (f" | {diff} |" if len(engines) == 2 else " |"))
     return "\n".join(lines)

@@ -70,6 +70,9 @@ CASES: dict[str, Case] = {
                                  "variable_batch_size_and_lr_example.py", (), flags=("--no_local_rank",), ranks=1),
     "variable_batch_2ranks": Case("data_efficiency/variable_batch_size_and_lr",
                                   "variable_batch_size_and_lr_example.py", (), flags=("--no_local_rank",)),
+    "variable_batch_pipeline": Case("data_efficiency/variable_batch_size_and_lr",
+                                    "variable_batch_size_and_lr_example.py", ("--pipeline-num-stages", "2"),
+                                    flags=("--no_local_rank",)),
 }
 
 # the numbers each script prints, by the line that carries them
@@ -91,7 +94,6 @@ def experiment_dir(cwd: str) -> str:
 
 def read_log(log: str) -> dict:
     found: dict[str, list] = {k: [] for k in _NUMBERS}
-    error = None
     with open(log, errors="replace") as f:
         lines = f.read().splitlines()
     for line in lines:
