@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import warnings
 
@@ -26,6 +27,7 @@ import torch
 from hf_zero.config import load_config
 from hf_zero.config.errors import ConfigError
 from hf_zero.config.status import ConfigKeyIgnored
+from hf_zero.runtime.sample_metrics import read_sample_metric, write_sample_metric
 from hf_zero.runtime.variable_batch import VariableBatchSizeLR, batch_by_seqlens, parse_dynamic_batching, scale_lr
 from hf_zero.testing import run_distributed
 
@@ -137,12 +139,10 @@ def test_bad_dynamic_batching_is_refused_naming_the_key(batching, key):
     assert str(err.value).startswith(f"data_efficiency.data_sampling.{key}")
 
 
-def test_policy_and_what_the_config_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="hf_zero"):
-        policy = parse_dynamic_batching(_section(sequence_picking_order="seqlen", metrics_path="./out"))
-    assert (policy.max_tokens, policy.sequence_picking_order, policy.seed, policy.lr_scaling_method) == \
-        (20, "seqlen", 42, "linear")
-    assert "metrics_path is neither read nor written" in caplog.text
+def test_policy_and_what_the_config_warns():
+    policy = parse_dynamic_batching(_section(sequence_picking_order="seqlen", metrics_path="./out"))
+    assert (policy.max_tokens, policy.sequence_picking_order, policy.seed, policy.lr_scaling_method,
+            policy.metrics_path) == (20, "seqlen", 42, "linear", "./out")
 
     def ignored(section):
         with warnings.catch_warnings(record=True) as caught:
@@ -215,3 +215,74 @@ def test_engine_data_loader_splits_packs_and_scales_the_rate_per_step():
         # after each optimizer step the rate is the base 1e-3 scaled by the next batch's sequences / 8
         expect = [1e-3 * sizes[s % len(sizes)] / 8 for s in range(len(got["lrs"]))]
         assert got["lrs"] == pytest.approx(expect), rank
+
+
+DS_METRIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ds_seqlen_metric",
+                         "seqlen_sample_to_metric")
+DS_LENGTHS = [7, 3, 12, 5, 9, 4, 11, 6, 8, 10, 3, 14]
+
+
+def test_metric_files_are_deepspeeds_format(tmp_path):
+    """tests/data/ds_seqlen_metric was written by DeepSpeed 0.19.8's MMapIndexedDatasetBuilder (int64, one
+    ``add_item`` of one value per sample, one ``end_document``), the way its DataAnalyzer writes
+    ``seqlen_sample_to_metric``; DeepSpeed's ``MMapIndexedDataset`` read hf_zero's copy back as the same lengths."""
+    assert read_sample_metric(DS_METRIC).tolist() == DS_LENGTHS
+    ours = str(tmp_path / "seqlen" / "seqlen_sample_to_metric")
+    write_sample_metric(ours, DS_LENGTHS)
+    for suffix in (".idx", ".bin"):
+        with open(DS_METRIC + suffix, "rb") as a, open(ours + suffix, "rb") as b:
+            assert a.read() == b.read(), suffix  # byte for byte
+    assert sorted(os.listdir(tmp_path / "seqlen")) == ["seqlen_sample_to_metric.bin", "seqlen_sample_to_metric.idx"]
+    (tmp_path / "bad.idx").write_bytes(b"TNTIDX\x00\x00" + bytes(40))
+    (tmp_path / "bad.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="not an indexed-dataset index"):
+        read_sample_metric(str(tmp_path / "bad"))
+
+
+class _Engine:
+    """What the DeepSpeed entry point reads from an engine, for a one-process run."""
+
+    def __init__(self, section):
+        import types
+
+        self._config = types.SimpleNamespace(data_efficiency=section)
+        self.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        self.lr_scheduler = None
+        self.data_parallel_group = None
+
+    def train_batch_size(self):
+        return 2
+
+    def train_micro_batch_size_per_gpu(self):
+        return 1
+
+
+def test_lengths_are_read_from_metrics_path_or_computed_and_written_there(tmp_path):
+    from hf_zero.runtime.variable_batch import get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed as get
+
+    dataset = [torch.ones(n) for n in DS_LENGTHS]
+    calls = []
+
+    def seqlens(batch):
+        calls.append(len(batch))
+        return [len(x) for x in batch]
+
+    path = tmp_path / "metrics"
+    engine = _Engine(_section(metrics_path=str(path)))
+    loader, sched, _ = get(dataset, engine, batch_seqlens_fn=seqlens)
+    assert calls == [12] and read_sample_metric(str(path / "seqlen" / "seqlen_sample_to_metric")).tolist() == \
+        DS_LENGTHS  # computed once, written for the next run
+    first = [[len(x) for x in batch] for batch in loader]
+    loader, _, _ = get(dataset, engine, batch_seqlens_fn=seqlens)
+    assert calls == [12] and [[len(x) for x in batch] for batch in loader] == first  # read back, not recomputed
+    # DeepSpeed's own file for the same lengths serves as well; one for another dataset is refused, naming it
+    os.makedirs(tmp_path / "ds" / "seqlen")
+    for suffix in (".idx", ".bin"):
+        with open(DS_METRIC + suffix, "rb") as f:
+            (tmp_path / "ds" / "seqlen" / ("seqlen_sample_to_metric" + suffix)).write_bytes(f.read())
+    loader, _, _ = get(dataset, _Engine(_section(metrics_path=str(tmp_path / "ds"))))
+    assert [[len(x) for x in batch] for batch in loader] == first
+    with pytest.raises(ValueError, match="12 lengths for 3 samples.*delete"):
+        get(dataset[:3], _Engine(_section(metrics_path=str(tmp_path / "ds"))))
+    with pytest.raises(ValueError, match="pass dataset_seqlens or batch_seqlens_fn"):
+        get(dataset, _Engine(_section(metrics_path=str(tmp_path / "empty"))))

@@ -14,10 +14,11 @@ the learning rate of each step is scaled by its number of sequences against ``tr
 (``lr_scaling_method``: ``linear`` -- lr x n / base, ``sqrt`` -- lr x sqrt(n / base), ``none``).
 
 Differences from DeepSpeed 0.19.8, on purpose:
-* the sequence lengths, when the script passes none, come from ``batch_seqlens_fn`` over the dataset in memory;
-  DeepSpeed runs its DataAnalyzer map-reduce and writes (then reads) ``metrics_path`` files -- on 2 ranks that
-  fails in DeepSpeed itself (``TypeError: empty(): argument 'dtype' must be torch.dtype``). ``metrics_path`` is
-  neither read nor written here (a warning says so).
+* the sequence lengths, when the script passes none, are read from ``<metrics_path>/seqlen/
+  seqlen_sample_to_metric.{idx,bin}`` if present (DeepSpeed's DataAnalyzer output, or an earlier run's), else
+  computed with ``batch_seqlens_fn`` over the dataset in memory and written there in the same format
+  (sample_metrics.py; byte-identical to DeepSpeed's builder). DeepSpeed runs its DataAnalyzer map-reduce, which
+  fails on 2 ranks (``TypeError: empty(): argument 'dtype' must be torch.dtype``).
 * the packing considers every sequence; DeepSpeed's never takes the last one of the picking order into a pack (its
   scan stops one short), so with ``seqlen`` order it drops the longest sequence.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from hf_zero.config.errors import ConfigError
+from hf_zero.runtime.sample_metrics import metric_files_exist, read_sample_metric, write_sample_metric
 
 __all__ = ["DynamicBatching", "parse_dynamic_batching", "batch_by_seqlens", "scale_lr", "VariableBatchSizeLR",
            "dataloader_for_variable_batch_size", "get_dataloader_and_lr_scheduler_for_variable_batch_size",
@@ -59,6 +62,7 @@ class DynamicBatching:
     seed: int = 1234                  # data_efficiency.seed
     num_workers: int = 0              # data_sampling.num_workers
     pin_memory: bool = False          # data_sampling.pin_memory
+    metrics_path: str | None = None   # where the per-sample lengths are read from / written to
 
 
 def parse_dynamic_batching(data_efficiency: Mapping[str, Any] | None) -> DynamicBatching:
@@ -87,12 +91,12 @@ def parse_dynamic_batching(data_efficiency: Mapping[str, Any] | None) -> Dynamic
     if not isinstance(low, int) or low < 1 or (high is not None and (not isinstance(high, int) or high < low)):
         raise ConfigError(f"{_KEY}.min_batch_size", f"min_batch_size {low!r} / max_batch_size {high!r}: need "
                                                     "1 <= min_batch_size <= max_batch_size (or max_batch_size null)")
-    if section.get("metrics_path"):
-        logger.warning("hf_zero: %s.metrics_path is neither read nor written: sequence lengths are taken from the "
-                       "script's dataset_seqlens or computed in memory with its batch_seqlens_fn", _KEY)
+    path = section.get("metrics_path")
+    if path is not None and not isinstance(path, str):
+        raise ConfigError(f"{_KEY}.metrics_path", f"must be a directory path, got {path!r}")
     return DynamicBatching(tokens, method, order, low, high, bool(section.get("verbose", False)),
                            int(data_efficiency.get("seed", 1234)), int(sampling.get("num_workers", 0)),
-                           bool(sampling.get("pin_memory", False)))
+                           bool(sampling.get("pin_memory", False)), path or None)
 
 
 def batch_by_seqlens(seqlens: Sequence[int], max_tokens: int, sequence_ids_per_mb: Sequence[int] | None = None,
@@ -289,6 +293,26 @@ def _seqlens_of(dataset, collate_fn, batch_seqlens_fn) -> list[int]:
     return out
 
 
+def _lengths(dataset, metrics_path: str | None, collate_fn, batch_seqlens_fn) -> list[int]:
+    """The samples' lengths: ``<metrics_path>/seqlen/seqlen_sample_to_metric`` when it exists (DeepSpeed's
+    DataAnalyzer or an earlier run wrote it), else ``batch_seqlens_fn`` over the dataset, written there by global
+    rank 0 for the next run (each rank computes its own copy: no rank waits for a file)."""
+    prefix = os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric") if metrics_path else None
+    if prefix is not None and metric_files_exist(prefix):
+        lengths = read_sample_metric(prefix).tolist()
+        if len(lengths) != len(dataset):
+            raise ValueError(f"hf_zero: {prefix}.bin holds {len(lengths)} lengths for {len(dataset)} samples: it was "
+                             f"written for another dataset; delete {metrics_path} ({_KEY}.metrics_path) to recompute")
+        return lengths
+    if batch_seqlens_fn is None:
+        raise ValueError("hf_zero: dynamic batching needs the sequence lengths: pass dataset_seqlens or "
+                         f"batch_seqlens_fn" + (f" (no {prefix}.idx/.bin)" if prefix else ""))
+    lengths = _seqlens_of(dataset, collate_fn, batch_seqlens_fn)
+    if prefix is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        write_sample_metric(prefix, lengths)
+    return lengths
+
+
 def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, engine, dataset_seqlens=None,
                                                                       dataset_filter_ids=None,
                                                                       dataloader_collate_fn=None,
@@ -297,10 +321,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, e
     optimizer or scheduler decide the rest. Sequence lengths: ``dataset_seqlens``, else ``batch_seqlens_fn``."""
     policy = parse_dynamic_batching(engine._config.data_efficiency)
     if dataset_seqlens is None:
-        if batch_seqlens_fn is None:
-            raise ValueError("hf_zero: dynamic batching needs the sequence lengths: pass dataset_seqlens or "
-                             "batch_seqlens_fn")
-        dataset_seqlens = _seqlens_of(dataset, dataloader_collate_fn, batch_seqlens_fn)
+        dataset_seqlens = _lengths(dataset, policy.metrics_path, dataloader_collate_fn, batch_seqlens_fn)
     elif len(dataset_seqlens) != len(dataset):
         raise ValueError(f"hf_zero: dataset_seqlens has {len(dataset_seqlens)} entries for {len(dataset)} samples")
     from hf_zero.runtime.pipe_engine import PipelineEngine  # lazily: the pipeline engine imports much
