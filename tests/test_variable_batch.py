@@ -225,7 +225,9 @@ DS_LENGTHS = [7, 3, 12, 5, 9, 4, 11, 6, 8, 10, 3, 14]
 def test_metric_files_are_deepspeeds_format(tmp_path):
     """tests/data/ds_seqlen_metric was written by DeepSpeed 0.19.8's MMapIndexedDatasetBuilder (int64, one
     ``add_item`` of one value per sample, one ``end_document``), the way its DataAnalyzer writes
-    ``seqlen_sample_to_metric``; DeepSpeed's ``MMapIndexedDataset`` read hf_zero's copy back as the same lengths."""
+    ``seqlen_sample_to_metric``; DeepSpeed's ``MMapIndexedDataset`` read hf_zero's copy back as the same lengths.
+    The DataAnalyzer's own output for DeepSpeedExamples' variable-batch example (uint8 values) read back here as its
+    1000 lengths, and DeepSpeed's example run used hf_zero's file without re-analyzing (docs/deepspeed_scripts.md)."""
     assert read_sample_metric(DS_METRIC).tolist() == DS_LENGTHS
     ours = str(tmp_path / "seqlen" / "seqlen_sample_to_metric")
     write_sample_metric(ours, DS_LENGTHS)
