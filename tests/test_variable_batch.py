@@ -181,10 +181,12 @@ def _engine_run():
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
               "data_efficiency": _section(sequence_picking_order="seqlen", max_batch_size=10)}
     engine, *_ = hf_zero.initialize(model=model, config=config)
-    loader, sched, _ = get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+    loader, sched, io_kwargs = get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         dataset, engine, dataset_filter_ids=[i for i, s in enumerate(seqs) if 5 <= len(s) <= 10],
         dataloader_collate_fn=collate, batch_seqlens_fn=seqlens)
     engine.lr_scheduler = sched
+    # the keyword arguments returned for engine.deepspeed_io build the same loader (DeepSpeed's alternative)
+    same_io = [tuple(x.shape) for x, _ in engine.deepspeed_io(**io_kwargs)] == [tuple(x.shape) for x, _ in loader]
     lrs, shapes, losses = [engine.optimizer.param_groups[0]["lr"]], [], []
     it = iter(loader)
     for _ in range(len(loader) // engine.gradient_accumulation_steps()):
@@ -197,7 +199,7 @@ def _engine_run():
             losses.append(loss.item())
         lrs.append(engine.optimizer.param_groups[0]["lr"])
     return {"rank": dist.get_rank(), "shapes": shapes, "lrs": lrs, "batch_sizes": sched.batch_sizes,
-            "finite": all(math.isfinite(v) for v in losses)}
+            "finite": all(math.isfinite(v) for v in losses), "same_io": same_io}
 
 
 def test_engine_data_loader_splits_packs_and_scales_the_rate_per_step():
@@ -207,7 +209,7 @@ def test_engine_data_loader_splits_packs_and_scales_the_rate_per_step():
     ids = [i for i, n in enumerate(lens) if 5 <= n <= 10]
     mb, sizes, _ = batch_by_seqlens(lens, 20, ids, 1, 10, "seqlen", 8, seed=42)
     for rank, got in enumerate(out):
-        assert got["finite"] and got["batch_sizes"] == sizes
+        assert got["finite"] and got["batch_sizes"] == sizes and got["same_io"]
         mine = [ids for _, ids in mb][rank::2]  # DistributedSampler: packs in turn over the ranks
         # each micro-batch is 2 of this rank's packs, padded to their longest sequence
         want = [(len(a) + len(b), max(lens[i] for i in a + b), 5) for a, b in zip(mine[::2], mine[1::2])]
