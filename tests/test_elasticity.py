@@ -243,11 +243,7 @@ def _elastic_engine(section: dict) -> dict:
               "zero_optimization": {"stage": 2}, "steps_per_print": 1000}
     try:
         engine, *_ = hf_zero.initialize(model=make_model(), config=config)
-    except ElasticityIncompatibleWorldSize as err:
-        # every rank raises this after initialize built its device mesh; a rank that returned (and exited) at once
-        # could break the other's gloo connections of that mesh while it is still making them ("Broken pipe"):
-        # wait for each other first
-        dist.barrier()
+    except ElasticityIncompatibleWorldSize as err:  # raised on every rank, after the mesh (built together)
         return {"error": str(err)}
     out = {"sizes": (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
                      engine.gradient_accumulation_steps())}

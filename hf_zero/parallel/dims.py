@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from hf_zero.comm.collectives import barrier
 from hf_zero.comm.device import accelerator_type, local_device
 from hf_zero.config.errors import ConfigError
 
@@ -116,15 +117,15 @@ class ParallelDims:
         if not share_world_group:
             # one (backend, options) per dimension: with a backend named, even a dimension spanning every rank gets
             # a group of its own. Never reused: its owner (a pipeline) may abort these groups
-            return DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS,
-                              backend_override=((dist.get_backend(), None),) * 3)
+            return _built(DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS,
+                                     backend_override=((dist.get_backend(), None),) * 3))
         # One mesh per layout for the life of the default group: a process that calls initialize again (an
         # evaluation engine beside the training one, a test) reuses it instead of creating 2 or more groups each
         # time, which c10d keeps until the default group is destroyed.
         key = (device_type, tuple(grid.flatten().tolist()), grid.shape)
         world_ref, mesh = _BUILT.get(key, (None, None))
         if mesh is None or world_ref() is not dist.group.WORLD:
-            mesh = DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS)
+            mesh = _built(DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS))
             _BUILT[key] = (weakref.ref(dist.group.WORLD), mesh)  # a new default group (re-initialised) misses
         return mesh
 
@@ -171,8 +172,17 @@ def mesh_from_groups(dp_group=None, tp_group=None, *, device_type: str | None = 
         dp_group = _own_singleton_groups()
     if tp_group is None:
         tp_group = _own_singleton_groups()
-    return DeviceMesh.from_group([pp_group, dp_group, tp_group], _mesh_device_type(device_type),
-                                 mesh=torch.tensor([rows], device="cpu"), mesh_dim_names=MESH_DIMS)
+    return _built(DeviceMesh.from_group([pp_group, dp_group, tp_group], _mesh_device_type(device_type),
+                                        mesh=torch.tensor([rows], device="cpu"), mesh_dim_names=MESH_DIMS))
+
+
+def _built(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh``, returned once every rank has built it. new_group returns on a rank as soon as its own side of the
+    group's connections is up; a rank that then raises (a config error found after the mesh, which every rank finds)
+    and exits can close a socket a slower rank is still handshaking on, and that rank fails with gloo's "Broken
+    pipe" instead of the real error. One bounded barrier over the world makes the mesh's construction end together."""
+    barrier(what="building the device mesh (every rank creates its process groups)", log_name="mesh_barrier")
+    return mesh
 
 
 def _own_singleton_groups():
