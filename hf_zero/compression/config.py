@@ -30,7 +30,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
-from hf_zero.config.errors import ConfigError, closest
+from hf_zero.config.errors import ConfigError, check_keys, unknown_key
 from hf_zero.config.schema import parse, spec
 
 from .activation_quantization.config import ActivationQuantizationParams, ActivationQuantizationShared
@@ -129,15 +129,8 @@ def parse_compression_config(section: Mapping[str, Any] | CompressionConfig | No
         elif key in GROUPED_METHODS:
             kwargs[key] = _parse_method(key, raw, key_path)
         else:
-            raise _unknown(key, accepted, key_path, "unknown compression method")
+            raise unknown_key(key, accepted, key_path, "unknown compression method")
     return CompressionConfig(**kwargs)
-
-
-def _unknown(key: Any, accepted: list[str], path: str, what: str = "unknown key") -> ConfigError:
-    """The error for a key not in ``accepted``: the likely typo, else every accepted key (in the order given)."""
-    guess = closest(str(key), accepted)
-    hint = f"did you mean '{guess}'?" if guess else f"accepted keys: {', '.join(accepted)}"
-    return ConfigError(path, f"{what}; {hint}")
 
 
 # the keys of one grouped method and of one of its groups (listed so in "accepted keys" errors)
@@ -149,9 +142,7 @@ def _parse_method(method: str, raw: Any, path: str) -> MethodConfig:
     shared_cls, params_cls, needs_related = GROUPED_METHODS[method]
     if not isinstance(raw, Mapping):
         raise ConfigError(path, f"expected a JSON object, got {raw!r} ({type(raw).__name__})")
-    for key in raw:
-        if key not in _METHOD_KEYS:
-            raise _unknown(key, _METHOD_KEYS, f"{path}.{key}")
+    check_keys(raw, _METHOD_KEYS, path)
     shared_path = f"{path}.shared_parameters"
     shared = parse(shared_cls, raw.get("shared_parameters"), shared_path)
     shared.validate(shared_path)
@@ -167,9 +158,7 @@ def _parse_method(method: str, raw: Any, path: str) -> MethodConfig:
         gpath = f"{groups_path}.{name}"
         if not isinstance(graw, Mapping):
             raise ConfigError(gpath, f"expected a JSON object with params/modules, got {graw!r}")
-        for key in graw:
-            if key not in _GROUP_KEYS:
-                raise _unknown(key, _GROUP_KEYS, f"{gpath}.{key}")
+        check_keys(graw, _GROUP_KEYS, gpath)
         params = parse(params_cls, graw.get("params"), f"{gpath}.params")
         params.validate(f"{gpath}.params", shared)
         modules = _string_list(graw.get("modules"), f"{gpath}.modules", required=True)

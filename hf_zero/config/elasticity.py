@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .batch import BATCH_KEYS
-from .errors import ConfigError, closest
+from .errors import ConfigError, check_keys
 
 __all__ = ["DEEPSPEED_ELASTICITY_CONFIG", "ELASTICITY", "ElasticityConfig", "ElasticityConfigError", "ElasticityError",
            "ElasticityIncompatibleWorldSize", "ElasticPlan", "apply_elasticity", "check_scheduler_config",
@@ -97,11 +97,7 @@ def parse_elasticity(section: Mapping[str, Any], path: str = ELASTICITY) -> Elas
     (DeepSpeed's rule); a disabled section keeps the defaults for them."""
     if not isinstance(section, Mapping):
         raise ElasticityConfigError(path, f"must be a JSON object, got {type(section).__name__}")
-    for key in section:
-        if key not in _KEYS:
-            hint = closest(key, _KEYS)
-            raise ElasticityConfigError(f"{path}.{key}", "unknown key" + (f"; did you mean {hint!r}?" if hint else
-                                                                          f"; known keys: {', '.join(_KEYS)}"))
+    check_keys(section, _KEYS, path, error=ElasticityConfigError)
     enabled = _bool(section, "enabled", False, path)
     if enabled:
         for key, example in (("max_train_batch_size", "2000"), ("micro_batch_sizes", "[2, 4, 6]")):

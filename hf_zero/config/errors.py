@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Any, Iterable
 
-__all__ = ["ConfigError", "closest"]
+__all__ = ["ConfigError", "check_keys", "closest", "unknown_key"]
 
 
 class ConfigError(ValueError):
@@ -25,3 +25,22 @@ def closest(name: str, candidates: Iterable[str]) -> str | None:
     """The candidate a typo most likely meant, or None when nothing is close."""
     matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return matches[0] if matches else None
+
+
+def unknown_key(key: Any, accepted: Iterable[str], path: str, what: str = "unknown key",
+                error: type[ConfigError] = ConfigError) -> ConfigError:
+    """The error for ``key`` (at ``path``, the full dotted path) not being one of ``accepted``: the likely typo,
+    else every accepted key in the order given. ``error``: a ConfigError subclass a section raises instead."""
+    accepted = list(accepted)
+    guess = closest(str(key), accepted)
+    return error(path, f"{what}; " + (f"did you mean {guess!r}?" if guess else
+                                      f"accepted keys: {', '.join(map(str, accepted))}"))
+
+
+def check_keys(section: Any, accepted: Iterable[str], path: str, what: str = "unknown key",
+               error: type[ConfigError] = ConfigError) -> None:
+    """Refuse the first key of the mapping ``section`` (found at ``path``) that is not in ``accepted``."""
+    accepted = list(accepted)
+    for key in section:
+        if key not in accepted:
+            raise unknown_key(key, accepted, f"{path}.{key}" if path else str(key), what, error)

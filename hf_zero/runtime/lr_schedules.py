@@ -31,7 +31,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hf_zero.config.errors import ConfigError, closest
+from hf_zero.config.errors import ConfigError, check_keys, closest
 
 __all__ = [
     "VALID_LR_SCHEDULES",
@@ -480,12 +480,7 @@ def build_lr_scheduler(type_name: str, params: Mapping[str, Any] | None, optimiz
 
     signature = inspect.signature(cls.__init__)
     accepted = [name for name in signature.parameters if name not in ("self", "optimizer")]
-    for key in params:
-        if key not in accepted:
-            guess = closest(str(key), accepted)
-            hint = f"did you mean {guess!r}? " if guess else ""
-            raise ConfigError(f"scheduler.params.{key}", f"not a parameter of {type_name}; {hint}"
-                                                         f"accepted: {', '.join(accepted)}")
+    check_keys(params, accepted, "scheduler.params", f"not a parameter of {type_name}")
     for name in accepted:
         if signature.parameters[name].default is inspect.Parameter.empty and name not in params:
             raise ConfigError(f"scheduler.params.{name}", f"required by {type_name} but missing")

@@ -34,7 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hf_zero.config.errors import ConfigError, closest
+from hf_zero.config.errors import ConfigError, unknown_key
 from hf_zero.tensor_parallel.layer_specs import LayerSpecs, parse_layer_specs
 
 __all__ = ["TPConfig", "parse_tp_config"]
@@ -103,9 +103,7 @@ def parse_tp_config(section: Mapping[str, Any] | None) -> TPConfig:
                                                   "DeepSpeed's inference engine; custom layer splits: "
                                                   f"{SECTION}.partition_config); remove it")
         if key not in _KNOWN:
-            hint = closest(key, _KNOWN)
-            raise ConfigError(f"{SECTION}.{key}", "unknown key" + (f"; did you mean {hint!r}?" if hint else
-                                                                   f"; known keys: {list(_KNOWN)}"))
+            raise unknown_key(key, _KNOWN, f"{SECTION}.{key}")
     size = _int("autotp_size", section.get("autotp_size", 0))
     tp = section.get("tp") or {}
     if not isinstance(tp, Mapping):

@@ -47,7 +47,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from hf_zero.config.errors import ConfigError, closest
+from hf_zero.config.errors import ConfigError, check_keys, closest
 from hf_zero.tensor_parallel.adapters import is_lora_layer
 
 __all__ = ["LayerSpec", "LayerSpecs", "PRESETS", "parse_layer_specs", "plan_from_specs"]
@@ -208,11 +208,7 @@ def _parts(key: str, shape: Any, partition_dim: Any, kind: str) -> int | tuple[i
 def _parse_spec(key: str, raw: Any) -> LayerSpec:
     if not isinstance(raw, Mapping):
         raise ConfigError(key, f"must be an object, got {type(raw).__name__}")
-    for k in raw:
-        if k not in _SPEC_KEYS:
-            hint = closest(k, _SPEC_KEYS)
-            raise ConfigError(f"{key}.{k}", "unknown key" + (f"; did you mean {hint!r}?" if hint else
-                                                             f"; known keys: {list(_SPEC_KEYS)}"))
+    check_keys(raw, _SPEC_KEYS, key)
     patterns = _strings(f"{key}.patterns", raw.get("patterns", []))
     if not patterns:
         raise ConfigError(f"{key}.patterns", "is empty: a spec names its parameters by regular expressions")
@@ -254,11 +250,7 @@ def parse_layer_specs(partition_config: Any, preset_model: Any, autotp_size: int
                                                                      f"{preset_model.lower()!r}")
     if not isinstance(partition_config, Mapping):
         raise ConfigError(_SECTION, f"must be an object, got {type(partition_config).__name__}")
-    for k in partition_config:
-        if k not in _CONFIG_KEYS:
-            hint = closest(k, _CONFIG_KEYS)
-            raise ConfigError(f"{_SECTION}.{k}", "unknown key" + (f"; did you mean {hint!r}?" if hint else
-                                                                  f"; known keys: {list(_CONFIG_KEYS)}"))
+    check_keys(partition_config, _CONFIG_KEYS, _SECTION)
     raw_specs = partition_config.get("layer_specs", [])
     if not isinstance(raw_specs, (list, tuple)):
         raise ConfigError(f"{_SECTION}.layer_specs", f"must be a list, got {type(raw_specs).__name__}")
