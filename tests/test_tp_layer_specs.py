@@ -12,6 +12,8 @@ micro-batch 2 of ``token_data(3, batch=2)``, the models below; ``deepspeed.initi
                                               function. hf_zero refuses it, naming the spec and the layout.
     a fused [q | k | v] (grouped-query, unequal sizes) and [gate | up] model with ``shape`` sub-parameters
                                               5.143937, 4.998004, 5.089378 (one process: 5.143937, 4.998006, 5.089370)
+    the same projections read by one row-parallel layer over [attention | MLP] (``shape: [-1, [64, 96]]``)
+                                              5.126825, 4.984739, 5.105278 (one process: 5.126826, 4.984740, 5.105278)
     Qwen3, a q_norm / k_norm spec (skip + grad_allreduce) merged before preset_model "qwen2"
                                               4.907468, 4.866898, 4.871544 (one process: ..., 4.866898, 4.871640)
     the fused model under PEFT LoRA           the one-process losses exactly: nothing was split. DeepSpeed matches
@@ -73,6 +75,32 @@ class FusedQKV(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
 
 
+class FusedRow(FusedQKV):
+    """The same projections, the attention and MLP outputs read by one row-parallel layer ``mix`` over their
+    concatenation [a | m] (64 + 96 features): ``shape: [-1, [64, 96]]``. On a rank the input is [a_r | m_r], so its
+    columns must be split per sub-parameter."""
+
+    def __init__(self):
+        super().__init__()
+        del self.o, self.down
+        self.mix = nn.Linear(64 + 96, 64)
+
+    def forward(self, input_ids=None, labels=None):
+        x = self.emb(input_ids)
+        out = self.qkv(x)
+        n = out.shape[-1] // (self.heads + 2 * self.kv)  # a rank's share of the heads
+        q, k, v = out.split([self.heads * n, self.kv * n, self.kv * n], -1)
+        b, s = x.shape[:2]
+        q, k, v = (t.view(b, s, -1, self.hd).transpose(1, 2) for t in (q, k, v))
+        k, v = (t.repeat_interleave(self.heads // self.kv, 1) for t in (k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        g, u = self.up(x).chunk(2, -1)
+        x = x + self.mix(torch.cat([a, F.silu(g) * u], -1))
+        logits = self.head(x).float()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+
+
+
 def _model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "neox":
@@ -90,6 +118,18 @@ def _model(kind: str, seed: int = 0) -> nn.Module:
                                             head_dim=8, max_position_embeddings=64))
     if kind == "fused":
         return FusedQKV()
+    if kind == "fused_row":
+        return FusedRow()
+    if kind == "fused_row_lora":  # LoRA on the row layer: lora_A's columns are permuted with the base layer's
+        from peft import LoraConfig, get_peft_model
+
+        model = FusedRow()
+        torch.manual_seed(seed + 1)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["mix"]))
+        for n, p in model.named_parameters():  # lora_B starts at zero: give it values, so lora_A's order matters
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02)
+        return model
     if kind == "fused_lora":  # LoRA on the fused projection: lora_B's rows are permuted with the base layer's
         from peft import LoraConfig, get_peft_model
 
@@ -117,6 +157,8 @@ FUSED_SPECS = [
     {"patterns": [r"up\.weight$"], "partition_type": "column", "shape": [2, -1], "partition_dim": 0},
     {"patterns": [r"down\.weight$"], "partition_type": "row"},
 ]
+FUSED_ROW_SPECS = [FUSED_SPECS[0], FUSED_SPECS[2],
+                   {"patterns": [r"mix\.weight$"], "partition_type": "row", "shape": [-1, [64, 96]]}]
 QWEN3_SPECS = [
     {"patterns": [r".*\.self_attn\.(q|k)_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True},
 ]
@@ -125,13 +167,17 @@ CASES = {  # name -> (model kind, tensor_parallel keys besides autotp_size)
     "neox_specs": ("neox", {"partition_config": {"use_default_specs": False, "layer_specs": NEOX_SPECS}}),
     "fused": ("fused", {"partition_config": {"use_default_specs": False, "layer_specs": FUSED_SPECS}}),
     "fused_lora": ("fused_lora", {"partition_config": {"use_default_specs": False, "layer_specs": FUSED_SPECS}}),
+    "fused_row": ("fused_row", {"partition_config": {"use_default_specs": False, "layer_specs": FUSED_ROW_SPECS}}),
+    "fused_row_lora": ("fused_row_lora",
+                       {"partition_config": {"use_default_specs": False, "layer_specs": FUSED_ROW_SPECS}}),
     # custom specs first, then the preset's (use_default_specs true): Qwen3's per-head norms see this rank's heads
     "qwen3_merged": ("qwen3", {"preset_model": "qwen2", "partition_config": {"layer_specs": QWEN3_SPECS}}),
 }
 # the losses DeepSpeed 0.19.8 printed for the same runs (module docstring; scripts/ds_pattern_workers.py
 # autotp_layer_specs)
 DEEPSPEED = {"llama_preset": [4.890985, 4.864985, 4.857524], "neox_specs": [4.898342, 4.821056, 4.886102],
-             "fused": [5.143937, 4.998004, 5.089378], "qwen3_merged": [4.907468, 4.866898, 4.871544]}
+             "fused": [5.143937, 4.998004, 5.089378], "qwen3_merged": [4.907468, 4.866898, 4.871544],
+             "fused_row": [5.126825, 4.984739, 5.105278]}
 
 
 def _config(tp: dict, autotp: int = 2) -> dict:
@@ -251,6 +297,14 @@ def test_plans_and_shards_the_specs_ask_for():
     assert fused["local"]["o.weight"] == (64, 32)  # this rank's 4 query heads' outputs
     lora = out["fused_lora"]
     assert lora["plan"]["qkv"] == "fused_colwise" and lora["fused"]["qkv.lora_B.default.weight"] == ((64, 32, 32), 0)
+    row = out["fused_row"]
+    assert row["plan"] == {"qkv": "fused_colwise", "up": "fused_colwise", "mix": "fused_rowwise"}
+    assert row["fused"]["mix.weight"] == ((64, 96), 1) and "mix.bias" not in row["fused"]  # the bias stays whole
+    assert row["local"]["mix.weight"] == (64, 80)  # [a_r | m_r]: 32 + 48 columns
+    row_lora = out["fused_row_lora"]
+    assert row_lora["plan"]["mix"] == "fused_rowwise"
+    assert row_lora["fused"]["mix.lora_A.default.weight"] == ((64, 96), 1)
+    assert row_lora["local"]["base_model.model.mix.lora_A.default.weight"] == (4, 80)
     qwen3 = out["qwen3_merged"]["plan"]
     assert qwen3["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"
     assert qwen3["model.layers.0.self_attn.k_proj"] == "colwise"  # from the preset, after the custom specs
@@ -300,10 +354,16 @@ def test_parse_warnings_name_the_key(caplog):
     assert "partition_config.embedding_partition_dim changes nothing" in text
     assert "preset_model='llama' is not used" in text
     assert "tensor_parallel.preset_model changes nothing: tensor parallelism is off" in text
+    with caplog.at_level(logging.WARNING, logger="hf_zero"):
+        skip = parse_tp_config({"autotp_size": 2, "partition_config": {"layer_specs": [
+            {"patterns": ["x"], "partition_type": "skip", "shape": [-1, 2]}]}}).layer_specs.specs[0]
+    assert skip.parts is None and "layer_specs[0].shape changes nothing" in caplog.text
 
 
 @pytest.mark.parametrize("spec,key", [
-    ({"patterns": ["x"], "shape": [2, -1], "partition_type": "row"}, "layer_specs[0].shape"),
+    ({"patterns": ["x"], "shape": [2, -1], "partition_type": "row"}, "layer_specs[0].shape"),  # row: [-1, n]
+    ({"patterns": ["x"], "shape": [-1, 2], "partition_type": "row", "partition_dim": 0},
+     "layer_specs[0].partition_dim"),
     ({"patterns": ["x"], "shape": [4, -1, 64]}, "layer_specs[0].shape"),
     ({"patterns": ["x"], "shape": [2, -1], "partition_dim": 1}, "layer_specs[0].partition_dim"),
     ({"patterns": ["x"], "partition_type": "row", "partition_dim": 0}, "layer_specs[0].partition_dim"),

@@ -52,7 +52,8 @@ def is_lora_layer(module: nn.Module) -> bool:
 def parallelize_lora_layer(name: str, module: nn.Module, style: str, mesh: DeviceMesh, *,
                            sequence_parallel: bool = False, parts=None) -> dict[str, tuple]:
     """Split the adapters of LoRA layer ``name`` (its base layer already parallel with ``style``; ``parts``: a
-    ``fused_colwise`` base layer's sub-parameters, whose ``lora_B`` rows are permuted the same way).
+    ``fused_colwise`` base layer's sub-parameters, whose ``lora_B`` rows are permuted the same way; of a
+    ``fused_rowwise`` one, whose ``lora_A`` columns are).
 
     Returns the fused-permutation entries ``{param name: (parts, dim)}`` for ``TPInfo.fused``.
     """
@@ -75,6 +76,10 @@ def parallelize_lora_layer(name: str, module: nn.Module, style: str, mesh: Devic
             parallelize_module(lora_b, mesh, SequenceParallel(use_local_output=True))
         elif style == "rowwise":
             parallelize_module(lora_a, mesh, LocalRowwise())
+        elif style == "fused_rowwise":  # lora_A reads the base layer's input: its columns in the same order
+            lora_a.weight.data = fused_to_rank_major(lora_a.weight.data, parts, mesh.size(), 1)
+            fused[f"{name}.lora_A.{adapter}.weight"] = (parts, 1)
+            parallelize_module(lora_a, mesh, LocalRowwise())
         elif style in ("fused_qkv_colwise", "fused_colwise"):
             tp, n = mesh.size(), 3 if style == "fused_qkv_colwise" else parts
             for pname, param in lora_b.named_parameters(recurse=False):
@@ -83,6 +88,7 @@ def parallelize_lora_layer(name: str, module: nn.Module, style: str, mesh: Devic
             parallelize_module(lora_b, mesh, LocalColwise())
         else:
             raise ValueError(f"hf_zero: module {name!r} carries LoRA adapters on a {style!r} tensor-parallel layer; "
-                             "adapters are supported on colwise, rowwise and fused (fused_qkv_colwise, fused_colwise) "
+                             "adapters are supported on colwise, rowwise and fused (fused_qkv_colwise, fused_colwise, "
+                             "fused_rowwise) "
                              "layers")
     return fused

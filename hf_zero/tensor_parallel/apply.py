@@ -134,6 +134,8 @@ def _style(name: str, style: str, module: nn.Module, sp: bool = False, shared: S
         return Conv1DColwise(fused_parts=3)
     if style == "fused_colwise":  # an nn.Linear whose rows apply_tp already permuted rank-major
         return LocalColwise(shared=shared)
+    if style == "fused_rowwise":  # an nn.Linear whose columns apply_tp already permuted rank-major
+        return LocalRowwise()
     if style == "replicated_with_grad_allreduce":
         return ReplicatedGradAllReduce()
     if style == "vocab_embedding":
@@ -215,9 +217,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
     shared = SharedCopy(tp_mesh.get_group())
     for name, style in matched.items():
         module = modules[name]
-        if style == "fused_colwise":  # rows permuted rank-major first: Shard(0) then gives rank r [p0_r | p1_r ..]
+        if style in ("fused_colwise", "fused_rowwise"):
+            # permuted rank-major first: the split (Shard(0) of the rows / Shard(1) of the columns) then gives rank
+            # r [p0_r | p1_r ..]
             fused.update(_permute_fused(name, module.base_layer if is_lora_layer(module) else module, parts[name],
-                                        tp))
+                                        tp, 0 if style == "fused_colwise" else 1))
         if is_lora_layer(module):  # the base layer as planned, its adapters split to match
             base = module.base_layer
             parallelize_module(base, tp_mesh, _style(name, style, base, sequence_parallel, shared))
@@ -250,18 +254,22 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
 
 
 @torch.no_grad()
-def _permute_fused(name: str, linear: nn.Module, parts: int | tuple[int, ...], tp: int) -> dict:
-    """Reorder the rows of a fused ``nn.Linear`` (``parts``: equal sub-parameters, or their sizes) rank-major, so
-    that the column split gives each rank its slice of every sub-parameter; the entries for ``TPInfo.fused``."""
-    rows = linear.weight.shape[0]
-    sizes = [rows // parts] * parts if isinstance(parts, int) else list(parts)
-    if sum(sizes) != rows or any(n % tp for n in sizes):
-        raise ValueError(f"hf_zero: {name} has {rows} output features; the layer spec's sub-parameters {sizes} must "
-                         f"add up to them and each be divisible by the tensor-parallel size {tp}")
+def _permute_fused(name: str, linear: nn.Module, parts: int | tuple[int, ...], tp: int, dim: int) -> dict:
+    """Reorder the features of a fused ``nn.Linear`` on ``dim`` (0: its outputs -- weight rows and bias --, for a
+    column split; 1: its inputs -- weight columns --, for a row split; ``parts``: equal sub-parameters, or their
+    sizes) rank-major, so that the split gives each rank its slice of every sub-parameter; the entries for
+    ``TPInfo.fused``."""
+    width = linear.weight.shape[dim]
+    sizes = [width // parts] * parts if isinstance(parts, int) else list(parts)
+    if sum(sizes) != width or any(n % tp for n in sizes):
+        raise ValueError(f"hf_zero: {name} has {width} {'output' if dim == 0 else 'input'} features; the layer "
+                         f"spec's sub-parameters {sizes} must add up to them and each be divisible by the "
+                         f"tensor-parallel size {tp}")
     out = {}
     for pname, p in linear.named_parameters(recurse=False):
-        p.data = fused_to_rank_major(p.data, parts, tp, 0)
-        out[f"{name}.{pname}"] = (parts, 0)
+        if p.dim() > dim:  # a row split leaves the bias (added after the sum) whole
+            p.data = fused_to_rank_major(p.data, parts, tp, dim)
+            out[f"{name}.{pname}"] = (parts, dim)
     return out
 
 

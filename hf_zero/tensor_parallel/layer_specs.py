@@ -16,6 +16,8 @@ does) against ``<module name>.weight``; the first spec that matches a module dec
                                     rank holds its slice of every one (weights permuted rank-major, saved whole)
         + shape [[a, b, c], -1]     the same with unequal sub-parameters (a grouped-query [q | k | v])
     partition_type row              "rowwise": this rank's input features, output summed over the TP group
+        + shape [-1, n] / [-1, [a, b]]  "fused_rowwise": the input is a concatenation of sub-parameters ([attention
+                                    | MLP] outputs, each column-split): columns permuted rank-major, bias whole
     partition_type skip             left whole; + grad_allreduce: true -> "replicated_with_grad_allreduce"
     model_types: [...]              the spec applies only when the model's ``config.model_type`` is listed
     no spec matches                 left whole (``strict_mode: true``: an error naming the module)
@@ -27,8 +29,8 @@ or skip). ``preset_model`` names a built-in table (llama, qwen2, mixtral, deepse
 with a partition_config too, ``use_default_specs: true`` puts the custom specs first and the preset's after them,
 ``false`` uses the custom specs alone -- DeepSpeed 0.19.8's rules.
 
-Refused, each naming the key: sub-parameter ``shape`` on a row-parallel layer or with a ``partition_dim`` other than
-0, shapes of more than two dimensions (DeepSpeed's MoE expert views), a row-parallel LM head, ``grad_allreduce`` on
+Refused, each naming the key: a sub-parameter ``shape`` with a ``partition_dim`` other than the layer's split dim,
+shapes of more than two dimensions (DeepSpeed's MoE expert views), a row-parallel LM head, ``grad_allreduce`` on
 a split layer, and a ``shape`` on a fused projection whose model code cannot run split (``_UNSPLITTABLE``):
 GPT-NeoX / BLOOM store ``query_key_value`` per head (``[q_h, k_h, v_h]`` for each head h), so the blocks ``shape``
 describes are not there and the split would hand each rank a mix of heads its row-parallel output projection does
@@ -81,7 +83,7 @@ class LayerSpec:
 
     patterns: tuple[str, ...]
     partition_type: str = "column"                 # column | row | skip
-    parts: int | tuple[int, ...] | None = None     # sub-parameters on dim 0 (shape's first entry), None: plain
+    parts: int | tuple[int, ...] | None = None     # sub-parameters on the split dim (from shape), None: plain
     model_types: tuple[str, ...] | None = None
     gather_output: bool = False
     grad_allreduce: bool = False
@@ -176,33 +178,38 @@ def _strings(key: str, value: Any) -> tuple[str, ...]:
 
 
 def _parts(key: str, shape: Any, partition_dim: Any, kind: str) -> int | tuple[int, ...] | None:
-    """The sub-parameters a ``shape`` describes on dim 0 of a 2-D weight; the forms hf_zero splits."""
+    """The sub-parameters a ``shape`` describes on the split dim of a 2-D weight (dim 0, the output features, for a
+    column-parallel layer: ``[n, -1]``; dim 1, the input features, for a row-parallel one: ``[-1, n]``)."""
     if partition_dim is not None and (not isinstance(partition_dim, int) or isinstance(partition_dim, bool)):
         raise ConfigError(f"{key}.partition_dim", f"must be an integer, got {partition_dim!r}")
-    default_dim = 0 if kind == "column" else 1
+    dim = 0 if kind == "column" else 1
     if shape is None:
-        if partition_dim not in (None, default_dim) and kind != "skip":
+        if partition_dim not in (None, dim) and kind != "skip":
             raise ConfigError(f"{key}.partition_dim", f"{partition_dim}: a {kind}-parallel layer splits weight dim "
-                                                      f"{default_dim} (of nn.Linear's (out, in)); remove the key")
+                                                      f"{dim} (of nn.Linear's (out, in)); remove the key")
         return None
-    if kind != "column":
-        raise ConfigError(f"{key}.shape", f"sub-parameters on a {kind!r} layer are not supported by hf_zero (only "
-                                          "column-parallel fused projections such as [q | k | v] or [gate | up])")
+    if kind == "skip":  # DeepSpeed reads no shape for a layer it leaves whole
+        logger.warning("hf_zero: %s.shape changes nothing: partition_type \"skip\" leaves the layer whole", key)
+        return None
     if not isinstance(shape, (list, tuple)) or len(shape) != 2:
-        raise ConfigError(f"{key}.shape", f"{shape!r}: hf_zero splits 2-D weights viewed as (sub-parameters, -1); "
-                                          "views of more dimensions (MoE expert stacks) are not supported")
-    if (partition_dim or 0) != 0:
-        raise ConfigError(f"{key}.partition_dim", f"{partition_dim}: sub-parameters are split on dim 0 (the output "
-                                                  "features of a column-parallel layer)")
-    first, rest = shape
-    if not (rest == -1 or (isinstance(rest, int) and rest > 0)):
-        raise ConfigError(f"{key}.shape", f"{shape!r}: the second entry must be -1 or the input size")
+        raise ConfigError(f"{key}.shape", f"{shape!r}: hf_zero splits 2-D weights viewed as (sub-parameters, -1) "
+                                          "or, row-parallel, (-1, sub-parameters); views of more dimensions (MoE "
+                                          "expert stacks) are not supported")
+    if partition_dim not in (None, dim):
+        raise ConfigError(f"{key}.partition_dim", f"{partition_dim}: the sub-parameters of a {kind}-parallel layer "
+                                                  f"are split on dim {dim} (its "
+                                                  f"{'output' if dim == 0 else 'input'} features)")
+    first, rest = shape[dim], shape[1 - dim]
+    form = "[n, -1]" if dim == 0 else "[-1, n]"
+    if not (rest == -1 or (isinstance(rest, int) and not isinstance(rest, bool) and rest > 0)):
+        raise ConfigError(f"{key}.shape", f"{shape!r}: the entry beside the sub-parameters must be -1 or the "
+                                          f"{'input' if dim == 0 else 'output'} size ({form})")
     if isinstance(first, int) and not isinstance(first, bool) and first > 0:
         return first
     if isinstance(first, (list, tuple)) and first and all(isinstance(n, int) and n > 0 for n in first):
         return tuple(first)
-    raise ConfigError(f"{key}.shape", f"{shape!r}: the first entry must be a number of equal sub-parameters or a "
-                                      "list of their sizes")
+    raise ConfigError(f"{key}.shape", f"{shape!r}: entry {dim} must be a number of equal sub-parameters or a list of "
+                                      f"their sizes ({form})")
 
 
 def _parse_spec(key: str, raw: Any) -> LayerSpec:
@@ -327,7 +334,8 @@ def plan_from_specs(model: nn.Module, specs: LayerSpecs, *, vocab_parallel_head:
                 key = spec.where if "preset_model" in spec.where else f"{spec.where}.shape"
                 raise ValueError(f"hf_zero: {key} splits {name} into sub-parameters, but "
                                  f"{model_type} {known[1]}. {known[2]}")
-            plan[name], fused[name] = "fused_colwise", spec.parts
+            plan[name] = "fused_colwise" if spec.partition_type == "column" else "fused_rowwise"
+            fused[name] = spec.parts
             continue
         if spec.partition_type == "row":
             plan[name] = "rowwise"
