@@ -229,8 +229,8 @@ def _train(root: str):
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-            if name == "fused" and s == 1:
-                engine.save_checkpoint(f"{root}/fused")
+            if name in ("fused", "fused_row") and s == 1:
+                engine.save_checkpoint(f"{root}/{name}")
         out[name] = {"losses": losses, "plan": dict(info.plan), "fused": dict(info.fused), "local": local,
                      "initial_exact": inexact,
                      "state": full_state_dict(engine.module)}
@@ -246,17 +246,21 @@ def _train(root: str):
 
 
 def _resume(root: str):
-    """The fused model's TP-2 checkpoint loaded by one process without tensor parallelism: the sub-parameters come
-    back in the model's own row order, and the third step's loss is the TP run's."""
+    """The fused models' TP-2 checkpoints loaded by one process without tensor parallelism: the sub-parameters come
+    back in the model's own row (column) order, and the third step's loss is the TP run's."""
     import hf_zero
 
-    model = _model("fused", seed=7)  # a different initial model: everything must come from the checkpoint
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    engine, *_ = hf_zero.initialize(model=model, optimizer=opt, config=_config({}, autotp=0))
-    path, _ = engine.load_checkpoint(f"{root}/fused")
-    ids = token_data(STEPS, batch=2)[2]
-    loss = _loss(engine, ids)
-    return {"path": path is not None, "step": engine.global_steps, "loss": loss.item()}
+    out = {}
+    for kind in ("fused", "fused_row"):
+        model = _model(kind, seed=7)  # a different initial model: everything must come from the checkpoint
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        engine, *_ = hf_zero.initialize(model=model, optimizer=opt, config=_config({}, autotp=0))
+        path, _ = engine.load_checkpoint(f"{root}/{kind}")
+        ids = token_data(STEPS, batch=2)[2]
+        loss = _loss(engine, ids)
+        out[kind] = {"path": path is not None, "step": engine.global_steps, "loss": loss.item()}
+        engine.destroy()
+    return out
 
 
 register(2, "layer_specs", _train, (SHARED_DIR,))
@@ -319,10 +323,11 @@ def test_per_head_qkv_with_a_shape_is_refused_naming_spec_and_layout():
 
 
 def test_fused_checkpoint_loads_without_tensor_parallelism():
-    out = case(1, "layer_specs_resume")[0]
-    assert out["path"] and out["step"] == 2
-    tp_third = case(2, "layer_specs")[0]["fused"]["losses"][2]
-    assert abs(out["loss"] - tp_third) <= 1e-5 * tp_third, (out["loss"], tp_third)
+    for kind in ("fused", "fused_row"):
+        out = case(1, "layer_specs_resume")[0][kind]
+        assert out["path"] and out["step"] == 2
+        tp_third = case(2, "layer_specs")[0][kind]["losses"][2]
+        assert abs(out["loss"] - tp_third) <= 1e-5 * tp_third, (kind, out["loss"], tp_third)
 
 
 def test_parse_presets_and_merge_order():
