@@ -265,6 +265,9 @@ def autotp_layer_specs(name: str):
         kind, tp = "neox", {"partition_config": {"use_default_specs": False, "layer_specs": t.NEOX_SHAPED}}
     else:
         kind, tp = t.CASES[name]
+    # hf_zero's own key (its default splits the head over the vocabulary); DeepSpeed's AutoTP has no such head and
+    # its config refuses the key
+    tp = {k: v for k, v in tp.items() if k != "vocab_parallel_lm_head"}
     model = t._model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=t.LR, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=t._config(tp))

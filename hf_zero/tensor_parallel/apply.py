@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hf_zero.tensor_parallel.adapters import is_lora_layer, parallelize_lora_layer, peft_base_model
 from hf_zero.tensor_parallel.layer_specs import LayerSpecs, plan_from_specs
@@ -136,6 +136,13 @@ def _style(name: str, style: str, module: nn.Module, sp: bool = False, shared: S
         return LocalColwise(shared=shared)
     if style == "fused_rowwise":  # an nn.Linear whose columns apply_tp already permuted rank-major
         return LocalRowwise()
+    if style == "rowwise_replicated_input":  # a row-parallel LM head: whole hidden states in, whole logits out
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if style == "hidden_embedding":  # the embedding tied to that head: its hidden features split the same way
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"hf_zero: hidden_embedding applies to nn.Embedding; module {name!r} is "
+                             f"{type(module).__name__}")
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if style == "replicated_with_grad_allreduce":
         return ReplicatedGradAllReduce()
     if style == "vocab_embedding":
@@ -157,6 +164,12 @@ def _check_sizes(model: nn.Module, matched: dict[str, str], tp: int) -> None:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     splits_heads = any(s in ("colwise", "fused_qkv_colwise", "fused_colwise") and ("attn" in n or "attention" in n)
                        for n, s in matched.items())
+    for n, s in matched.items():
+        if s in ("rowwise_replicated_input", "hidden_embedding"):
+            width = model.get_submodule(n).weight.shape[1]
+            if width % tp:
+                raise ValueError(f"hf_zero: {n} ({s}) splits its {width} hidden features over the tensor-parallel "
+                                 f"size {tp}, which must divide them")
     if splits_heads and heads is not None:
         if heads % tp:
             raise ValueError(f"hf_zero: tensor parallel size {tp} must divide num_attention_heads={heads} "

@@ -24,14 +24,15 @@ does) against ``<module name>.weight``; the first spec that matches a module dec
 
 The LM head (a module whose last name is in ``lm_head_patterns``, default ``lm_head`` / ``embed_out``) and the
 input embedding follow ``vocab_parallel_lm_head`` as without a partition_config (hf_zero's default: both split over
-the vocabulary with the vocabulary-parallel loss); with it false, the head's spec decides (column + gather_output,
-or skip). ``preset_model`` names a built-in table (llama, qwen2, mixtral, deepseek_v2, bloom, chatglm, phi3);
-with a partition_config too, ``use_default_specs: true`` puts the custom specs first and the preset's after them,
+the vocabulary with the vocabulary-parallel loss); with it false, the head's spec decides (column + gather_output;
+row: "rowwise_replicated_input", the logits summed whole, and a tied embedding "hidden_embedding"; or skip).
+``preset_model`` names a built-in table (llama, qwen2, mixtral, deepseek_v2, bloom, chatglm, phi3); with a
+partition_config too, ``use_default_specs: true`` puts the custom specs first and the preset's after them,
 ``false`` uses the custom specs alone -- DeepSpeed 0.19.8's rules.
 
 Refused, each naming the key: a sub-parameter ``shape`` with a ``partition_dim`` other than the layer's split dim,
-shapes of more than two dimensions (DeepSpeed's MoE expert views), a row-parallel LM head, ``grad_allreduce`` on
-a split layer, and a ``shape`` on a fused projection whose model code cannot run split (``_UNSPLITTABLE``):
+shapes of more than two dimensions (DeepSpeed's MoE expert views), a ``shape`` on a row-parallel LM head (DeepSpeed
+raises NotImplementedError), ``grad_allreduce`` on a split layer, and a ``shape`` on a fused projection whose model code cannot run split (``_UNSPLITTABLE``):
 GPT-NeoX / BLOOM store ``query_key_value`` per head (``[q_h, k_h, v_h]`` for each head h), so the blocks ``shape``
 describes are not there and the split would hand each rank a mix of heads its row-parallel output projection does
 not expect -- DeepSpeed trains that spec (its DeepSpeedExamples AutoTP example for Pythia carries it) without an
@@ -342,11 +343,16 @@ def plan_from_specs(model: nn.Module, specs: LayerSpecs, *, vocab_parallel_head:
         else:
             plan[name] = "colwise_gather_output" if spec.gather_output else "colwise"
     if isinstance(emb, nn.Embedding):
-        # split over the vocabulary as without a partition_config, except when tied to a head left whole
-        tied_whole = any(model.get_submodule(h).weight is emb.weight and h not in plan for h in head_names)
-        if not tied_whole:
-            plan[next(n for n, m in model.named_modules() if m is emb)] = "vocab_embedding"
-    if not any(style not in ("vocab_embedding", "vocab_lm_head") for style in plan.values()):
+        # split over the vocabulary as without a partition_config, except when tied to a head left whole (then
+        # whole too) or split over the hidden features (row-parallel: the embedding shares that split)
+        tied = [h for h in head_names if model.get_submodule(h).weight is emb.weight]
+        emb_name = next(n for n, m in model.named_modules() if m is emb)
+        if any(plan.get(h) == "rowwise_replicated_input" for h in tied):
+            plan[emb_name] = "hidden_embedding"
+        elif not any(h not in plan for h in tied):
+            plan[emb_name] = "vocab_embedding"
+    if not any(style not in ("vocab_embedding", "vocab_lm_head", "hidden_embedding", "rowwise_replicated_input")
+               for style in plan.values()):
         raise ValueError(f"hf_zero: no layer of {type(model).__name__} (model_type={model_type!r}) matches the specs "
                          f"of {specs.source}: patterns {[p for s in specs.specs for p in s.patterns]} are matched "
                          "against '<module name>.weight' from the start (re.match); nothing would be split")
@@ -355,7 +361,8 @@ def plan_from_specs(model: nn.Module, specs: LayerSpecs, *, vocab_parallel_head:
 
 def _head_style(name: str, spec: LayerSpec | None, vocab_parallel_head: bool) -> str | None:
     """The LM head: vocabulary parallel under ``vocab_parallel_lm_head`` (a spec for it is overridden, as in
-    DeepSpeed); otherwise the spec's column + gather_output, or whole."""
+    DeepSpeed); otherwise the spec's column + gather_output, row (each rank multiplies its slice of the hidden
+    features, the logits summed whole on every rank: DeepSpeed's LinearAllreduceWithReplicatedInput), or whole."""
     if vocab_parallel_head:
         if spec is not None and spec.partition_type != "column":
             logger.warning("hf_zero: tensor_parallel.vocab_parallel_lm_head overrides %s (partition_type %r) for "
@@ -365,8 +372,10 @@ def _head_style(name: str, spec: LayerSpec | None, vocab_parallel_head: bool) ->
     if spec is None or spec.partition_type == "skip":
         return None
     if spec.partition_type == "row":
-        raise ValueError(f"hf_zero: {spec.where}: a row-parallel LM head ({name}) is not supported; use "
-                         "partition_type \"column\" with gather_output true, or vocab_parallel_lm_head true")
+        if spec.parts is not None:  # DeepSpeed raises NotImplementedError for the same spec
+            raise ValueError(f"hf_zero: {spec.where}.shape: a row-parallel LM head ({name}) is split on whole hidden "
+                             "features; remove the shape")
+        return "rowwise_replicated_input"
     if not spec.gather_output:
         raise ValueError(f"hf_zero: {spec.where}: a column-parallel LM head ({name}) without gather_output leaves "
                          "each rank a slice of the logits that the model's loss reads as whole; set gather_output "
