@@ -378,6 +378,8 @@ def _head_style(name: str, spec: LayerSpec | None, vocab_parallel_head: bool) ->
         return "rowwise_replicated_input"
     if not spec.gather_output:
         raise ValueError(f"hf_zero: {spec.where}: a column-parallel LM head ({name}) without gather_output leaves "
-                         "each rank a slice of the logits that the model's loss reads as whole; set gather_output "
-                         "true, or tensor_parallel.vocab_parallel_lm_head true (the vocabulary-parallel loss)")
+                         "each rank a slice of the logits that the model's loss reads as whole (DeepSpeed 0.19.8 "
+                         "fails in that loss: 'Expected input batch_size (16) to match target batch_size (32)' on "
+                         "a Llama at TP 2); set gather_output true, or tensor_parallel.vocab_parallel_lm_head true "
+                         "(the vocabulary-parallel loss)")
     return "colwise_gather_output"
