@@ -218,9 +218,9 @@ def test_world_size_must_be_positive():
     ({"compile": {"deepcompile": True}},
      "compile: DeepCompile is a DeepSpeed option hf_zero does not support; remove it from the config (or switch it "
      "off)"),
-    ({"zero_optimization": {"zenflow": {}}},
-     "zero_optimization.zenflow: ZenFlow is a DeepSpeed option hf_zero does not support; remove it from the config "
-     "(or switch it off)"),
+    ({"zero_optimization": {"zenflow": {"update_interval": 2}}},
+     "zero_optimization.zenflow: needs offload_optimizer (device 'cpu'): ZenFlow applies the unselected gradients "
+     "with the offloaded optimizer"),
 ])
 def test_bad_values_name_key_value_and_what_is_accepted(config, message):
     assert error_of(config) == message
@@ -653,7 +653,7 @@ ZERO_KEYS = frozenset({
     "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients", "zero_hpz_partition_size",
     "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "mics_shard_size",
     "mics_hierarchical_params_gather", "memory_efficient_linear", "override_module_apply",
-    "log_trace_cache_warnings", "enable_sanity_checks",
+    "log_trace_cache_warnings", "enable_sanity_checks", "zenflow",
 })
 OFFLOAD_KEYS = frozenset({"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
                           "fast_init", "pipeline_read", "pipeline_write", "ratio"})

@@ -160,7 +160,10 @@ def _note_default_clipping(max_norm: float) -> None:
 
 _KEEP_AUTO = ("optimizer.params.", "scheduler.params.")
 # Keys where "auto" is a setting with its own meaning, not a value for the HF integration to fill in.
-_AUTO_IS_A_VALUE = frozenset({"data_types.keep_in_fp32_modules"})
+_AUTO_IS_A_VALUE = frozenset({"data_types.keep_in_fp32_modules",
+                              # ZenFlow's "auto" is a mode of its own (hf_zero/zero/zenflow.py), nothing fills it
+                              "zero_optimization.zenflow.select_strategy", "zero_optimization.zenflow.select_interval",
+                              "zero_optimization.zenflow.update_interval"})
 # Sections kept as given (pipeline, compression_training, ...): their "auto" values are their own business
 # (DeepSpeed's pipeline.stages defaults to "auto"), not values for load_config to fill.
 _RAW_SECTIONS = frozenset(

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["AioParams", "OffloadPolicy", "CPUOffloadPolicy", "NVMeOffloadPolicy", "Stage3Policy", "ZeroPolicy",
            "LossScalePolicy", "PrecisionPolicy", "zero_policy", "precision_policy", "loss_scale_policy",
-           "param_offload_policy", "param_offload_device", "InitPrecision", "init_precision"]
+           "param_offload_policy", "param_offload_device", "InitPrecision", "init_precision", "ZenFlowPolicy",
+           "zenflow_policy"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,32 @@ class ZeroPolicy:
     sub_group_size: int         # elements per offloaded optimizer tile
     offload_param: OffloadPolicy | None
     stage3: Stage3Policy
+
+
+@dataclass(frozen=True)
+class ZenFlowPolicy:
+    """``zero_optimization.zenflow`` (hf_zero/zero/zenflow.py turns the epochs into micro-steps at the first backward,
+    when the initialize() dataloader is known)."""
+
+    topk_ratio: float
+    update_interval: int
+    select_per_epoch: bool     # select_strategy 'epoch' or 'auto' (then select_interval 1)
+    select_interval: int       # micro-steps, or epochs when select_per_epoch; 0: select once
+    full_warm_up_rounds: int
+    offload_moments: bool      # zenflow.offload: the selective moments live in CPU memory (same values)
+
+
+def zenflow_policy(cfg: "HfZeroConfig") -> ZenFlowPolicy | None:
+    from .schema import Auto
+
+    zf = cfg.zero.zenflow
+    if zf is None:
+        return None
+    per_epoch = isinstance(zf.select_strategy, Auto) or zf.select_strategy == "epoch"
+    interval = 1 if isinstance(zf.select_interval, Auto) else int(zf.select_interval)
+    return ZenFlowPolicy(topk_ratio=float(zf.topk_ratio), update_interval=int(zf.update_interval),
+                         select_per_epoch=per_epoch, select_interval=interval,
+                         full_warm_up_rounds=int(zf.full_warm_up_rounds), offload_moments=bool(zf.offload))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import ClassVar, Literal
 from .errors import ConfigError
 from .policies import NO_PERSISTENCE_CAP
 from .schema import AUTO, Auto, spec
+from .zenflow import ZenFlowConfig
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -151,7 +152,6 @@ class ZeroConfig:
     """``zero_optimization``: which states are partitioned across data-parallel ranks, and how they move."""
 
     _unsupported_keys: ClassVar[dict[str, str]] = {
-        "zenflow": "ZenFlow",
         "leaf_module": "ZeRO-3 leaf modules",
         "zeropp_loco_param": "LoCo-ZeRO++",
         "pipeline_loading_checkpoint": "Pipeline checkpoint loading",
@@ -175,6 +175,9 @@ class ZeroConfig:
     offload_param: ParamOffloadConfig = spec(
         default_factory=ParamOffloadConfig, help="Offload parameters to CPU or NVMe (stage 3).")
     sub_group_size: int = spec(1_000_000_000, help="Parameter elements processed per optimizer-step tile.")
+    zenflow: ZenFlowConfig | None = spec(
+        None, help="ZenFlow (stages 1/2 with offload_optimizer): top-k gradient columns updated on the device every "
+                   "step, the rest by the offloaded optimizer every update_interval steps (docs/zenflow.md).")
     cpu_offload: bool | None = spec(None, help="Legacy: true means offload_optimizer.device 'cpu'.")
     cpu_offload_param: bool | None = spec(None, help="Legacy: true means offload_param.device 'cpu'.")
     cpu_offload_use_pin_memory: bool | None = spec(None, help="Legacy: pin_memory of the legacy cpu offloads.")
@@ -237,6 +240,16 @@ class ZeroConfig:
                 raise ConfigError(legacy, f"false contradicts {section}.device {current.device!r}; remove {legacy}")
         if self.overlap_comm is None and not isinstance(self.stage, Auto):
             object.__setattr__(self, "overlap_comm", self.stage == 3)
+        if self.zenflow is not None:  # DeepSpeed's checks, at its ZenFlow optimizer's construction
+            if not self.offload_optimizer.enabled:
+                raise ConfigError("zenflow", "needs offload_optimizer (device 'cpu'): ZenFlow applies the "
+                                             "unselected gradients with the offloaded optimizer")
+            if self.stage == 3:
+                raise ConfigError("zenflow", "with stage 3 is not implemented in hf_zero; use stage 1 or 2")
+            if self.offload_optimizer.ratio != 1.0:  # a resident master would share the weights' memory
+                raise ConfigError("zenflow", "with offload_optimizer.ratio < 1 is not implemented in hf_zero")
+            if self.zenflow.offload and self.overlap_comm is False:
+                raise ConfigError("zenflow.offload", "true needs overlap_comm true (DeepSpeed's rule)")
 
     @property
     def offload_enabled(self) -> bool:

@@ -64,6 +64,11 @@ def _refused(note: str, active=None) -> KeyStatus:
     return KeyStatus(Status.REFUSED, note, active)
 
 
+def _zenflow_set(name: str, default: Any) -> Callable[["HfZeroConfig"], bool]:
+    """A key of the optional ``zero_optimization.zenflow`` section: set when the section is and the key differs."""
+    return lambda cfg: cfg.zero.zenflow is not None and getattr(cfg.zero.zenflow, name) != default
+
+
 def _switched_on(path: str) -> Callable[["HfZeroConfig"], bool]:
     """A section kept as a raw mapping counts as set when it has ``"enabled": true`` at any depth."""
     return lambda cfg: _any_enabled(_get(cfg, path))
@@ -227,6 +232,21 @@ STATUS: dict[str, KeyStatus] = {
     "zero_optimization.offload_param.pipeline_write": _no_op("partition writes always overlap the optimizer step"),
     "zero_optimization.offload_param.ratio": HONOURED,  # must be 1 (checked by the schema)
     "zero_optimization.sub_group_size": HONOURED,
+    # ZenFlow (hf_zero/zero/zenflow.py, docs/zenflow.md); its config refuses update_interval 'auto' and
+    # overlap_step true with an error naming the key
+    "zero_optimization.zenflow.topk_ratio": HONOURED,
+    "zero_optimization.zenflow.select_strategy": HONOURED,
+    "zero_optimization.zenflow.select_interval": HONOURED,
+    "zero_optimization.zenflow.update_interval": HONOURED,
+    "zero_optimization.zenflow.full_warm_up_rounds": HONOURED,
+    "zero_optimization.zenflow.offload": HONOURED,  # the selective moments wait in CPU memory (same values)
+    "zero_optimization.zenflow.overlap_step": _refused("set it false: hf_zero runs the offloaded step in order",
+                                                       active=_zenflow_set("overlap_step", False)),
+    "zero_optimization.zenflow.auto_ratio": _no_op("it tunes update_interval 'auto', which hf_zero refuses",
+                                                   active=_zenflow_set("auto_ratio", 0.99)),
+    "zero_optimization.zenflow.pt_reserved_cores_perc": _no_op(
+        "it splits cores with DeepSpeed's overlap_step optimizer process; hf_zero has none",
+        active=_zenflow_set("pt_reserved_cores_perc", 0.5)),
     "zero_optimization.cpu_offload": HONOURED,
     "zero_optimization.cpu_offload_param": HONOURED,
     "zero_optimization.cpu_offload_use_pin_memory": HONOURED,

@@ -91,6 +91,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._boundary_override: bool | None = None
+        self.zenflow = None  # zero_optimization.zenflow: set below once the optimizer exists (zero/zenflow.py)
         see_memory_usage("Engine before configure distributed model", force=self.memory_breakdown())
         # curriculum_learning (DeepSpeed's legacy one): each training forward moves it to step global_steps + 1
         self.curriculum_scheduler_legacy = (CurriculumScheduler(config.curriculum_learning)
@@ -181,6 +182,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                 process_group=process_group, guard=self._backward.tolerate if self._guards_backward else None)
         else:
             self.reducer = None
+        if config.zero.zenflow is not None:
+            self.zenflow = self._build_zenflow(config, process_group)
         if tp is not None and tp.mesh.get_local_rank() != 0:
             # replicated parameters have the same gradient on every TP rank: TP rank 0 alone counts them
             from hf_zero.runtime.tp_setup import replicated_spans
@@ -192,6 +195,25 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             # what initialize freed (the weights a cast replaced, the model's unsharded copies) is not the training
             # loop's working set: out of the host cache (hf_zero/ops/host_cache.py), back to the kernel
             host_cache.empty_cache()
+
+    def _build_zenflow(self, config: HfZeroConfig, process_group):
+        """ZenFlow's selective optimizer and schedule (hf_zero/zero/zenflow.py), for the checks only the engine
+        can make: the update rule it steps is Adam's, fp16's loss scale would reach the selective gradients."""
+        from hf_zero.config.policies import zenflow_policy
+        from hf_zero.zero.zenflow import ZenFlow
+
+        if not self.optimizer.backend.uses_adam_hyper:
+            raise ConfigError("zero_optimization.zenflow", "needs an Adam or AdamW optimizer (its offloaded step is "
+                                                           "Adam's with DeepSpeed's step count)")
+        if self.loss_scaler is not None:
+            raise ConfigError("zero_optimization.zenflow", "with fp16 loss scaling is not implemented in hf_zero; "
+                                                           "train in bf16 or fp32")
+        hyper = (dict(config.optimizer.params) if config.optimizer is not None else
+                 {k: self.optimizer.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")})
+        return ZenFlow(zenflow_policy(config), self.groups, self.optimizer, self.optimizer.param_group_of, hyper,
+                       steps_per_epoch=lambda: (len(self.training_dataloader)
+                                                if getattr(self, "training_dataloader", None) is not None else None),
+                       process_group=process_group, world_size=self.world_size)
 
     def _cast_buffers(self, module: nn.Module, precision) -> None:
         """Buffers as DeepSpeed 0.19.8 leaves them at initialize (hf_zero/zero/buffer_dtypes.py): their own dtype
@@ -361,6 +383,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
+        if self.zenflow is not None:  # warm-up, update_interval and select boundaries (zero/zenflow.py)
+            return self.zenflow.is_update_boundary(self.micro_steps)
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -399,6 +423,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         if self.reducer is not None:
             self.reducer.begin((self.stage == 2 or self.is_gradient_accumulation_boundary())
                                and not self._inside_no_sync and not self._coalescing)
+            if self.zenflow is not None:
+                self.zenflow.begin_backward(self.micro_steps)
         elif self.stage3 is not None:
             self.stage3.begin_backward()  # a module's forward from here on is a checkpointing recomputation
 
@@ -408,6 +434,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             self.reducer.finish()
             if reduced and self.stage == 0:  # DeepSpeed without ZeRO leaves the averaged gradients in p.grad
                 self.reducer.expose_grads()
+            if self.zenflow is not None:  # the selective update of this micro-step (or its gradients kept)
+                self.zenflow.end_backward(self.micro_steps, self.is_gradient_accumulation_boundary())
         else:
             self.stage3.finish_backward()
         see_memory_usage("Engine after backward", force=self.memory_breakdown())
@@ -424,9 +452,14 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                                "inside are reduced only after the block; call step() after the with-block")
         see_memory_usage("Engine before step", force=self.memory_breakdown())
         boundary = self.is_gradient_accumulation_boundary()
+        if self.zenflow is not None:  # DeepSpeed: the selective lr is synced, the Adam step count is the micro-step's
+            self.zenflow.sync_lr()
+            self.optimizer.adam_step_override = self.micro_steps + 1
         if boundary:
             with self.timers.phase("step"), self.step_profiler.step(self.global_steps):
                 self.optimizer.step()
+            if self.zenflow is not None:
+                self.zenflow.after_offloaded_step()
             if self.reducer is not None:
                 self.reducer.hide_grads()  # stage 0's p.grad views: the step has used them
             if self.lr_scheduler is not None and not self.optimizer.overflow:
@@ -443,6 +476,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                     self.global_samples, self.get_lr()[0], self.get_loss_scale() if self.fp16_enabled() else None,
                     self.timers.seconds if timed else None))
             self._log_step()
+        elif self.zenflow is not None and self.lr_scheduler is not None:  # ZenFlow's schedule moves every micro-step
+            self.lr_scheduler.step(**(lr_kwargs or {}))
         self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
         if self.hybrid is not None:
             self.hybrid.after_step()
@@ -482,6 +517,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         return int(self._config.train_batch_size)
 
     def gradient_accumulation_steps(self) -> int:
+        if self.zenflow is not None:  # DeepSpeed's configure_zenflow replaces it by update_interval
+            return self.zenflow.gradient_accumulation_steps
         return int(self._config.gradient_accumulation_steps)
 
     def zero_optimization_stage(self) -> int:

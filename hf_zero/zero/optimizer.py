@@ -97,6 +97,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.overflow = False  # read by accelerate (step_was_skipped)
         self.global_grad_norm: float | None = None
         self.skipped_steps = 0
+        # ZenFlow (zero/zenflow.py) sets the Adam step count of the next step (DeepSpeed steps its offloaded Adam
+        # with the micro-step number, not the number of updates); None: count steps
+        self.adam_step_override: int | None = None
         from hf_zero.zero.tensor_fragment import track
 
         track(self)  # safe_get_full_grad(param) and friends find the parameter's shards through this
@@ -238,7 +241,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             group = self.param_groups[pg]
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
-            state["step"] += 1
+            if self.adam_step_override is not None:
+                state["step"].fill_(self.adam_step_override)
+            else:
+                state["step"] += 1
             hyper.append(AdamHyper.of_group(group, int(state["step"].item())))
         return hyper
 

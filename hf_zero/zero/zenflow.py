@@ -1,0 +1,351 @@
+"""ZenFlow (``zero_optimization.zenflow``): selective device updates between offloaded-optimizer steps.
+
+With ZeRO-1/2 and ``offload_optimizer``, every micro-step ``t`` (0-based, the engine's ``micro_steps``)::
+
+    t <  W                       warm-up: a full offloaded-optimizer step every micro-step
+    t >= W                       the micro-step's averaged gradient of the *selected* columns of every 2-D weight,
+                                 and of every 1-D parameter whole, is applied at once on the device by a selective
+                                 AdamW (own moments, 16-bit like the weights); the full gradient accumulates
+    update boundary              (t+1-W) % U == 0, or (t+1) % S == 0: the offloaded optimizer steps on the
+                                 accumulated gradient (Adam step count t+1), the 16-bit weights are published from
+                                 its masters, then the selected columns and 1-D parameters get back their values
+                                 from before that step plus this micro-step's selective update -- the offloaded
+                                 step moves only the unselected columns
+    select boundary              t == W, or t % S == 0 (t >= W): before backward the masters are re-read from the
+                                 weights (they hold the selective updates) and the selective moments are zeroed
+                                 (their step counts are kept); after backward the top-k columns are chosen by
+                                 the sum of |gradient| over each column (input feature) of the averaged gradient
+
+    W = full_warm_up_rounds, U = update_interval (it also replaces gradient_accumulation_steps: the loss is divided
+    by U), S = select_interval in micro-steps (select_strategy 'epoch'/'auto': epochs of the initialize()
+    dataloader; 0: selected once)
+
+The learning rate schedule steps every micro-step (update or not); the selective optimizer takes the scheduler's
+learning rate at each ``engine.step()`` (the selective update during micro-step t's backward uses the one of step
+t-1, the config's before the first step). Its other hyper-parameters are the config optimizer's, with torch AdamW's
+defaults (weight_decay 0.01) where the config has none. Columns are chosen per rank's slice of DeepSpeed's flat
+ZeRO-1/2 partition (``k = max(1, int(columns * topk_ratio))`` per slice, a column cut by a partition boundary is in
+neither), so the selection at N ranks is DeepSpeed's.
+
+This is DeepSpeed 0.19.8's algorithm (``runtime/zenflow``, ``ops/adam/zenflow_*``) without two of its layout
+defects, which ``tests/test_zenflow.py`` reproduces in its reference to match DeepSpeed's recorded numbers: its
+flat ZeRO buffer holds 2-D weights transposed but the weights are viewed from it untransposed (each weight starts
+as ``W.T.reshape(W.shape)`` and the offloaded update lands on transposed positions), and its column sums are read
+from the reduce bucket at an offset that skips the 1-D parameters before the weight.
+
+Gradients are taken with tensor hooks (the micro-step's gradient of each parameter, before it is accumulated or
+reduced); one all-reduce per micro-step averages the selected columns (the whole weights at a select boundary).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from hf_zero.comm import all_reduce_
+from hf_zero.config.errors import ConfigError
+from hf_zero.config.policies import ZenFlowPolicy
+from hf_zero.zero.local import local_tensor
+
+__all__ = ["ZenFlowSchedule", "ZenFlow", "selective_adamw_", "deepspeed_column_slices"]
+
+logger = logging.getLogger("hf_zero")
+
+_ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZenFlowSchedule:
+    """The schedule in micro-steps."""
+
+    topk_ratio: float
+    update_interval: int
+    select_interval: int  # 0: the columns chosen at the first selective step are kept
+    full_warm_up_rounds: int
+
+    @classmethod
+    def resolve(cls, policy: ZenFlowPolicy, steps_per_epoch: int | None) -> "ZenFlowSchedule":
+        """``steps_per_epoch``: length of the initialize() dataloader (None without one: an epoch-based selection
+        then happens once, as in DeepSpeed)."""
+        interval = policy.select_interval
+        if policy.select_per_epoch:
+            interval = interval * steps_per_epoch if steps_per_epoch else 0
+        update = policy.update_interval
+        if interval != 0 and interval < update:
+            raise ConfigError("zero_optimization.zenflow.select_interval",
+                              f"{interval} steps ({'epoch' if policy.select_per_epoch else 'step'}) is less than "
+                              f"update_interval {update}; it must be greater or equal (DeepSpeed's rule)")
+        return cls(topk_ratio=policy.topk_ratio, update_interval=update, select_interval=interval,
+                   full_warm_up_rounds=policy.full_warm_up_rounds)
+
+    def is_update_boundary(self, t: int) -> bool:
+        w, s = self.full_warm_up_rounds, self.select_interval
+        if t + 1 < w:
+            return True
+        return (t + 1 - w) % self.update_interval == 0 or (s != 0 and (t + 1) % s == 0)
+
+    def is_select_boundary(self, t: int) -> bool:
+        w, s = self.full_warm_up_rounds, self.select_interval
+        return t >= w and (t == w or (s != 0 and t % s == 0))
+
+    def is_selective(self, t: int) -> bool:
+        return t >= self.full_warm_up_rounds
+
+
+def deepspeed_column_slices(shapes: Sequence[torch.Size], world_size: int) -> list[list[tuple[int, int]]]:
+    """For each parameter of one group, the column ranges ``[start, end)`` of every rank's slice of DeepSpeed's
+    ZeRO-1/2 flat partition (2-D weights stored transposed, the group padded to a multiple of 2 * world_size, cut
+    in equal parts); ``[]`` for a 1-D parameter. A column cut by a partition boundary belongs to no slice."""
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    total = sum(numels)
+    align = 2 * world_size
+    padded = -(-total // align) * align
+    part = padded // world_size
+    out, start = [], 0
+    for shape, n in zip(shapes, numels):
+        slices = []
+        if len(shape) == 2:
+            rows = int(shape[0])
+            for r in range(world_size):
+                lo, hi = max(start, r * part), min(start + n, (r + 1) * part)
+                if lo >= hi:
+                    continue
+                offset, numel = lo - start, hi - lo
+                first = 0 if not offset else (offset - 1) // rows + 1
+                slices.append((first, (offset + numel) // rows))
+        out.append(slices)
+        start += n
+    return out
+
+
+@torch.no_grad()
+def selective_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                     step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """torch's single-tensor AdamW, in the tensors' own dtype (16-bit weights: 16-bit arithmetic, as DeepSpeed's
+    selective optimizer runs), in place."""
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+@dataclass
+class _Selective:
+    """One parameter's selective state."""
+
+    param: nn.Parameter
+    group: int                           # param_groups index (its learning rate)
+    slices: list[tuple[int, int]]        # 2-D: DeepSpeed's column slices; [] for 1-D
+    columns: torch.Tensor | None = None  # 2-D: selected columns, sorted
+    step: int = 0
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    local: torch.Tensor | None = None    # this micro-step's local gradient (selected columns, or whole)
+    grad: torch.Tensor | None = None     # its average over the data-parallel ranks
+    before: torch.Tensor | None = None   # values before the offloaded step (update boundary)
+
+    def view(self) -> torch.Tensor:
+        p = local_tensor(self.param).data
+        return p if self.columns is None else p[:, self.columns]
+
+    def write(self, values: torch.Tensor) -> None:
+        p = local_tensor(self.param).data
+        if self.columns is None:
+            p.copy_(values)
+        else:
+            p[:, self.columns] = values
+
+
+class ZenFlow:
+    """Owns the selective optimizer, the gradient hooks and the schedule of one engine.
+
+    The engine calls ``begin_backward(t)`` / ``end_backward(t, boundary)`` around each backward, ``sync_lr()`` at
+    the start of each ``step()``, and ``after_offloaded_step()`` after the offloaded optimizer's step.
+    """
+
+    def __init__(self, policy: ZenFlowPolicy, groups: Sequence, optimizer, param_group_of: Sequence[int],
+                 hyper: dict, *, steps_per_epoch: Callable[[], int | None], process_group=None,
+                 world_size: int = 1) -> None:
+        """``groups``: the engine's ShardedGroups; ``hyper``: the config optimizer's params (lr, betas, eps,
+        weight_decay), torch AdamW's defaults for the missing ones; ``steps_per_epoch``: read at the first
+        backward (the initialize() dataloader exists by then)."""
+        self._policy = policy
+        self._steps_per_epoch = steps_per_epoch
+        self.schedule: ZenFlowSchedule | None = None
+        self._optimizer = optimizer
+        self._process_group = process_group
+        self._world_size = world_size
+        self._hyper = {k: hyper.get(k, v) for k, v in _ADAMW_DEFAULTS.items()}
+        betas = self._hyper["betas"]
+        self._hyper["betas"] = (float(betas[0]), float(betas[1]))
+        self._lr = [float(self._hyper["lr"])] * len(optimizer.param_groups)  # synced from the scheduler at step()
+        self._groups = list(groups)
+        self.params: list[_Selective] = []
+        for g, pg in zip(self._groups, param_group_of):
+            shapes = [local_tensor(p).shape for p in g.params]
+            for name, shape in zip(g.names, shapes):
+                if len(shape) not in (1, 2):
+                    raise ConfigError("zero_optimization.zenflow", f"parameter '{name}' has shape {tuple(shape)}: "
+                                      "ZenFlow updates 1-D and 2-D parameters only (DeepSpeed's too)")
+            for p, slices in zip(g.params, deepspeed_column_slices(shapes, world_size)):
+                self.params.append(_Selective(p, pg, slices))
+        self._capturing = False
+        self._select = False
+        self._pending = False  # selective gradients waiting for the offloaded step (update boundary)
+        # the gradient of each parameter as autograd computes it (before accumulation into .grad or reduction)
+        self._handles = [s.param.register_hook(self._hook(s)) for s in self.params]
+
+    # schedule ------------------------------------------------------------------------------------------------------
+    def _resolved(self) -> ZenFlowSchedule:
+        if self.schedule is None:
+            self.schedule = ZenFlowSchedule.resolve(self._policy, self._steps_per_epoch())
+        return self.schedule
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """DeepSpeed replaces gradient_accumulation_steps by update_interval (the loss is divided by it)."""
+        return self._policy.update_interval
+
+    def is_update_boundary(self, t: int) -> bool:
+        return self._resolved().is_update_boundary(t)
+
+    # backward ------------------------------------------------------------------------------------------------------
+    def begin_backward(self, t: int) -> None:
+        policy = self._resolved()
+        self._capturing = policy.is_selective(t)
+        self._select = policy.is_select_boundary(t)
+        if self._select:
+            if t != 0:
+                self._sync_masters()
+            for s in self.params:
+                if s.exp_avg is not None:
+                    s.exp_avg.zero_()
+                    s.exp_avg_sq.zero_()
+        for s in self.params:
+            s.local = None
+
+    def _hook(self, s: _Selective):
+        def capture(grad: torch.Tensor) -> None:
+            if not self._capturing:
+                return None
+            g = local_tensor(grad).detach()
+            if g.dim() == 2 and not self._select:
+                g = g[:, s.columns]
+            else:
+                g = g.clone()
+            s.local = g if s.local is None else s.local + g
+            return None
+
+        return capture
+
+    def end_backward(self, t: int, boundary: bool) -> None:
+        """After the backward's gradients are reduced: average the captured gradients, select columns at a select
+        boundary, and update the selected columns now (or, at an update boundary, after the offloaded step)."""
+        if not self._capturing:
+            return
+        self._capturing = False
+        self._average()
+        if self._select:
+            self._choose_columns()
+        for s in self.params:
+            s.grad = s.grad if s.grad.dim() == 1 or not self._select else s.grad[:, s.columns]
+        if boundary:
+            for s in self.params:
+                s.before = s.view().clone()
+            self._pending = True
+        else:
+            self._apply()
+
+    def _average(self) -> None:
+        """One all-reduce of every captured gradient, pre-divided by the world size (DeepSpeed's order)."""
+        locals_ = []
+        for s in self.params:
+            if s.local is None:  # no gradient this pass: zeros, as the reducer flushes for unused parameters
+                shape = local_tensor(s.param).shape
+                if len(shape) == 2 and not self._select:
+                    shape = (shape[0], len(s.columns))
+                s.local = torch.zeros(shape, dtype=s.param.dtype, device=s.param.device)
+            locals_.append(s.local)
+        flat = torch.cat([x.reshape(-1) for x in locals_])
+        if self._world_size > 1:
+            flat.div_(self._world_size)
+            all_reduce_(flat, group=self._process_group, what="ZenFlow's selected-gradient all-reduce")
+        at = 0
+        for s in self.params:
+            n = s.local.numel()
+            s.grad = flat[at:at + n].view(s.local.shape)
+            s.local = None
+            at += n
+
+    def _choose_columns(self) -> None:
+        ratio = self._resolved().topk_ratio
+        for s in self.params:
+            if s.grad.dim() != 2:
+                continue
+            sums = s.grad.abs().sum(dim=0)  # (columns,): |gradient| summed over each input feature
+            chosen = []
+            for first, end in s.slices:
+                if end <= first:
+                    continue
+                k = max(1, int((end - first) * ratio))
+                chosen.append(torch.topk(sums[first:end], k).indices.sort()[0] + first)
+            s.columns = torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long, device=s.grad.device)
+
+    # step ----------------------------------------------------------------------------------------------------------
+    def sync_lr(self) -> None:
+        """At each engine.step(): the selective optimizer takes the scheduler's current learning rates."""
+        self._lr = [float(g["lr"]) for g in self._optimizer.param_groups]
+
+    def after_offloaded_step(self) -> None:
+        """The offloaded step has published its weights: the selected columns get back their values from before it,
+        plus this micro-step's selective update."""
+        if not self._pending:
+            return
+        self._pending = False
+        for s in self.params:
+            s.write(s.before)
+            s.before = None
+        self._apply()
+
+    def _apply(self) -> None:
+        h = self._hyper
+        for s in self.params:
+            values = s.view()
+            # zenflow.offload: the moments wait in CPU memory between updates (DeepSpeed's; the same values)
+            home = torch.device("cpu") if self._policy.offload_moments else values.device
+            if s.exp_avg is None or s.exp_avg.shape != values.shape:
+                s.exp_avg = torch.zeros_like(values, device=home)
+                s.exp_avg_sq = torch.zeros_like(values, device=home)
+            exp_avg, exp_avg_sq = s.exp_avg.to(values.device), s.exp_avg_sq.to(values.device)
+            s.step += 1
+            selective_adamw_(values, s.grad.to(values.dtype), exp_avg, exp_avg_sq, step=s.step,
+                             lr=self._lr[s.group], beta1=h["betas"][0], beta2=h["betas"][1], eps=float(h["eps"]),
+                             weight_decay=float(h["weight_decay"]))
+            if exp_avg is not s.exp_avg:
+                s.exp_avg.copy_(exp_avg)
+                s.exp_avg_sq.copy_(exp_avg_sq)
+            if s.columns is not None:
+                s.write(values)
+            s.grad = None
+
+    def _sync_masters(self) -> None:
+        """The offloaded masters <- this rank's shards of the current weights (which hold the selective updates)."""
+        offload = self._optimizer.offload
+        for gi, g in enumerate(self._groups):
+            master = torch.zeros(g.shard_numel, dtype=torch.float32)
+            for i, p in enumerate(g.params):
+                g.layout.shard_of(local_tensor(p).detach().reshape(-1).float().cpu(), i, g.rank,
+                                  master[g.layout.offsets[i]:g.layout.offsets[i + 1]])
+            offload.load_state_tensors(gi, {"master": master})
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,350 @@
+"""ZenFlow (``zero_optimization.zenflow``) trains the function DeepSpeed 0.19.8's ZenFlow trains.
+
+``zenflow_reference`` below is a single-process, pure-PyTorch statement of the update rule (hf_zero/zero/zenflow.py
+describes it): ranks are simulated by averaging their gradients. hf_zero on 1 and 2 gloo ranks matches it loss by
+loss and parameter by parameter (fp32 within 1e-6, bf16 within 1e-3 relative). With ``deepspeed_layout=True`` the
+same reference reproduces DeepSpeed's two layout defects (documented in zenflow.py) and then equals the losses and
+parameter sums a real DeepSpeed run printed, recorded below -- which shows the schedule, the column selection, the
+selective moments, the step counts and the learning rates of the reference are DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import hf_zero
+from hf_zero.config import ConfigError, load_config
+from hf_zero.config.policies import zenflow_policy
+from hf_zero.testing import run_distributed
+from hf_zero.zero.zenflow import ZenFlowSchedule
+
+MICRO = 4  # samples per rank per micro-step
+BASE = {"topk_ratio": 0.25, "update_interval": 2, "select_strategy": "step", "select_interval": 4,
+        "full_warm_up_rounds": 1}
+WARMUP_LR = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 6,
+                                            "warmup_type": "linear"}}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 8))
+
+
+def _batches(world: int, steps: int):
+    g = torch.Generator().manual_seed(100)
+    return [(torch.randn(world * MICRO, 16, generator=g), torch.randn(world * MICRO, 8, generator=g))
+            for _ in range(steps)]
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return nn.functional.mse_loss(out.float(), y.to(dtype).float())
+
+
+def _cpu_adamw_(p, g, m, v, step, lr, wd, b1=0.9, b2=0.999, eps=1e-8):
+    p.mul_(1 - lr * wd)
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    p.addcdiv_(m, v.sqrt() / math.sqrt(1 - b2 ** step) + eps, value=-lr / (1 - b1 ** step))
+
+
+def _selective_adamw_(p, g, m, v, step, lr, wd, b1=0.9, b2=0.999, eps=1e-8):
+    p.mul_(1 - lr * wd)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    p.addcdiv_(m, (v.sqrt() / (1 - b2 ** step) ** 0.5).add_(eps), value=-lr / (1 - b1 ** step))
+
+
+def _deepspeed_slices(numels, index, rows, world):
+    """Column ranges of parameter ``index`` in each rank's part of DeepSpeed's flat ZeRO-1/2 partition."""
+    part = -(-sum(numels) // (2 * world)) * (2 * world) // world
+    start = sum(numels[:index])
+    out = []
+    for r in range(world):
+        lo, hi = max(start, r * part), min(start + numels[index], (r + 1) * part)
+        if lo < hi:
+            off = lo - start
+            out.append((0 if off == 0 else (off - 1) // rows + 1, (off + hi - lo) // rows))
+    return out
+
+
+def zenflow_reference(*, dtype=torch.float32, world=1, steps=8, zenflow=BASE, lr=0.01, weight_decay=0.1,
+                      clip=0.0, warmup_lr=None, deepspeed_layout=False) -> dict:
+    zf = {"full_warm_up_rounds": 0, **zenflow}
+    u, w, ratio = zf["update_interval"], zf["full_warm_up_rounds"], zf["topk_ratio"]
+    s = zf["select_interval"] if zf.get("select_strategy") == "step" else 0  # no dataloader: epoch -> select once
+    model = _model()
+    master = [p.detach().clone() for p in model.parameters()]  # fp32, before the cast
+    model.to(dtype)
+    params = list(model.parameters())
+    if deepspeed_layout:  # DeepSpeed 0.19.8: 2-D weights viewed untransposed from their transposed flat copy,
+        # masters made from the 16-bit weights
+        master = [(x.t().contiguous().view(x.shape) if x.dim() == 2 else x).to(dtype).float() for x in master]
+        with torch.no_grad():
+            for p, x in zip(params, master):
+                p.copy_(x)
+    moments = [(torch.zeros_like(x), torch.zeros_like(x)) for x in master]
+    acc = [torch.zeros_like(p) for p in params]  # the accumulated gradient, in the compute dtype
+
+    def lr_at(t):  # the scheduler's value during micro-step t (it steps every micro-step); DeepSpeed's WarmupLR
+        # writes iteration 0's value at construction and again at its first step
+        if warmup_lr is None:
+            return lr
+        q = warmup_lr["params"]
+        gamma = min(1.0, max(0, t - 1) / q["warmup_num_steps"])
+        return q["warmup_min_lr"] + (q["warmup_max_lr"] - q["warmup_min_lr"]) * gamma
+
+    columns, sel_state, before = {}, {}, {}
+    selective_lr = lr  # the config's until the first engine.step()
+    losses = []
+    for t, (xs, ys) in enumerate(_batches(world, steps)):
+        boundary = t + 1 < w or (t + 1 - w) % u == 0 or (s != 0 and (t + 1) % s == 0)
+        select = t >= w and (t == w or (s != 0 and t % s == 0))
+        if select:
+            if t != 0:
+                for x, p in zip(master, params):
+                    x.copy_(p.detach().float())
+            for st in sel_state.values():
+                st[1].zero_()
+                st[2].zero_()
+        grads = [torch.zeros_like(p) for p in params]
+        total = 0.0
+        for r in range(world):
+            for p in params:
+                p.grad = None
+            loss = _loss(model(xs[r * MICRO:(r + 1) * MICRO].to(dtype)), ys[r * MICRO:(r + 1) * MICRO], dtype)
+            (loss / u).backward()
+            total += loss.item()
+            for g, p in zip(grads, params):
+                g.add_(p.grad / world)
+        losses.append(total / world)
+        for a, g in zip(acc, grads):
+            a.add_(g.t().contiguous().view(g.shape) if deepspeed_layout and g.dim() == 2 else g)
+        selected = {}
+        if t >= w:
+            for i, (p, g) in enumerate(zip(params, grads)):
+                if p.dim() == 2:
+                    if select:
+                        sums = g.abs().sum(dim=0)
+                        if deepspeed_layout:  # column sums read from the bucket, 1-D parameters skipped
+                            order = list(reversed(range(len(params))))
+                            flat = torch.cat([grads[j].t().reshape(-1) if grads[j].dim() == 2 else grads[j]
+                                              for j in order])
+                            off = sum(grads[j].numel() for j in order[:order.index(i)] if grads[j].dim() == 2)
+                            sums = flat[off:off + g.numel()].view(g.shape[1], g.shape[0]).abs().sum(dim=1)
+                        picks = [torch.topk(sums[a:b], max(1, int((b - a) * ratio))).indices.sort()[0] + a
+                                 for a, b in _deepspeed_slices([q.numel() for q in params], i, p.shape[0], world)
+                                 if b > a]
+                        columns[i] = torch.cat(picks)
+                    selected[i] = g[:, columns[i]]
+                else:
+                    selected[i] = g
+                sel_state.setdefault(i, [0, torch.zeros_like(selected[i]), torch.zeros_like(selected[i])])
+
+        def view(i):
+            p = params[i].data
+            return p[:, columns[i]] if p.dim() == 2 else p
+
+        def apply(i, values):
+            st = sel_state[i]
+            st[0] += 1
+            _selective_adamw_(values, selected[i], st[1], st[2], st[0], selective_lr, weight_decay)
+            if params[i].dim() == 2:
+                params[i].data[:, columns[i]] = values
+
+        if selected and not boundary:
+            for i in selected:
+                apply(i, view(i))
+        elif selected:
+            for i in selected:
+                before[i] = view(i).clone()
+        # engine.step()
+        selective_lr = lr_at(t)
+        if boundary:
+            norm = math.sqrt(sum(a.float().pow(2).sum().item() for a in acc))
+            divisor = 1.0 / min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+            for x, a, (m, v) in zip(master, acc, moments):
+                _cpu_adamw_(x, a.float() / divisor, m, v, t + 1, lr_at(t), weight_decay)
+                a.zero_()
+            for p, x in zip(params, master):
+                p.data.copy_(x)
+            for i in selected:
+                values = before[i].clone()
+                if params[i].dim() == 1:
+                    params[i].data.copy_(values)
+                    values = params[i].data
+                apply(i, values)
+    return {"losses": losses, "params": [p.detach().float().clone() for p in params]}
+
+
+# --- hf_zero ---------------------------------------------------------------------------------------------------
+
+
+def _config(dtype: str, zenflow: dict, clip: float = 0.0, warmup_lr=None, stage: int = 2) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO,
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow},
+           "gradient_clipping": clip}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if warmup_lr is not None:
+        cfg["scheduler"] = warmup_lr
+    return cfg
+
+
+def _train(cfg: dict, dtype_name: str, steps: int) -> dict:
+    import torch.distributed as dist
+
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _model()
+    engine, _, _, _ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    losses = []
+    for xs, ys in _batches(world, steps):
+        x, y = xs[rank * MICRO:(rank + 1) * MICRO], ys[rank * MICRO:(rank + 1) * MICRO]
+        loss = _loss(engine(x.to(dtype)), y, dtype)
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return {"losses": losses, "params": [p.detach().float().clone() for p in engine.module.parameters()],
+            "gas": engine.gradient_accumulation_steps(), "global_steps": engine.global_steps}
+
+
+CASES = {
+    # update_interval 2, one warm-up round, re-selection every 4 steps (a select boundary also ends a window)
+    "fixed": dict(zenflow=BASE),
+    # no warm-up, windows of 3, clipping the accumulated gradient
+    "clip": dict(zenflow={**BASE, "update_interval": 3, "select_interval": 3, "full_warm_up_rounds": 0},
+                 clip=0.5),
+    # columns chosen once (select_strategy 'auto' without a dataloader), a learning-rate schedule
+    "select_once_lr": dict(zenflow={"topk_ratio": 0.2, "update_interval": 3, "full_warm_up_rounds": 2},
+                           warmup_lr=WARMUP_LR),
+}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_hf_zero_matches_the_reference(world, dtype):
+    steps = 8
+    runs = run_distributed(_train_cases, world, args=(dtype, steps))
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == "fp32" else dict(rtol=1e-3, atol=1e-3)
+    for name, case in CASES.items():
+        ref = zenflow_reference(dtype=torch_dtype, world=world, steps=steps, **case)
+        got = runs[0][name]
+        assert got["losses"] == pytest.approx(ref["losses"], rel=tol["rtol"], abs=tol["atol"]), name
+        for a, b in zip(got["params"], ref["params"]):
+            torch.testing.assert_close(a, b, **tol, msg=name)
+        assert got["gas"] == case["zenflow"]["update_interval"]  # DeepSpeed replaces gradient_accumulation_steps
+        if name == "fixed":  # updates at micro-steps 0 (warm-up), 2, 4, 6 (windows end), 3 and 7 (selections next)
+            assert got["global_steps"] == 6
+
+
+def _train_cases(dtype: str, steps: int) -> dict:
+    return {name: _train(_config(dtype, case["zenflow"], case.get("clip", 0.0), case.get("warmup_lr")), dtype,
+                         steps) for name, case in CASES.items()}
+
+
+def test_stage_1_trains_like_stage_2():
+    got = run_distributed(_train, 2, args=(_config("fp32", BASE, stage=1), "fp32", 6))[0]
+    ref = zenflow_reference(world=2, steps=6)
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+
+
+# --- DeepSpeed ---------------------------------------------------------------------------------------------------
+# Printed by a real DeepSpeed 0.19.8 on CPU, one rank, with this file's model, data and configs:
+#   cd <dir with zf_ref.py: the _train loop above, `import deepspeed`, deepspeed.initialize(...)>
+#   HF_ZERO_DISABLE_DEEPSPEED_SHIM=1 DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m deepspeed.launcher.runner \
+#       --num_gpus 1 zf_ref.py '{"dtype": "fp32", "zenflow": <BASE>, "steps": 8}'
+# (the script: /work/exw/zf_ref/zf_ref.py; 2026-11-29)
+DEEPSPEED = {
+    "fixed_fp32": dict(
+        case=dict(zenflow=BASE),
+        losses=[1.4178928136825562, 1.2114348411560059, 0.6702060103416443, 1.4748108386993408, 0.9250153303146362,
+                0.7162530422210693, 0.7663714289665222, 1.0503746271133423],
+        param_sums=[-1.7795162200927734, -0.8548318147659302, -1.0052791833877563, -0.00010162591934204102]),
+    "fixed_bf16": dict(
+        case=dict(zenflow=BASE, dtype=torch.bfloat16),
+        losses=[1.418036937713623, 1.2102954387664795, 0.6706312894821167, 1.4763401746749878, 0.9257378578186035,
+                0.7173961997032166, 0.7683632373809814, 1.0504404306411743],
+        param_sums=[-1.7812042236328125, -0.8631591796875, -1.0263519287109375, -0.0020751953125]),
+    "clip_fp32": dict(
+        case=dict(zenflow={**BASE, "update_interval": 3, "select_interval": 3, "full_warm_up_rounds": 0}, clip=0.5),
+        losses=[1.4178928136825562, 1.213879942893982, 0.6945673823356628, 1.4859297275543213, 0.9347512125968933,
+                0.7249695062637329, 0.7370847463607788, 1.0378755331039429],
+        param_sums=[-1.8981817960739136, -0.7614008784294128, -0.905197262763977, -0.012282662093639374]),
+    "warmup_lr_fp32": dict(
+        case=dict(zenflow=BASE, warmup_lr=WARMUP_LR),
+        losses=[1.4178928136825562, 1.2196048498153687, 0.6968932151794434, 1.5178943872451782, 0.9443730711936951,
+                0.7325887680053711, 0.7551926970481873, 1.0408532619476318],
+        param_sums=[-1.8571463823318481, -0.8619513511657715, -0.9748889803886414, -0.12957793474197388]),
+}
+
+
+@pytest.mark.parametrize("name", list(DEEPSPEED))
+def test_reference_with_deepspeeds_layout_reproduces_deepspeed(name):
+    rec = DEEPSPEED[name]
+    ref = zenflow_reference(steps=8, deepspeed_layout=True, **rec["case"])
+    assert ref["losses"] == pytest.approx(rec["losses"], rel=2e-6)
+    assert [p.sum().item() for p in ref["params"]] == pytest.approx(rec["param_sums"], rel=1e-5, abs=1e-6)
+
+
+# --- schedule and config ----------------------------------------------------------------------------------------
+
+
+def _policy(steps_per_epoch=None, **zenflow) -> ZenFlowSchedule:
+    return ZenFlowSchedule.resolve(zenflow_policy(load_config(_zero(zenflow), world_size=1)), steps_per_epoch)
+
+
+def test_schedule_is_deepspeeds():
+    p = _policy(update_interval=2, select_strategy="step", select_interval=4, full_warm_up_rounds=1)
+    assert [t for t in range(10) if p.is_update_boundary(t)] == [0, 2, 3, 4, 6, 7, 8]
+    assert [t for t in range(10) if p.is_select_boundary(t)] == [1, 4, 8]
+    p = _policy(update_interval=3, full_warm_up_rounds=3)  # select_strategy auto, no dataloader: select once
+    assert [t for t in range(9) if p.is_update_boundary(t)] == [0, 1, 2, 5, 8]
+    assert [t for t in range(9) if p.is_select_boundary(t)] == [3]
+    assert _policy(steps_per_epoch=7, update_interval=2).select_interval == 7  # 'auto': every epoch
+    assert _policy(steps_per_epoch=5, update_interval=2, select_strategy="epoch", select_interval=2) \
+        .select_interval == 10
+
+
+def _zero(zenflow, **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow, **zero}}
+
+
+@pytest.mark.parametrize("cfg, start", [
+    (_zero({"update_interval": 2}, offload_optimizer={"device": "none"}),
+     "zero_optimization.zenflow: needs offload_optimizer"),
+    (_zero({"update_interval": 2}, stage=3), "zero_optimization.zenflow: with stage 3 is not implemented"),
+    (_zero({"topk_ratio": 1.0}), "zero_optimization.zenflow.topk_ratio: value 1.0 is not accepted"),
+    # DeepSpeed's default update_interval is 'auto'
+    (_zero({}), "zero_optimization.zenflow.update_interval: 'auto' is not implemented"),
+    (_zero({"update_interval": 0}), "zero_optimization.zenflow.update_interval: value 0 is not accepted"),
+    (_zero({"update_interval": "auto"}), "zero_optimization.zenflow.update_interval: 'auto' is not implemented"),
+    (_zero({"update_interval": 2, "overlap_step": True}), "zero_optimization.zenflow.overlap_step: true is not "),
+    (_zero({"update_interval": 4, "select_strategy": "step", "select_interval": 2}),
+     "zero_optimization.zenflow.select_interval: 2 is less than update_interval 4"),
+    (_zero({"update_interval": 2, "select_interval": 3}),
+     "zero_optimization.zenflow.select_interval: 3 with select_strategy 'auto'"),
+    (_zero({"update_interval": 2, "select_strategy": "step"}),
+     "zero_optimization.zenflow.select_interval: 'auto' with select_strategy 'step'"),
+    (_zero({"update_interval": 2, "select_strategy": "often"}), "zero_optimization.zenflow.select_strategy: value"),
+    (_zero({"update_interval": 2, "offload": True}, overlap_comm=False),
+     "zero_optimization.zenflow.offload: true needs overlap_comm true"),
+    (_zero({"update_interval": 2, "topk": 0.1}), "zero_optimization.zenflow.topk: unknown key"),
+])
+def test_config_errors_name_the_key(cfg, start):
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg, world_size=1)
+    assert str(err.value).startswith(start), str(err.value)
+
+
+def test_epoch_selection_shorter_than_the_update_interval_is_refused():
+    with pytest.raises(ConfigError, match="zero_optimization.zenflow.select_interval: 3 steps"):
+        _policy(steps_per_epoch=3, update_interval=4)
