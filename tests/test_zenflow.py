@@ -345,6 +345,21 @@ def test_config_errors_name_the_key(cfg, start):
     assert str(err.value).startswith(start), str(err.value)
 
 
+def _epoch_interval(samples: int) -> int:
+    data = torch.utils.data.TensorDataset(torch.randn(samples, 16), torch.randn(samples, 8))
+    cfg = _config("fp32", {"update_interval": 2, "select_strategy": "epoch", "select_interval": 2})
+    engine, _, loader, _ = hf_zero.initialize(model=_model(), config=cfg, training_data=data)
+    x, y = next(iter(loader))
+    engine.backward(_loss(engine(x), y, torch.float32))
+    engine.step()
+    return engine.zenflow.schedule.select_interval, len(loader)
+
+
+def test_epoch_selection_counts_the_initialize_dataloader():
+    interval, steps_per_epoch = run_distributed(_epoch_interval, 1, args=(3 * MICRO,))[0]
+    assert (interval, steps_per_epoch) == (6, 3)  # select_interval 2 epochs of 3 micro-batches
+
+
 def test_epoch_selection_shorter_than_the_update_interval_is_refused():
     with pytest.raises(ConfigError, match="zero_optimization.zenflow.select_interval: 3 steps"):
         _policy(steps_per_epoch=3, update_interval=4)

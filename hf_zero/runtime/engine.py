@@ -208,6 +208,9 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         if self.loss_scaler is not None:
             raise ConfigError("zero_optimization.zenflow", "with fp16 loss scaling is not implemented in hf_zero; "
                                                            "train in bf16 or fp32")
+        if self.model_parallel_group is not None or tp_info(self.module) is not None:
+            raise ConfigError("zero_optimization.zenflow", "with pipeline or tensor parallelism is not implemented "
+                                                           "in hf_zero; use data parallelism alone")
         hyper = (dict(config.optimizer.params) if config.optimizer is not None else
                  {k: self.optimizer.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")})
         return ZenFlow(zenflow_policy(config), self.groups, self.optimizer, self.optimizer.param_group_of, hyper,
