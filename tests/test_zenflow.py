@@ -4,7 +4,7 @@
 describes it): ranks are simulated by averaging their gradients. hf_zero on 1 and 2 gloo ranks matches it loss by
 loss and parameter by parameter (fp32 within 1e-6, bf16 within 1e-3 relative). With ``deepspeed_layout=True`` the
 same reference reproduces DeepSpeed's two layout defects (documented in zenflow.py) and then equals the losses and
-parameter sums a real DeepSpeed run printed, recorded below -- which shows the schedule, the column selection, the
+parameter sums real DeepSpeed runs printed on 1 and 2 ranks, recorded below -- which shows the schedule, the column selection, the
 selective moments, the step counts and the learning rates of the reference are DeepSpeed's.
 """
 
@@ -58,16 +58,21 @@ def _selective_adamw_(p, g, m, v, step, lr, wd, b1=0.9, b2=0.999, eps=1e-8):
     p.addcdiv_(m, (v.sqrt() / (1 - b2 ** step) ** 0.5).add_(eps), value=-lr / (1 - b1 ** step))
 
 
+def _partition_numel(numels, world):
+    return -(-sum(numels) // (2 * world)) * (2 * world) // world
+
+
 def _deepspeed_slices(numels, index, rows, world):
-    """Column ranges of parameter ``index`` in each rank's part of DeepSpeed's flat ZeRO-1/2 partition."""
-    part = -(-sum(numels) // (2 * world)) * (2 * world) // world
+    """(rank, first column, end column) of parameter ``index`` in each rank's part of DeepSpeed's flat ZeRO-1/2
+    partition (2-D weights stored transposed)."""
+    part = _partition_numel(numels, world)
     start = sum(numels[:index])
     out = []
     for r in range(world):
         lo, hi = max(start, r * part), min(start + numels[index], (r + 1) * part)
         if lo < hi:
             off = lo - start
-            out.append((0 if off == 0 else (off - 1) // rows + 1, (off + hi - lo) // rows))
+            out.append((r, 0 if off == 0 else (off - 1) // rows + 1, (off + hi - lo) // rows))
     return out
 
 
@@ -111,6 +116,7 @@ def zenflow_reference(*, dtype=torch.float32, world=1, steps=8, zenflow=BASE, lr
                 st[1].zero_()
                 st[2].zero_()
         grads = [torch.zeros_like(p) for p in params]
+        local = []  # each rank's own gradients, divided by the world size
         total = 0.0
         for r in range(world):
             for p in params:
@@ -118,6 +124,7 @@ def zenflow_reference(*, dtype=torch.float32, world=1, steps=8, zenflow=BASE, lr
             loss = _loss(model(xs[r * MICRO:(r + 1) * MICRO].to(dtype)), ys[r * MICRO:(r + 1) * MICRO], dtype)
             (loss / u).backward()
             total += loss.item()
+            local.append([p.grad / world for p in params])
             for g, p in zip(grads, params):
                 g.add_(p.grad / world)
         losses.append(total / world)
@@ -128,16 +135,15 @@ def zenflow_reference(*, dtype=torch.float32, world=1, steps=8, zenflow=BASE, lr
             for i, (p, g) in enumerate(zip(params, grads)):
                 if p.dim() == 2:
                     if select:
-                        sums = g.abs().sum(dim=0)
-                        if deepspeed_layout:  # column sums read from the bucket, 1-D parameters skipped
-                            order = list(reversed(range(len(params))))
-                            flat = torch.cat([grads[j].t().reshape(-1) if grads[j].dim() == 2 else grads[j]
-                                              for j in order])
-                            off = sum(grads[j].numel() for j in order[:order.index(i)] if grads[j].dim() == 2)
-                            sums = flat[off:off + g.numel()].view(g.shape[1], g.shape[0]).abs().sum(dim=1)
-                        picks = [torch.topk(sums[a:b], max(1, int((b - a) * ratio))).indices.sort()[0] + a
-                                 for a, b in _deepspeed_slices([q.numel() for q in params], i, p.shape[0], world)
-                                 if b > a]
+                        numels = [q.numel() for q in params]
+                        picks = []
+                        for owner, a, b in _deepspeed_slices(numels, i, p.shape[0], world):
+                            if b <= a:
+                                continue
+                            sums = g.abs().sum(dim=0)
+                            if deepspeed_layout:
+                                sums = _deepspeed_column_sums(grads, local[owner], owner, i, world)
+                            picks.append(torch.topk(sums[a:b], max(1, int((b - a) * ratio))).indices.sort()[0] + a)
                         columns[i] = torch.cat(picks)
                     selected[i] = g[:, columns[i]]
                 else:
@@ -178,6 +184,24 @@ def zenflow_reference(*, dtype=torch.float32, world=1, steps=8, zenflow=BASE, lr
                     values = params[i].data
                 apply(i, values)
     return {"losses": losses, "params": [p.detach().float().clone() for p in params]}
+
+
+def _deepspeed_column_sums(grads, local, owner, i, world):
+    """Weight ``i``'s column sums as DeepSpeed 0.19.8 reads them on rank ``owner``: from its reduce bucket
+    (parameters in backward order, 2-D ones transposed; averaged where ``owner``'s partition is, its own gradient
+    divided by the world size elsewhere) at an offset that counts only the 2-D parameters before ``i``."""
+    numels = [g.numel() for g in grads]
+    part = _partition_numel(numels, world)
+    order = list(reversed(range(len(grads))))
+    flat = []
+    for j in order:
+        avg, own = (x.t().reshape(-1) if x.dim() == 2 else x for x in (grads[j], local[j]))
+        where = (sum(numels[:j]) + torch.arange(numels[j])) // part == owner
+        flat.append(torch.where(where, avg, own))
+    flat = torch.cat(flat)
+    off = sum(numels[j] for j in order[:order.index(i)] if grads[j].dim() == 2)
+    rows, cols = grads[i].shape
+    return flat[off:off + numels[i]].view(cols, rows).abs().sum(dim=1)
 
 
 # --- hf_zero ---------------------------------------------------------------------------------------------------
@@ -257,7 +281,7 @@ def test_stage_1_trains_like_stage_2():
 
 
 # --- DeepSpeed ---------------------------------------------------------------------------------------------------
-# Printed by a real DeepSpeed 0.19.8 on CPU, one rank, with this file's model, data and configs:
+# Printed by a real DeepSpeed 0.19.8 on CPU (one rank unless said), with this file's model, data and configs:
 #   cd <dir with zf_ref.py: the _train loop above, `import deepspeed`, deepspeed.initialize(...)>
 #   HF_ZERO_DISABLE_DEEPSPEED_SHIM=1 DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m deepspeed.launcher.runner \
 #       --num_gpus 1 zf_ref.py '{"dtype": "fp32", "zenflow": <BASE>, "steps": 8}'
@@ -278,6 +302,17 @@ DEEPSPEED = {
         losses=[1.4178928136825562, 1.213879942893982, 0.6945673823356628, 1.4859297275543213, 0.9347512125968933,
                 0.7249695062637329, 0.7370847463607788, 1.0378755331039429],
         param_sums=[-1.8981817960739136, -0.7614008784294128, -0.905197262763977, -0.012282662093639374]),
+    # two ranks (--num_gpus 2): DeepSpeed reads each partition's column sums from its own reduce bucket
+    "fixed_fp32_2ranks": dict(
+        case=dict(zenflow=BASE, world=2),
+        losses=[1.214469313621521, 1.0066320896148682, 0.9514409303665161, 0.9388986229896545, 1.0168356895446777,
+                1.0261108875274658, 1.0738749504089355, 0.9451998472213745],
+        param_sums=[-2.6535041332244873, -0.7249967455863953, -1.1970415115356445, -0.09820566326379776]),
+    "fixed_bf16_2ranks": dict(
+        case=dict(zenflow=BASE, world=2, dtype=torch.bfloat16),
+        losses=[1.2124969959259033, 1.0071415901184082, 0.9513952732086182, 0.9387201070785522, 1.0179386138916016,
+                1.0276412963867188, 1.0750789642333984, 0.9467703700065613],
+        param_sums=[-2.6552963256835938, -0.73565673828125, -1.206939697265625, -0.101806640625]),
     "warmup_lr_fp32": dict(
         case=dict(zenflow=BASE, warmup_lr=WARMUP_LR),
         losses=[1.4178928136825562, 1.2196048498153687, 0.6968932151794434, 1.5178943872451782, 0.9443730711936951,

@@ -31,7 +31,8 @@ This is DeepSpeed 0.19.8's algorithm (``runtime/zenflow``, ``ops/adam/zenflow_*`
 defects, which ``tests/test_zenflow.py`` reproduces in its reference to match DeepSpeed's recorded numbers: its
 flat ZeRO buffer holds 2-D weights transposed but the weights are viewed from it untransposed (each weight starts
 as ``W.T.reshape(W.shape)`` and the offloaded update lands on transposed positions), and its column sums are read
-from the reduce bucket at an offset that skips the 1-D parameters before the weight.
+from the reduce bucket at an offset that skips the 1-D parameters before the weight (on N ranks from the owner's
+bucket, where other partitions hold its unreduced gradient).
 
 Gradients are taken with tensor hooks (the micro-step's gradient of each parameter, before it is accumulated or
 reduced); one all-reduce per micro-step averages the selected columns (the whole weights at a select boundary).
