@@ -64,9 +64,9 @@ class ZenFlowConfig:
                                                  "(DeepSpeed 0.19.8 sets gradient_accumulation_steps to 0 with it "
                                                  "and divides the loss by that: NaN weights from the second step.)")
         if self.overlap_step:
-            raise ConfigError("overlap_step", "true is not implemented in hf_zero (its update would land one "
-                                              "interval late); set it false. (DeepSpeed 0.19.8 cannot start its "
-                                              "optimizer process on a CPU-only machine either.)")
+            raise ConfigError("overlap_step", "true is not implemented in hf_zero; set it false (DeepSpeed then "
+                                              "applies each window's offloaded update one window late, with two "
+                                              "alternating sets of Adam moments)")
         if self.full_warm_up_rounds < 0:
             raise ConfigError("full_warm_up_rounds", f"must be >= 0, got {self.full_warm_up_rounds}")
         # DeepSpeed's configure_zenflow: 'auto' selection re-selects every epoch and owns the interval
