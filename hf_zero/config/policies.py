@@ -127,6 +127,7 @@ class ZenFlowPolicy:
     select_interval: int       # micro-steps, or epochs when select_per_epoch; 0: select once
     full_warm_up_rounds: int
     offload_moments: bool      # zenflow.offload: the selective moments live in CPU memory (same values)
+    overlap_step: bool         # each window's offloaded update reaches the weights one window late (DeepSpeed's)
 
 
 def zenflow_policy(cfg: "HfZeroConfig") -> ZenFlowPolicy | None:
@@ -139,7 +140,8 @@ def zenflow_policy(cfg: "HfZeroConfig") -> ZenFlowPolicy | None:
     interval = 1 if isinstance(zf.select_interval, Auto) else int(zf.select_interval)
     return ZenFlowPolicy(topk_ratio=float(zf.topk_ratio), update_interval=int(zf.update_interval),
                          select_per_epoch=per_epoch, select_interval=interval,
-                         full_warm_up_rounds=int(zf.full_warm_up_rounds), offload_moments=bool(zf.offload))
+                         full_warm_up_rounds=int(zf.full_warm_up_rounds), offload_moments=bool(zf.offload),
+                         overlap_step=bool(zf.overlap_step))
 
 
 @dataclass(frozen=True)

@@ -232,16 +232,16 @@ STATUS: dict[str, KeyStatus] = {
     "zero_optimization.offload_param.pipeline_write": _no_op("partition writes always overlap the optimizer step"),
     "zero_optimization.offload_param.ratio": HONOURED,  # must be 1 (checked by the schema)
     "zero_optimization.sub_group_size": HONOURED,
-    # ZenFlow (hf_zero/zero/zenflow.py, docs/zenflow.md); its config refuses update_interval 'auto' and
-    # overlap_step true with an error naming the key
+    # ZenFlow (hf_zero/zero/zenflow.py, docs/zenflow.md); its config refuses update_interval 'auto' with an error
+    # naming the key
     "zero_optimization.zenflow.topk_ratio": HONOURED,
     "zero_optimization.zenflow.select_strategy": HONOURED,
     "zero_optimization.zenflow.select_interval": HONOURED,
     "zero_optimization.zenflow.update_interval": HONOURED,
     "zero_optimization.zenflow.full_warm_up_rounds": HONOURED,
     "zero_optimization.zenflow.offload": HONOURED,  # the selective moments wait in CPU memory (same values)
-    "zero_optimization.zenflow.overlap_step": _refused("set it false: hf_zero runs the offloaded step in order",
-                                                       active=_zenflow_set("overlap_step", False)),
+    # DeepSpeed's one-window-late update and alternating moments, computed in order (docs/zenflow.md)
+    "zero_optimization.zenflow.overlap_step": HONOURED,
     "zero_optimization.zenflow.auto_ratio": _no_op("it tunes update_interval 'auto', which hf_zero refuses",
                                                    active=_zenflow_set("auto_ratio", 0.99)),
     "zero_optimization.zenflow.pt_reserved_cores_perc": _no_op(

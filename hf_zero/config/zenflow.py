@@ -33,8 +33,10 @@ class ZenFlowConfig:
     update_interval: int | Auto = spec(
         AUTO, auto=True, help="Steps between offloaded-optimizer updates (it replaces gradient_accumulation_steps, "
                               "as in DeepSpeed); 'auto': when the unselected gradients have grown (auto_ratio).")
-    overlap_step: bool = spec(False, help="Run the offloaded optimizer step while the next steps compute "
-                                          "(its update lands one update interval late).")
+    overlap_step: bool = spec(False, help="DeepSpeed runs the offloaded step while the next window computes: each "
+                                          "window's update reaches the weights at the next update, with two sets "
+                                          "of Adam moments used alternately. hf_zero gives the same numbers, "
+                                          "computed in order (no speed-up).")
     offload: bool = spec(False, help="Keep the selective optimizer's moments in CPU memory between steps "
                                      "(memory only; the values are the same).")
     auto_ratio: float = spec(0.99, help="update_interval 'auto': fraction of the 2-D weights whose unselected "
@@ -63,10 +65,6 @@ class ZenFlowConfig:
             raise ConfigError("update_interval", "'auto' is not implemented in hf_zero; give a number of steps. "
                                                  "(DeepSpeed 0.19.8 sets gradient_accumulation_steps to 0 with it "
                                                  "and divides the loss by that: NaN weights from the second step.)")
-        if self.overlap_step:
-            raise ConfigError("overlap_step", "true is not implemented in hf_zero; set it false (DeepSpeed then "
-                                              "applies each window's offloaded update one window late, with two "
-                                              "alternating sets of Adam moments)")
         if self.full_warm_up_rounds < 0:
             raise ConfigError("full_warm_up_rounds", f"must be >= 0, got {self.full_warm_up_rounds}")
         # DeepSpeed's configure_zenflow: 'auto' selection re-selects every epoch and owns the interval

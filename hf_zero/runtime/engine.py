@@ -459,6 +459,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             self.zenflow.sync_lr()
             self.optimizer.adam_step_override = self.micro_steps + 1
         if boundary:
+            if self.zenflow is not None:  # overlap_step: this window's Adam moments
+                self.zenflow.before_offloaded_step(self.micro_steps)
             with self.timers.phase("step"), self.step_profiler.step(self.global_steps):
                 self.optimizer.step()
             if self.zenflow is not None:

@@ -200,6 +200,18 @@ class ZenFlow:
         self._capturing = False
         self._select = False
         self._pending = False  # selective gradients waiting for the offloaded step (update boundary)
+        # overlap_step: the moment set loaded in the offload (by window parity) and the other one, per group; the
+        # weights an update published, to be shown one update later; weights before the step
+        self._parity = 0
+        self._moments: list[list[dict | None]] = [[None] * len(self._groups), [None] * len(self._groups)]
+        self._stale: list[torch.Tensor] | None = None
+        self._lagging = True
+        self._pre_step: list[torch.Tensor] | None = None
+        # overlap_step: the masters, kept here: an update is shown one window late, so the weights are not the
+        # masters; and an fp32 CPU run's offload keeps its masters in the weights' own memory
+        offload = optimizer.offload
+        self._masters = ([offload.state_tensors(gi)["master"] for gi in range(len(self._groups))]
+                         if policy.overlap_step else None)
         # the gradient of each parameter as autograd computes it (before accumulation into .grad or reduction)
         self._handles = [s.param.register_hook(self._hook(s)) for s in self.params]
 
@@ -304,9 +316,48 @@ class ZenFlow:
         """At each engine.step(): the selective optimizer takes the scheduler's current learning rates."""
         self._lr = [float(g["lr"]) for g in self._optimizer.param_groups]
 
+    def before_offloaded_step(self, t: int) -> None:
+        """overlap_step: load this window's set of Adam moments into the offload, and keep the weights as they are
+        now (a late update leaves them so)."""
+        if not self._policy.overlap_step:
+            return
+        w, u = self._policy.full_warm_up_rounds, self._policy.update_interval
+        parity = t & 1 if t < w else (t // u) & 1
+        offload = self._optimizer.offload
+        self._pre_step = [local_tensor(s.param).detach().clone() for s in self.params] if t >= w else None
+        for gi, master in enumerate(self._masters):
+            offload.load_state_tensors(gi, {"master": master})
+        if parity != self._parity:
+            for gi in range(len(self._groups)):
+                now = offload.state_tensors(gi)
+                self._moments[self._parity][gi] = {k: now[k] for k in ("exp_avg", "exp_avg_sq")}
+                other = self._moments[parity][gi]
+                if other is None:
+                    other = {k: torch.zeros_like(now[k]) for k in ("exp_avg", "exp_avg_sq")}
+                offload.load_state_tensors(gi, other)
+            self._parity = parity
+
+    def _late_update(self) -> None:
+        """overlap_step, after the offloaded step published its result: from the first update after warm-up on, the
+        weights get the previous update's result instead (DeepSpeed waits for the step it submitted one window
+        before; its first wait after warm-up, and a wait with nothing submitted yet, publish nothing)."""
+        if not self._policy.overlap_step:
+            return
+        result = [local_tensor(s.param).detach().clone() for s in self.params]
+        offload = self._optimizer.offload
+        self._masters = [offload.state_tensors(gi)["master"] for gi in range(len(self._groups))]
+        if self._pre_step is not None:
+            publish = self._stale if (self._stale is not None and not self._lagging) else self._pre_step
+            self._lagging = self._lagging and self._stale is None
+            for s, values in zip(self.params, publish):
+                local_tensor(s.param).data.copy_(values)
+            self._pre_step = None
+        self._stale = result
+
     def after_offloaded_step(self) -> None:
-        """The offloaded step has published its weights: the selected columns get back their values from before it,
-        plus this micro-step's selective update."""
+        """The offloaded step has published its weights (overlap_step: the previous one's): the selected columns get
+        back their values from before it, plus this micro-step's selective update."""
+        self._late_update()
         if not self._pending:
             return
         self._pending = False
@@ -345,6 +396,8 @@ class ZenFlow:
                 g.layout.shard_of(local_tensor(p).detach().reshape(-1).float().cpu(), i, g.rank,
                                   master[g.layout.offsets[i]:g.layout.offsets[i + 1]])
             offload.load_state_tensors(gi, {"master": master})
+            if self._masters is not None:
+                self._masters[gi] = master
 
     def remove(self) -> None:
         for h in self._handles:
