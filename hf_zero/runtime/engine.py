@@ -712,6 +712,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             self.hybrid.close()
         if self.reducer is not None:
             self.reducer.remove()
+        if self.zenflow is not None:
+            self.zenflow.remove()
         if self.stage3 is not None:
             self.stage3.remove()
         backend = getattr(self.optimizer, "backend", None)

@@ -168,7 +168,8 @@ class ZenFlow:
     """Owns the selective optimizer, the gradient hooks and the schedule of one engine.
 
     The engine calls ``begin_backward(t)`` / ``end_backward(t, boundary)`` around each backward, ``sync_lr()`` at
-    the start of each ``step()``, and ``after_offloaded_step()`` after the offloaded optimizer's step.
+    the start of each ``step()``, and ``before_offloaded_step(t)`` / ``after_offloaded_step()`` around the
+    offloaded optimizer's step; ``remove()`` takes the gradient hooks off (engine.destroy()).
     """
 
     def __init__(self, policy: ZenFlowPolicy, groups: Sequence, optimizer, param_group_of: Sequence[int],
@@ -190,6 +191,9 @@ class ZenFlow:
         self._groups = list(groups)
         self.params: list[_Selective] = []
         for g, pg in zip(self._groups, param_group_of):
+            if getattr(g, "expert", None) is not None:
+                raise ConfigError("zero_optimization.zenflow", "with expert-parallel MoE parameters is not "
+                                                               "implemented in hf_zero")
             shapes = [local_tensor(p).shape for p in g.params]
             for name, shape in zip(g.names, shapes):
                 if len(shape) not in (1, 2):
