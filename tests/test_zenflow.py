@@ -299,11 +299,11 @@ def test_stage_1_trains_like_stage_2():
 
 
 # --- DeepSpeed ---------------------------------------------------------------------------------------------------
-# Printed by a real DeepSpeed 0.19.8 on CPU (one rank unless said), with this file's model, data and configs:
-#   cd <dir with zf_ref.py: the _train loop above, `import deepspeed`, deepspeed.initialize(...)>
+# Printed by a real DeepSpeed 0.19.8 on CPU (one rank unless said), with this file's model, data and configs
+# (scripts/zenflow/ds_reference_run.py, 2026-11-29), e.g. "fixed_fp32":
 #   HF_ZERO_DISABLE_DEEPSPEED_SHIM=1 DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m deepspeed.launcher.runner \
-#       --num_gpus 1 zf_ref.py '{"dtype": "fp32", "zenflow": <BASE>, "steps": 8}'
-# (the script: /work/exw/zf_ref/zf_ref.py; 2026-11-29)
+#       --num_gpus 1 scripts/zenflow/ds_reference_run.py '{"dtype": "fp32", "zenflow": <BASE>, "steps": 8}'
+# ("clip": 0.5, "scheduler": <WARMUP_LR>, --num_gpus 2 and the zenflow keys as in each case below)
 DEEPSPEED = {
     "fixed_fp32": dict(
         case=dict(zenflow=BASE),
