@@ -20,6 +20,11 @@ With ZeRO-1/2 and ``offload_optimizer``, every micro-step ``t`` (0-based, the en
     by U), S = select_interval in micro-steps (select_strategy 'epoch'/'auto': epochs of the initialize()
     dataloader; 0: selected once)
 
+overlap_step (DeepSpeed's asynchronous offloaded step): from the first update after warm-up on, an update boundary
+shows the weights of the previous update (the first one after warm-up -- with no warm-up also the very first -- is
+never shown), and the Adam moments come in two sets used alternately by the parity of ``t // U`` (of ``t`` in
+warm-up). hf_zero computes that step in order: the same numbers, without the speed-up.
+
 The learning rate schedule steps every micro-step (update or not); the selective optimizer takes the scheduler's
 learning rate at each ``engine.step()`` (the selective update during micro-step t's backward uses the one of step
 t-1, the config's before the first step). Its other hyper-parameters are the config optimizer's, with torch AdamW's
