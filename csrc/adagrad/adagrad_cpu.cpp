@@ -18,8 +18,6 @@
 namespace hf_zero {
 namespace {
 
-constexpr int64_t kGrainSize = 1 << 16;
-
 template <typename G, typename O, bool kWriteOut16>
 void adagrad_chunk(float* __restrict param, const G* __restrict grad, float* __restrict exp_avg_sq,
                    O* __restrict out16, int64_t count, const float lr, const float eps, const float weight_decay,
@@ -41,7 +39,7 @@ void adagrad_chunk(float* __restrict param, const G* __restrict grad, float* __r
 template <typename G, typename O, bool kWriteOut16>
 void adagrad_kernel(float* param, const G* grad, float* exp_avg_sq, O* out16, int64_t numel, float lr, float eps,
                     float weight_decay, float inv_grad_scale) {
-  at::parallel_for(0, numel, kGrainSize, [=](int64_t begin, int64_t end) {
+  at::parallel_for(0, numel, kElementwiseGrain, [=](int64_t begin, int64_t end) {
     adagrad_chunk<G, O, kWriteOut16>(param + begin, grad + begin, exp_avg_sq + begin,
                                      kWriteOut16 ? out16 + begin : nullptr, end - begin, lr, eps, weight_decay,
                                      inv_grad_scale);

@@ -96,6 +96,18 @@ inline float round_to(float f) {
   return to_float(from_float<T>(f));
 }
 
+// ---------------------------------------------------------------- OpenMP task sizes (at::parallel_for grains)
+
+// Elements per task of an element-wise optimizer loop (Lion, Adagrad): large enough that a task's start-up cost is
+// noise, small enough to split a parameter across every core.
+constexpr int64_t kElementwiseGrain = int64_t{1} << 16;
+
+// Rows per task of a row-wise kernel over rows of D elements: at least `elements` elements of work each (norms use
+// ~32K, the transformer kernels ~16K: their per-element work is larger).
+inline int64_t rows_per_task(int64_t D, int64_t elements) {
+  return std::max<int64_t>(1, elements / std::max<int64_t>(D, 1));
+}
+
 // ---------------------------------------------------------------- broadcast rows
 
 // Maps a row index of a tensor viewed as (rows, last_dim) onto the element offset of the matching row of a

@@ -17,8 +17,6 @@
 namespace hf_zero {
 namespace {
 
-constexpr int64_t kGrainSize = 1 << 16;
-
 struct LionConstants {
   float lr;
   float beta1;
@@ -51,7 +49,7 @@ void lion_chunk(float* __restrict param, const G* __restrict grad, float* __rest
 
 template <typename G, typename O, bool kWriteOut16>
 void lion_kernel(float* param, const G* grad, float* exp_avg, O* out16, int64_t numel, const LionConstants c) {
-  at::parallel_for(0, numel, kGrainSize, [=](int64_t begin, int64_t end) {
+  at::parallel_for(0, numel, kElementwiseGrain, [=](int64_t begin, int64_t end) {
     lion_chunk<G, O, kWriteOut16>(param + begin, grad + begin, exp_avg + begin,
                                   kWriteOut16 ? out16 + begin : nullptr, end - begin, c);
   });

@@ -18,10 +18,7 @@
 namespace hf_zero {
 namespace {
 
-// Rows per OpenMP task: at least ~32K elements of work each.
-int64_t row_grain(int64_t D) {
-  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(D, 1));
-}
+constexpr int64_t kNormTaskElements = int64_t{1} << 15;  // per OpenMP task (rows_per_task)
 
 struct RowView {
   at::Tensor x;  // contiguous
@@ -52,7 +49,7 @@ void layer_norm_fwd_kernel(const T* __restrict x, const T* __restrict residual, 
                            const float* __restrict w, const float* __restrict b, T* __restrict out,
                            float* __restrict mean_out, float* __restrict rstd_out, int64_t rows, int64_t D,
                            float eps) {
-  at::parallel_for(0, rows, row_grain(D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(D, kNormTaskElements), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * D;
       const T* src = xr;
@@ -175,7 +172,7 @@ template <typename T>
 void layer_norm_bwd_kernel(const T* __restrict g, const T* __restrict x, const float* __restrict mean,
                            const float* __restrict rstd, const float* __restrict w, T* __restrict dx,
                            ThreadAccumulators& acc, int64_t rows, int64_t D) {
-  at::parallel_for(0, rows, row_grain(D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(D, kNormTaskElements), [&](int64_t begin, int64_t end) {
     float* dw = acc.slot(0, 2);
     float* db = acc.slot(1, 2);
     for (int64_t r = begin; r < end; ++r) {
@@ -237,7 +234,7 @@ template <typename T, bool kAdd>
 void rms_norm_fwd_kernel(const T* __restrict x, const T* __restrict residual, T* __restrict sum,
                          const float* __restrict w, T* __restrict out, float* __restrict rstd_out, int64_t rows,
                          int64_t D, float eps) {
-  at::parallel_for(0, rows, row_grain(D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(D, kNormTaskElements), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* src = x + r * D;
       float sq = 0.f;
@@ -315,7 +312,7 @@ template <typename T>
 void rms_norm_bwd_kernel(const T* __restrict g, const T* __restrict x, const float* __restrict rstd,
                          const float* __restrict w, T* __restrict dx, ThreadAccumulators& acc, int64_t rows,
                          int64_t D) {
-  at::parallel_for(0, rows, row_grain(D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(D, kNormTaskElements), [&](int64_t begin, int64_t end) {
     float* dw = acc.slot(0, 1);
     for (int64_t r = begin; r < end; ++r) {
       const T* gr = g + r * D;

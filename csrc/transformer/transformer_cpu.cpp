@@ -19,10 +19,7 @@ constexpr float kSqrt1_2 = 0.70710678118654752440f;       // 1/sqrt(2)
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;    // 1/sqrt(2*pi)
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;   // sqrt(2/pi)
 constexpr float kGeluTanhCoeff = 0.044715f;
-
-int64_t row_grain(int64_t D) {
-  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(D, 1));
-}
+constexpr int64_t kRowTaskElements = int64_t{1} << 14;  // per OpenMP task (rows_per_task)
 
 bool parse_approximate(std::string_view approximate) {
   TORCH_CHECK(approximate == "none" || approximate == "tanh",
@@ -35,7 +32,7 @@ bool parse_approximate(std::string_view approximate) {
 template <typename T, bool kTanh, bool kBackward>
 void gelu_kernel(const T* __restrict x, const float* __restrict bias, const T* __restrict grad, T* __restrict out,
                  int64_t rows, int64_t D) {
-  at::parallel_for(0, rows, row_grain(D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(D, kRowTaskElements), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * D;
       T* orow = out + r * D;
@@ -115,7 +112,7 @@ at::Tensor bias_gelu_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& x, co
 template <typename T>
 void softmax_kernel(const T* __restrict x, const bool* __restrict mask, const RowOffsets mask_rows, T* __restrict out,
                     float scale, int64_t rows, int64_t D) {
-  at::parallel_for(0, rows, row_grain(D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(D, kRowTaskElements), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * D;
       const bool* mr = mask != nullptr ? mask + mask_rows(r) : nullptr;
@@ -172,7 +169,7 @@ at::Tensor scaled_masked_softmax_cpu(const at::Tensor& x_in, const std::optional
 template <typename T>
 void softmax_bwd_kernel(const T* __restrict g, const T* __restrict y, T* __restrict dx, float scale, int64_t rows,
                         int64_t D) {
-  at::parallel_for(0, rows, row_grain(D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(D, kRowTaskElements), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gr = g + r * D;
       const T* yr = y + r * D;
@@ -214,7 +211,7 @@ template <typename T, typename C, bool kBackward>
 void rotary_kernel(const T* __restrict x, const C* __restrict cos, const C* __restrict sin, const RowOffsets cs_rows,
                    T* __restrict out, int64_t rows, int64_t D) {
   const int64_t half = D / 2;
-  at::parallel_for(0, rows, row_grain(D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(D, kRowTaskElements), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * D;
       const int64_t cs = cs_rows(r);
