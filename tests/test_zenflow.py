@@ -430,3 +430,100 @@ def test_epoch_selection_counts_the_initialize_dataloader():
 def test_epoch_selection_shorter_than_the_update_interval_is_refused():
     with pytest.raises(ConfigError, match="zero_optimization.zenflow.select_interval: 3 steps"):
         _policy(steps_per_epoch=3, update_interval=4)
+
+
+def _resume(cfg: dict, steps: int, save_after: int, root: str) -> dict:
+    """One run of ``steps`` micro-steps; a second saved after micro-step ``save_after``, and a third, from another
+    initial model, that loads it and trains the rest."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batches = _batches(world, steps)
+
+    def run(engine, batch_list):
+        losses = []
+        for xs, ys in batch_list:
+            x, y = xs[rank * MICRO:(rank + 1) * MICRO], ys[rank * MICRO:(rank + 1) * MICRO]
+            loss = _loss(engine(x), y, torch.float32)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    def engine_of(model):
+        return hf_zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+    whole = engine_of(_model())
+    losses = run(whole, batches)
+    params = [p.detach().clone() for p in whole.module.parameters()]
+    whole.destroy()
+    first = engine_of(_model())
+    run(first, batches[:save_after + 1])
+    first.save_checkpoint(root, tag="t")
+    first.destroy()
+    other = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)  # everything must come from the checkpoint
+    resumed = engine_of(other)
+    resumed.load_checkpoint(root, tag="t")
+    rest = run(resumed, batches[save_after + 1:])
+    out = {"losses": losses, "resumed": rest, "params": params,
+           "resumed_params": [p.detach().clone() for p in resumed.module.parameters()]}
+    resumed.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_continues_as_if_never_stopped(world, tmp_path):
+    """Saved after micro-step 4 (an update and a selection boundary: columns and moments carry over, the learning
+    rates the next selective update uses come from the checkpoint), resumed from another model: the remaining losses
+    and the final weights are the uninterrupted run's, bit for bit; also with overlap_step, whose pending update,
+    other set of Adam moments and masters are in the checkpoint."""
+    for name in ("select_once_lr", "overlap"):
+        case = CASES[name]
+        cfg = _config("fp32", case["zenflow"], warmup_lr=case.get("warmup_lr"))
+        out = run_distributed(_resume, world, args=(cfg, 8, 4, str(tmp_path / name)))[0]
+        assert out["resumed"] == out["losses"][5:], name
+        for a, b in zip(out["resumed_params"], out["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def _load_plain_checkpoint(root: str) -> dict:
+    """A checkpoint saved without ZenFlow, loaded by a ZenFlow engine."""
+    import logging
+
+    plain = _config("fp32", BASE)
+    del plain["zero_optimization"]["zenflow"]
+    model = _model()
+    engine = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=plain)[0]
+    (x, y), = _batches(1, 1)
+    engine.backward(_loss(engine(x[:MICRO]), y[:MICRO], torch.float32))
+    engine.step()
+    engine.save_checkpoint(root, tag="plain")
+    engine.destroy()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hf_zero").addHandler(handler)
+    model = _model()
+    engine = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=_config("fp32", BASE))[0]
+    engine.load_checkpoint(root, tag="plain")
+    logging.getLogger("hf_zero").removeHandler(handler)
+    losses = []
+    for xs, ys in _batches(1, 4):
+        loss = _loss(engine(xs[:MICRO]), ys[:MICRO], torch.float32)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    chosen = [s.columns.numel() for s in engine.zenflow.params if s.columns is not None]
+    engine.destroy()
+    return {"warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING], "losses": losses,
+            "chosen": chosen}
+
+
+def test_checkpoint_without_zenflow_state_starts_the_selective_optimizer_afresh(tmp_path):
+    out = run_distributed(_load_plain_checkpoint, 1, args=(str(tmp_path),))[0]
+    assert any("has no ZenFlow state" in w for w in out["warnings"]), out["warnings"]
+    assert all(math.isfinite(v) for v in out["losses"])
+    assert out["chosen"] == [4, 3]  # chosen at the first backward after the load: 25% of 16 and of 12 input features

@@ -73,7 +73,7 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
     """The file layout. Each component names its own state; this decides which file holds it:
 
     * this rank's ``zero_rank<r>.safetensors``: the optimizer's shards (masters, moments), the stage-3 runtime's
-      shards (frozen parameters, buffers), the CPU RNG state;
+      shards (frozen parameters, buffers), ZenFlow's state, the CPU RNG state;
     * the directory writer's (rank 0's; with node-local storage, each node's first rank's) ``meta.json``: the
       optimizer's scalar state and group description, sizes;
     * its ``engine_state.pt``: counters, skipped steps, the loss scaler's, the LR scheduler's and the legacy
@@ -95,6 +95,8 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
     tensors.update(optimizer.shard_state(dense=not unsharded or rank == 0))
     if engine.stage3 is not None:
         tensors.update(engine.stage3.shard_state(exclude_frozen=exclude_frozen))
+    if getattr(engine, "zenflow", None) is not None:  # its selective state (hf_zero/zero/zenflow.py)
+        tensors.update(engine.zenflow.state_tensors())
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / rank_file(rank)))
     if not is_writer:
         return [rank_file(rank)]
@@ -242,9 +244,16 @@ def _load_tag(engine, root: Path, tag: str, *, load_module_strict: bool, load_op
         engine.optimizer.load_shard_state(reader, optimizer_states=load_optimizer_states)
         if load_optimizer_states:
             engine.optimizer.load_scalar_state({**meta, "skipped_steps": engine_state["skipped_steps"]})
+            zenflow = getattr(engine, "zenflow", None)
+            if zenflow is not None and not zenflow.load_state(reader):
+                logger.warning("hf_zero: the checkpoint %s has no ZenFlow state (saved without "
+                               "zero_optimization.zenflow): its selective optimizer starts afresh and chooses its "
+                               "columns at the next backward", path)
     finally:
         del reader, handles
     engine.optimizer.publish()
+    if getattr(engine, "zenflow", None) is not None:  # its weights are not all the masters (zero/zenflow.py)
+        engine.zenflow.restore_weights()
     own_file = path / rank_file(engine.global_rank)
     if meta["world_size"] == engine.world_size and own_file.is_file():  # RNG streams only resume on the same ranks
         with safe_open(str(own_file), "pt") as f:

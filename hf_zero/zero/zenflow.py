@@ -216,6 +216,7 @@ class ZenFlow:
         self._stale: list[torch.Tensor] | None = None
         self._lagging = True
         self._pre_step: list[torch.Tensor] | None = None
+        self._shown: list[torch.Tensor] | None = None  # weights read from a checkpoint, until restore_weights
         # overlap_step: the masters, kept here: an update is shown one window late, so the weights are not the
         # masters; and an fp32 CPU run's offload keeps its masters in the weights' own memory
         offload = optimizer.offload
@@ -242,7 +243,9 @@ class ZenFlow:
     def begin_backward(self, t: int) -> None:
         policy = self._resolved()
         self._capturing = policy.is_selective(t)
-        self._select = policy.is_select_boundary(t)
+        # a run resumed from a checkpoint without ZenFlow's state has no columns yet: it chooses them now
+        unchosen = any(s.columns is None and s.param.dim() == 2 for s in self.params)
+        self._select = policy.is_select_boundary(t) or (self._capturing and unchosen)
         if self._select:
             if t != 0:
                 self._sync_masters()
@@ -407,6 +410,87 @@ class ZenFlow:
             offload.load_state_tensors(gi, {"master": master})
             if self._masters is not None:
                 self._masters[gi] = master
+
+    # checkpoint ------------------------------------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """What a resumed run needs to continue as if never stopped (written into every rank's checkpoint file,
+        between steps): each parameter's chosen columns, selective moments and step count, the learning rates the
+        next selective update uses (the scheduler has moved on since they were synced) and, with overlap_step, the
+        other set of Adam moments and this rank's masters (shards), the update waiting to be shown and its flags.
+        DeepSpeed 0.19.8 saves none of it: its resumed run starts the selective optimizer afresh."""
+        out: dict[str, torch.Tensor] = {"zenflow.lr": torch.tensor(self._lr, dtype=torch.float64)}
+        for i, s in enumerate(self.params):
+            out[f"zenflow.{i}.step"] = torch.tensor([s.step], dtype=torch.int64)
+            # the weights where they are not the masters: the selected columns and 1-D parameters carry selective
+            # updates the masters get only at the next selection; with overlap_step the weights show the previous
+            # update. A load publishes the masters, then puts these back (restore_weights)
+            shown = local_tensor(s.param).detach() if self._policy.overlap_step else s.view()
+            out[f"zenflow.{i}.shown"] = shown.cpu()
+            if s.columns is not None:
+                out[f"zenflow.{i}.columns"] = s.columns.cpu()
+            if s.exp_avg is not None:
+                out[f"zenflow.{i}.exp_avg"], out[f"zenflow.{i}.exp_avg_sq"] = s.exp_avg.cpu(), s.exp_avg_sq.cpu()
+        if self._policy.overlap_step:
+            out["zenflow.overlap.flags"] = torch.tensor([self._parity, int(self._lagging)], dtype=torch.int64)
+            for gi in range(len(self._groups)):
+                out[f"zenflow.overlap.{gi}.master"] = self._masters[gi]
+                other = self._moments[1 - self._parity][gi]
+                if other is not None:
+                    out[f"zenflow.overlap.{gi}.exp_avg"] = other["exp_avg"]
+                    out[f"zenflow.overlap.{gi}.exp_avg_sq"] = other["exp_avg_sq"]
+            for i, t in enumerate(self._stale or ()):
+                out[f"zenflow.overlap.stale.{i}"] = t.cpu()
+        return out
+
+    def load_state(self, reader) -> bool:
+        """Restore :meth:`state_tensors` from a checkpoint's ``reader`` (a ShardReader: ``whole(key)`` for what every
+        rank holds the same, ``shard(key, layout, rank)`` re-cut for this rank's piece). False when the checkpoint
+        has none (saved without ZenFlow): the selective optimizer then starts afresh and chooses columns at the next
+        backward."""
+        keys = reader.keys()
+        if "zenflow.lr" not in keys:
+            return False
+        if len([k for k in keys if k.endswith(".step") and k.startswith("zenflow.")]) != len(self.params):
+            raise ValueError("hf_zero: the checkpoint's ZenFlow state is for another set of parameters "
+                             f"({len(self.params)} here); load it into the model it was saved from")
+        self._lr = [float(x) for x in reader.whole("zenflow.lr")]
+        self._shown = [reader.whole(f"zenflow.{i}.shown") for i in range(len(self.params))]
+        for i, s in enumerate(self.params):
+            device = s.param.device
+            s.step = int(reader.whole(f"zenflow.{i}.step")[0])
+            s.columns = reader.whole(f"zenflow.{i}.columns").to(device) if f"zenflow.{i}.columns" in keys else None
+            s.exp_avg = s.exp_avg_sq = None
+            if f"zenflow.{i}.exp_avg" in keys:
+                home = torch.device("cpu") if self._policy.offload_moments else device
+                s.exp_avg = reader.whole(f"zenflow.{i}.exp_avg").to(home)
+                s.exp_avg_sq = reader.whole(f"zenflow.{i}.exp_avg_sq").to(home)
+        if self._policy.overlap_step and "zenflow.overlap.flags" in keys:
+            parity, lagging = (int(x) for x in reader.whole("zenflow.overlap.flags"))
+            self._parity, self._lagging = parity, bool(lagging)
+            self._moments = [[None] * len(self._groups), [None] * len(self._groups)]
+            for gi, g in enumerate(self._groups):
+                self._masters[gi] = reader.shard(f"zenflow.overlap.{gi}.master", g.layout, g.rank)
+                if f"zenflow.overlap.{gi}.exp_avg" in keys:
+                    self._moments[1 - parity][gi] = {
+                        k: reader.shard(f"zenflow.overlap.{gi}.{k}", g.layout, g.rank) for k in ("exp_avg",
+                                                                                                "exp_avg_sq")}
+            stale = [f"zenflow.overlap.stale.{i}" for i in range(len(self.params))]
+            self._stale = ([reader.whole(k).to(s.param.device) for k, s in zip(stale, self.params)]
+                           if stale[0] in keys else None)
+        return True
+
+    def restore_weights(self) -> None:
+        """After a load published the masters into the weights: the weights ZenFlow showed when it was saved."""
+        shown, self._shown = self._shown, None
+        if shown is None:
+            return
+        with torch.no_grad():
+            for s, values in zip(self.params, shown):
+                values = values.to(s.param.device, s.param.dtype)
+                if self._policy.overlap_step:
+                    local_tensor(s.param).data.copy_(values)
+                else:
+                    s.write(values)
 
     def remove(self) -> None:
         for h in self._handles:
