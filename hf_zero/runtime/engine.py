@@ -182,6 +182,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                 process_group=process_group, guard=self._backward.tolerate if self._guards_backward else None)
         else:
             self.reducer = None
+        if zero.require_every_gradient:  # zero_optimization.ignore_unused_parameters false (_check_every_gradient)
+            self.reducer.arrived = set()
         if config.zero.zenflow is not None:
             self.zenflow = self._build_zenflow(config, process_group)
         if tp is not None and tp.mesh.get_local_rank() != 0:
@@ -217,6 +219,24 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                        steps_per_epoch=lambda: (len(self.training_dataloader)
                                                 if getattr(self, "training_dataloader", None) is not None else None),
                        process_group=process_group, world_size=self.world_size)
+
+    def _check_every_gradient(self) -> None:
+        """``zero_optimization.ignore_unused_parameters: false``: every trainable parameter must have had a gradient
+        in this accumulation window, on every rank (DeepSpeed asserts it at the step). The ranks agree first, so
+        each raises the same error, naming the parameters and on how many ranks they got none; nothing is stepped."""
+        arrived, self.reducer.arrived = self.reducer.arrived, set()
+        names = [n for g in self.groups for n, p in zip(g.names, g.params) if p.requires_grad]
+        missing = torch.tensor([n not in arrived for n in names], dtype=torch.int32,
+                               device=comm.bookkeeping_device(self.process_group))  # NCCL: on the GPU
+        comm.all_reduce_(missing, group=self.process_group, what="the ignore_unused_parameters check")
+        unused = [f"{n} ({int(c)} of {self.world_size} ranks)" for n, c in zip(names, missing.tolist()) if c]
+        if unused:
+            raise RuntimeError(
+                f"hf_zero: zero_optimization.ignore_unused_parameters is false and {len(unused)} trainable "
+                f"parameter(s) got no gradient in this accumulation window: {', '.join(unused[:10])}"
+                f"{' ...' if len(unused) > 10 else ''}. Make every trainable parameter and forward output take part "
+                "in the loss, freeze the unused ones (requires_grad=False), or set ignore_unused_parameters true "
+                "(DeepSpeed's default)")
 
     def _cast_buffers(self, module: nn.Module, precision) -> None:
         """Buffers as DeepSpeed 0.19.8 leaves them at initialize (hf_zero/zero/buffer_dtypes.py): their own dtype
@@ -459,6 +479,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             self.zenflow.sync_lr()
             self.optimizer.adam_step_override = self.micro_steps + 1
         if boundary:
+            if self.reducer is not None and self.reducer.arrived is not None:
+                self._check_every_gradient()
             if self.zenflow is not None:  # overlap_step: this window's Adam moments
                 self.zenflow.before_offloaded_step(self.micro_steps)
             with self.timers.phase("step"), self.step_profiler.step(self.global_steps):

@@ -79,6 +79,9 @@ class GroupGradReducer:
         gradients of backward passes it did not see there)."""
         self.groups = groups
         self.guard = guard
+        # the names of the parameters a gradient arrived for, since the caller last cleared it; None: not kept
+        # (zero_optimization.ignore_unused_parameters false: the engine checks it at each step)
+        self.arrived: set[str] | None = None
         self.mode = mode
         self.overlap = overlap
         self.process_group = process_group
@@ -213,6 +216,8 @@ class GroupGradReducer:
         bucket, index = self._where[param]
         if self.guard is not None:
             self.guard(bucket.group.names[index])
+        if self.arrived is not None:
+            self.arrived.add(bucket.group.names[index])
         if not self._reducing:
             return
         if bucket.launched:
