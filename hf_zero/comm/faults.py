@@ -89,6 +89,8 @@ def configure_from(config, group=None) -> None:
     the watchdog either way."""
     seconds = config.comms_timeout_s if config.comms_timeout_s is not None else timeout_s()
     configure(timeout_s=seconds, divergence_check=config.comms_divergence_check)
+    for ch in _channels():  # built before this config was read (the device mesh's barrier): its bounds follow
+        ch.follow_timeout()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         if created_by_hf_zero() or group is not None:
             _apply_pg_timeout(group, seconds)
@@ -306,15 +308,31 @@ class FaultChannel:
         self.suspended_s = 0.0
         self._stack_sent = False  # answered a waiting rank's request for this process's stack (diagnose)
         self.hostname = socket.gethostname()
-        self._io_timeout_s = min(_GRACE_MAX_S, max(1.0, timeout_s() / 4))
         self._store = self._client()
         self._mon_store = self._client()  # the thread's own connection: a blocked call never holds the other
         self._store.set(self.prefix + f"proc/{self.rank}", f"{self.hostname} {os.getpid()}")
-        self._period = min(1.0, max(0.05, timeout_s() / 20))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._monitor, name="hf_zero-fault-monitor", daemon=True)
         self._thread.start()
         _install_hooks()
+
+    # The watchdog's beat and the store's per-request bound follow comms_timeout_s as it is now: a channel can be
+    # built before an engine applies the config's value (initialize's first collective is the device mesh's
+    # barrier, before the config is read), and an engine built later may change it.
+    @property
+    def _period(self) -> float:
+        return min(1.0, max(0.05, timeout_s() / 20))
+
+    @property
+    def _io_timeout_s(self) -> float:
+        return min(_GRACE_MAX_S, max(1.0, timeout_s() / 4))
+
+    def follow_timeout(self) -> None:
+        """Give the store clients the current per-request bound (configure_from calls it on every live channel)."""
+        io_timeout = datetime.timedelta(seconds=self._io_timeout_s)
+        for client in (self._store, self._mon_store):
+            if isinstance(client, dist.TCPStore):  # the channel's own clients (_client); other stores are shared
+                client.set_timeout(io_timeout)
 
     # ---- store ---------------------------------------------------------------------------------------------------
     def _client(self):
