@@ -4,8 +4,8 @@
 describes it): ranks are simulated by averaging their gradients. hf_zero on 1 and 2 gloo ranks matches it loss by
 loss and parameter by parameter (fp32 within 1e-6, bf16 within 1e-3 relative). With ``deepspeed_layout=True`` the
 same reference reproduces DeepSpeed's two layout defects (documented in zenflow.py) and then equals the losses and
-parameter sums real DeepSpeed runs printed on 1 and 2 ranks, recorded below -- which shows the schedule, the column selection, the
-selective moments, the step counts and the learning rates of the reference are DeepSpeed's.
+parameter sums real DeepSpeed runs printed on 1 and 2 ranks, recorded below -- which shows the schedule, the column
+selection, the selective moments, the step counts and the learning rates of the reference are DeepSpeed's.
 """
 
 from __future__ import annotations

@@ -114,9 +114,8 @@ class ZeroPolicy:
     sub_group_size: int         # elements per offloaded optimizer tile
     offload_param: OffloadPolicy | None
     stage3: Stage3Policy
-    # ignore_unused_parameters false: a trainable parameter without a gradient in an accumulation window is an
-    # error at the step. DeepSpeed checks it only where it computes the norm per parameter -- offload_optimizer at
-    # stages 1-2 -- so only there (elsewhere the key changes nothing, and says so: config/status.py)
+    # ignore_unused_parameters false (ZeroConfig.checks_unused_parameters): a trainable parameter without a
+    # gradient in an accumulation window is an error at the step
     require_every_gradient: bool = False
 
 
@@ -212,8 +211,7 @@ def zero_policy(cfg: "HfZeroConfig") -> ZeroPolicy:
         overlap_comm=bool(zero.overlap_comm) if zero.overlap_comm is not None else True,
         offload_optimizer=_offload(zero.offload_optimizer, cfg.aio), offload_ratio=float(zero.offload_optimizer.ratio),
         sub_group_size=int(zero.sub_group_size), offload_param=_offload(zero.offload_param, cfg.aio),
-        require_every_gradient=(not zero.ignore_unused_parameters and int(zero.stage) in (1, 2)
-                                and zero.offload_optimizer.enabled),
+        require_every_gradient=zero.checks_unused_parameters,
         stage3=Stage3Policy(
             prefetch_bucket_numel=int(zero.stage3_prefetch_bucket_size),
             max_live_numel=int(zero.stage3_max_live_parameters),

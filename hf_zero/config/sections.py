@@ -256,6 +256,12 @@ class ZeroConfig:
         return self.offload_optimizer.enabled or self.offload_param.enabled
 
     @property
+    def checks_unused_parameters(self) -> bool:
+        """``ignore_unused_parameters: false`` where DeepSpeed checks it: only its offloaded per-parameter norm
+        (offload_optimizer at stages 1-2) reads the key; elsewhere it changes nothing (config/status.py says so)."""
+        return not self.ignore_unused_parameters and self.stage in (1, 2) and self.offload_optimizer.enabled
+
+    @property
     def gather_16bit_weights_on_model_save(self) -> bool:
         """``stage3_gather_16bit_weights_on_model_save`` under the attribute name DeepSpeed's engine code uses."""
         return self.stage3_gather_16bit_weights_on_model_save is True

@@ -263,11 +263,10 @@ STATUS: dict[str, KeyStatus] = {
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": _todo("parameters are fetched with all-gather "
                                                                       "(same values)"),
     "zero_optimization.stage3_allgather_sequential": _todo("parameters are all-gathered in buckets (same values)"),
-    # honoured where DeepSpeed checks it (offload_optimizer at stages 1-2: ZeroPolicy.require_every_gradient)
+    # honoured where DeepSpeed checks it (ZeroConfig.checks_unused_parameters), "no effect" elsewhere
     "zero_optimization.ignore_unused_parameters": _no_op(
         "DeepSpeed checks for parameters without a gradient only with offload_optimizer at stages 1-2",
-        active=lambda cfg: cfg.zero.ignore_unused_parameters is False and not (
-            cfg.zero.stage in (1, 2) and cfg.zero.offload_optimizer.enabled)),
+        active=lambda cfg: cfg.zero.ignore_unused_parameters is False and not cfg.zero.checks_unused_parameters),
     "zero_optimization.legacy_stage1": _no_op("hf_zero has one stage-1 implementation"),
     "zero_optimization.round_robin_gradients": _no_op("gradient copies to the CPU are not spread over ranks (same "
                                                       "values)"),

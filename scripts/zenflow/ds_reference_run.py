@@ -48,8 +48,8 @@ def main() -> None:
         dist.all_reduce(total)
         losses.append(total.item() / world)
     if rank == 0:
-        print("ZFREF " + json.dumps({"losses": losses,
-                                     "param_sums": [p.detach().float().sum().item() for p in engine.module.parameters()]}))
+        sums = [p.detach().float().sum().item() for p in engine.module.parameters()]
+        print("ZFREF " + json.dumps({"losses": losses, "param_sums": sums}))
 
 
 if __name__ == "__main__":
