@@ -176,7 +176,7 @@ class ZeroConfig:
         default_factory=ParamOffloadConfig, help="Offload parameters to CPU or NVMe (stage 3).")
     sub_group_size: int = spec(1_000_000_000, help="Parameter elements processed per optimizer-step tile.")
     zenflow: ZenFlowConfig | None = spec(
-        None, help="ZenFlow (stages 1/2 with offload_optimizer): top-k gradient columns updated on the device every "
+        None, help="ZenFlow (stages 1-3 with offload_optimizer): top-k gradient columns updated on the device every "
                    "step, the rest by the offloaded optimizer every update_interval steps (docs/zenflow.md).")
     cpu_offload: bool | None = spec(None, help="Legacy: true means offload_optimizer.device 'cpu'.")
     cpu_offload_param: bool | None = spec(None, help="Legacy: true means offload_param.device 'cpu'.")
@@ -244,8 +244,6 @@ class ZeroConfig:
             if not self.offload_optimizer.enabled:
                 raise ConfigError("zenflow", "needs offload_optimizer (device 'cpu'): ZenFlow applies the "
                                              "unselected gradients with the offloaded optimizer")
-            if self.stage == 3:
-                raise ConfigError("zenflow", "with stage 3 is not implemented in hf_zero; use stage 1 or 2")
             if self.offload_optimizer.ratio != 1.0:  # a resident master would share the weights' memory
                 raise ConfigError("zenflow", "with offload_optimizer.ratio < 1 is not implemented in hf_zero")
             if self.zenflow.offload and self.overlap_comm is False:

@@ -218,7 +218,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         return ZenFlow(zenflow_policy(config), self.groups, self.optimizer, self.optimizer.param_group_of, hyper,
                        steps_per_epoch=lambda: (len(self.training_dataloader)
                                                 if getattr(self, "training_dataloader", None) is not None else None),
-                       process_group=process_group, world_size=self.world_size)
+                       process_group=process_group, world_size=self.world_size, stage3=self.stage3)
 
     def _check_every_gradient(self) -> None:
         """``zero_optimization.ignore_unused_parameters: false``: every trainable parameter must have had a gradient
@@ -446,10 +446,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         if self.reducer is not None:
             self.reducer.begin((self.stage == 2 or self.is_gradient_accumulation_boundary())
                                and not self._inside_no_sync and not self._coalescing)
-            if self.zenflow is not None:
-                self.zenflow.begin_backward(self.micro_steps)
         elif self.stage3 is not None:
             self.stage3.begin_backward()  # a module's forward from here on is a checkpointing recomputation
+        if self.zenflow is not None:
+            self.zenflow.begin_backward(self.micro_steps)
 
     def _end_backward(self) -> None:
         if self.reducer is not None:
@@ -457,10 +457,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             self.reducer.finish()
             if reduced and self.stage == 0:  # DeepSpeed without ZeRO leaves the averaged gradients in p.grad
                 self.reducer.expose_grads()
-            if self.zenflow is not None:  # the selective update of this micro-step (or its gradients kept)
-                self.zenflow.end_backward(self.micro_steps, self.is_gradient_accumulation_boundary())
         else:
             self.stage3.finish_backward()
+        if self.zenflow is not None:  # the selective update of this micro-step (or its gradients kept)
+            self.zenflow.end_backward(self.micro_steps, self.is_gradient_accumulation_boundary())
         see_memory_usage("Engine after backward", force=self.memory_breakdown())
 
     def step(self, lr_kwargs: dict | None = None) -> None:

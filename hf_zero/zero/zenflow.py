@@ -1,6 +1,6 @@
 """ZenFlow (``zero_optimization.zenflow``): selective device updates between offloaded-optimizer steps.
 
-With ZeRO-1/2 and ``offload_optimizer``, every micro-step ``t`` (0-based, the engine's ``micro_steps``)::
+With ZeRO-1/2/3 and ``offload_optimizer``, every micro-step ``t`` (0-based, the engine's ``micro_steps``)::
 
     t <  W                       warm-up: a full offloaded-optimizer step every micro-step
     t >= W                       the micro-step's averaged gradient of the *selected* columns of every 2-D weight,
@@ -39,6 +39,14 @@ as ``W.T.reshape(W.shape)`` and the offloaded update lands on transposed positio
 from the reduce bucket at an offset that skips the 1-D parameters before the weight (on N ranks from the owner's
 bucket, where other partitions hold its unreduced gradient).
 
+Stage 3 (DeepSpeed's ``runtime/zenflow/engine_stage3.py``): each rank updates the elements of its own shard that
+lie in the selected columns (and its piece of each 1-D parameter); the moments cover those elements only. Columns
+are chosen as DeepSpeed's stage 3 chooses them: one top-k per weight over every rank's *complete* columns of its
+partition of the weight stored transposed (``k = max(1, int(complete columns * topk_ratio))``; a column cut by a
+partition boundary is never chosen), the same columns on every rank (:func:`deepspeed_stage3_columns`). Its numbers
+equal DeepSpeed 0.19.8's stage-3 runs on 1 and 2 ranks (``tests/test_zenflow.py``), whose stage 3 has neither layout
+defect. After a selective update the persistent parameters' full copies are re-gathered.
+
 Gradients are taken with tensor hooks (the micro-step's gradient of each parameter, before it is accumulated or
 reduced); one all-reduce per micro-step averages the selected columns (the whole weights at a select boundary).
 """
@@ -57,7 +65,7 @@ from hf_zero.config.errors import ConfigError
 from hf_zero.config.policies import ZenFlowPolicy
 from hf_zero.zero.local import local_tensor
 
-__all__ = ["ZenFlowSchedule", "ZenFlow", "selective_adamw_", "deepspeed_column_slices"]
+__all__ = ["ZenFlowSchedule", "ZenFlow", "selective_adamw_", "deepspeed_column_slices", "deepspeed_stage3_columns"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -128,6 +136,22 @@ def deepspeed_column_slices(shapes: Sequence[torch.Size], world_size: int) -> li
     return out
 
 
+def deepspeed_stage3_columns(shape: torch.Size, world_size: int) -> list[int]:
+    """The columns (input features) of a 2-D weight that DeepSpeed's stage-3 ZenFlow can choose: those whole inside
+    one rank's partition of the weight stored transposed (each rank ``ceil(numel / world_size)`` elements), in order.
+    """
+    rows, cols = int(shape[0]), int(shape[1])
+    numel = rows * cols
+    part = -(-numel // world_size)
+    out: list[int] = []
+    for r in range(world_size):
+        start, end = part * r, min(part * (r + 1), numel)
+        if start >= numel:
+            break
+        out.extend(range(-(-start // rows), end // rows))
+    return out
+
+
 @torch.no_grad()
 def selective_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                      step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
@@ -144,12 +168,18 @@ def selective_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
 
 @dataclass
 class _Selective:
-    """One parameter's selective state."""
+    """One parameter's selective state. At stages 1-2 the values it updates are the weight's selected columns (the
+    whole of a 1-D parameter); at stage 3 (``sp`` set) the elements of this rank's shard in them, at flat positions
+    ``flat_idx`` of the shard, fed by elements ``grad_idx`` of the flattened selected-column gradient."""
 
     param: nn.Parameter
     group: int                           # param_groups index (its learning rate)
-    slices: list[tuple[int, int]]        # 2-D: DeepSpeed's column slices; [] for 1-D
+    slices: list[tuple[int, int]]        # stages 1-2, 2-D: DeepSpeed's column slices; [] for 1-D
+    shape: torch.Size = torch.Size()     # the parameter's full shape
+    sp: object = None                    # stage 3: its ShardedParam (hf_zero/zero/stage3/param.py)
     columns: torch.Tensor | None = None  # 2-D: selected columns, sorted
+    flat_idx: torch.Tensor | None = None  # stage 3, 2-D: positions in the shard of the selected elements
+    grad_idx: torch.Tensor | None = None  # stage 3, 2-D: their positions in grad[:, columns].reshape(-1)
     step: int = 0
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
@@ -157,16 +187,73 @@ class _Selective:
     grad: torch.Tensor | None = None     # its average over the data-parallel ranks
     before: torch.Tensor | None = None   # values before the offloaded step (update boundary)
 
+    @property
+    def is_2d(self) -> bool:
+        return len(self.shape) == 2
+
+    def _shard(self) -> torch.Tensor:
+        return self.sp.shard_values()
+
+    def _owned(self) -> tuple[int, int]:
+        """Stage 3: the elements ``[lo, hi)`` of the flattened parameter this rank's shard holds."""
+        return self.sp.layout.owned_range(0, self.sp.rank)
+
+    def choose(self, columns: torch.Tensor) -> None:
+        self.columns = columns
+        if self.sp is None:
+            return
+        lo, hi = self._owned()
+        rows, cols = self.shape
+        flat = (torch.arange(rows, device=columns.device)[:, None] * cols + columns[None, :]).reshape(-1)
+        self.grad_idx = ((flat >= lo) & (flat < hi)).nonzero().squeeze(1)
+        self.flat_idx = flat[self.grad_idx] - lo
+
+    def values_of(self, grad: torch.Tensor) -> torch.Tensor:
+        """The averaged gradient (the selected columns of a 2-D weight, a 1-D parameter whole) cut to :meth:`view`."""
+        if self.sp is None:
+            return grad
+        if not self.is_2d:
+            lo, hi = self._owned()
+            return grad[lo:hi]
+        return grad.reshape(-1)[self.grad_idx]
+
     def view(self) -> torch.Tensor:
+        if self.sp is not None:
+            shard = self._shard()
+            return shard[self.flat_idx] if self.is_2d else shard[:self._owned()[1] - self._owned()[0]]
         p = local_tensor(self.param).data
         return p if self.columns is None else p[:, self.columns]
 
     def write(self, values: torch.Tensor) -> None:
+        if self.sp is not None:
+            shard = self._shard()
+            if self.is_2d:
+                shard[self.flat_idx] = values
+            else:
+                shard[:values.numel()] = values
+            if self.sp.swapped:  # shard_values() read a copy back
+                self.sp.store_shard(shard)
+            return
         p = local_tensor(self.param).data
         if self.columns is None:
             p.copy_(values)
         else:
             p[:, self.columns] = values
+
+    @property
+    def writes_back(self) -> bool:
+        """Whether :meth:`view` may be a copy (an update applied to it must be written)."""
+        return self.sp is not None or self.columns is not None
+
+    def all_values(self) -> torch.Tensor:
+        """Everything of the parameter this rank updates (stage 3: its shard), as a copy."""
+        return (self._shard() if self.sp is not None else local_tensor(self.param)).detach().clone()
+
+    def set_all(self, values: torch.Tensor) -> None:
+        if self.sp is not None:
+            self.sp.store_shard(values)
+        else:
+            local_tensor(self.param).data.copy_(values)
 
 
 class ZenFlow:
@@ -179,10 +266,11 @@ class ZenFlow:
 
     def __init__(self, policy: ZenFlowPolicy, groups: Sequence, optimizer, param_group_of: Sequence[int],
                  hyper: dict, *, steps_per_epoch: Callable[[], int | None], process_group=None,
-                 world_size: int = 1) -> None:
-        """``groups``: the engine's ShardedGroups; ``hyper``: the config optimizer's params (lr, betas, eps,
-        weight_decay), torch AdamW's defaults for the missing ones; ``steps_per_epoch``: read at the first
-        backward (the initialize() dataloader exists by then)."""
+                 world_size: int = 1, stage3=None) -> None:
+        """``groups``: the engine's ShardedGroups (Stage3Groups at stage 3); ``hyper``: the config optimizer's
+        params (lr, betas, eps, weight_decay), torch AdamW's defaults for the missing ones; ``steps_per_epoch``:
+        read at the first backward (the initialize() dataloader exists by then); ``stage3``: the ZeRO-3 runtime
+        (hf_zero/zero/stage3/runtime.py), told when a selective update changed the shards."""
         self._policy = policy
         self._steps_per_epoch = steps_per_epoch
         self.schedule: ZenFlowSchedule | None = None
@@ -194,18 +282,21 @@ class ZenFlow:
         self._hyper["betas"] = (float(betas[0]), float(betas[1]))
         self._lr = [float(self._hyper["lr"])] * len(optimizer.param_groups)  # synced from the scheduler at step()
         self._groups = list(groups)
+        self._stage3 = stage3
         self.params: list[_Selective] = []
         for g, pg in zip(self._groups, param_group_of):
             if getattr(g, "expert", None) is not None:
                 raise ConfigError("zero_optimization.zenflow", "with expert-parallel MoE parameters is not "
                                                                "implemented in hf_zero")
-            shapes = [local_tensor(p).shape for p in g.params]
+            sps = list(g.sps) if stage3 is not None else [None] * len(g.params)
+            shapes = [sp.shape if sp is not None else local_tensor(p).shape for p, sp in zip(g.params, sps)]
             for name, shape in zip(g.names, shapes):
                 if len(shape) not in (1, 2):
                     raise ConfigError("zero_optimization.zenflow", f"parameter '{name}' has shape {tuple(shape)}: "
                                       "ZenFlow updates 1-D and 2-D parameters only (DeepSpeed's too)")
-            for p, slices in zip(g.params, deepspeed_column_slices(shapes, world_size)):
-                self.params.append(_Selective(p, pg, slices))
+            slices = deepspeed_column_slices(shapes, world_size) if stage3 is None else [[]] * len(shapes)
+            for p, sl, shape, sp in zip(g.params, slices, shapes, sps):
+                self.params.append(_Selective(p, pg, sl, torch.Size(shape), sp))
         self._capturing = False
         self._select = False
         self._pending = False  # selective gradients waiting for the offloaded step (update boundary)
@@ -244,7 +335,7 @@ class ZenFlow:
         policy = self._resolved()
         self._capturing = policy.is_selective(t)
         # a run resumed from a checkpoint without ZenFlow's state has no columns yet: it chooses them now
-        unchosen = any(s.columns is None and s.param.dim() == 2 for s in self.params)
+        unchosen = any(s.columns is None and s.is_2d for s in self.params)
         self._select = policy.is_select_boundary(t) or (self._capturing and unchosen)
         if self._select:
             if t != 0:
@@ -280,20 +371,21 @@ class ZenFlow:
         if self._select:
             self._choose_columns()
         for s in self.params:
-            s.grad = s.grad if s.grad.dim() == 1 or not self._select else s.grad[:, s.columns]
+            s.grad = s.values_of(s.grad if s.grad.dim() == 1 or not self._select else s.grad[:, s.columns])
         if boundary:
             for s in self.params:
                 s.before = s.view().clone()
             self._pending = True
         else:
             self._apply()
+            self._shards_changed()
 
     def _average(self) -> None:
         """One all-reduce of every captured gradient, pre-divided by the world size (DeepSpeed's order)."""
         locals_ = []
         for s in self.params:
             if s.local is None:  # no gradient this pass: zeros, as the reducer flushes for unused parameters
-                shape = local_tensor(s.param).shape
+                shape = s.shape if s.sp is not None else local_tensor(s.param).shape
                 if len(shape) == 2 and not self._select:
                     shape = (shape[0], len(s.columns))
                 s.local = torch.zeros(shape, dtype=s.param.dtype, device=s.param.device)
@@ -315,13 +407,19 @@ class ZenFlow:
             if s.grad.dim() != 2:
                 continue
             sums = s.grad.abs().sum(dim=0)  # (columns,): |gradient| summed over each input feature
+            if s.sp is not None:  # stage 3: one top-k over every rank's complete columns (DeepSpeed's stage 3)
+                candidates = torch.tensor(deepspeed_stage3_columns(s.shape, self._world_size), dtype=torch.long,
+                                          device=sums.device)
+                k = min(max(1, int(candidates.numel() * ratio)), candidates.numel())
+                s.choose(candidates[torch.topk(sums[candidates], k).indices].sort()[0])
+                continue
             chosen = []
             for first, end in s.slices:
                 if end <= first:
                     continue
                 k = max(1, int((end - first) * ratio))
                 chosen.append(torch.topk(sums[first:end], k).indices.sort()[0] + first)
-            s.columns = torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long, device=s.grad.device)
+            s.choose(torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long, device=s.grad.device))
 
     # step ----------------------------------------------------------------------------------------------------------
     def sync_lr(self) -> None:
@@ -336,7 +434,7 @@ class ZenFlow:
         w, u = self._policy.full_warm_up_rounds, self._policy.update_interval
         parity = t & 1 if t < w else (t // u) & 1
         offload = self._optimizer.offload
-        self._pre_step = [local_tensor(s.param).detach().clone() for s in self.params] if t >= w else None
+        self._pre_step = [s.all_values() for s in self.params] if t >= w else None
         for gi, master in enumerate(self._masters):
             offload.load_state_tensors(gi, {"master": master})
         if parity != self._parity:
@@ -355,14 +453,14 @@ class ZenFlow:
         before; its first wait after warm-up, and a wait with nothing submitted yet, publish nothing)."""
         if not self._policy.overlap_step:
             return
-        result = [local_tensor(s.param).detach().clone() for s in self.params]
+        result = [s.all_values() for s in self.params]
         offload = self._optimizer.offload
         self._masters = [offload.state_tensors(gi)["master"] for gi in range(len(self._groups))]
         if self._pre_step is not None:
             publish = self._stale if (self._stale is not None and not self._lagging) else self._pre_step
             self._lagging = self._lagging and self._stale is None
             for s, values in zip(self.params, publish):
-                local_tensor(s.param).data.copy_(values)
+                s.set_all(values)
             self._pre_step = None
         self._stale = result
 
@@ -370,13 +468,20 @@ class ZenFlow:
         """The offloaded step has published its weights (overlap_step: the previous one's): the selected columns get
         back their values from before it, plus this micro-step's selective update."""
         self._late_update()
-        if not self._pending:
-            return
-        self._pending = False
-        for s in self.params:
-            s.write(s.before)
-            s.before = None
-        self._apply()
+        wrote = self._policy.overlap_step
+        if self._pending:
+            self._pending, wrote = False, True
+            for s in self.params:
+                s.write(s.before)
+                s.before = None
+            self._apply()
+        if wrote:  # after the runtime's own re-gather of the step's result
+            self._shards_changed()
+
+    def _shards_changed(self) -> None:
+        """Stage 3: the selective update wrote shards; the runtime re-gathers what it keeps whole."""
+        if self._stage3 is not None:
+            self._stage3.shards_changed()
 
     def _apply(self) -> None:
         h = self._hyper
@@ -395,7 +500,7 @@ class ZenFlow:
             if exp_avg is not s.exp_avg:
                 s.exp_avg.copy_(exp_avg)
                 s.exp_avg_sq.copy_(exp_avg_sq)
-            if s.columns is not None:
+            if s.writes_back:
                 s.write(values)
             s.grad = None
 
@@ -405,8 +510,11 @@ class ZenFlow:
         for gi, g in enumerate(self._groups):
             master = torch.zeros(g.shard_numel, dtype=torch.float32)
             for i, p in enumerate(g.params):
-                g.layout.shard_of(local_tensor(p).detach().reshape(-1).float().cpu(), i, g.rank,
-                                  master[g.layout.offsets[i]:g.layout.offsets[i + 1]])
+                piece = master[g.layout.offsets[i]:g.layout.offsets[i + 1]]
+                if self._stage3 is not None:  # the shard is this rank's piece already
+                    piece.copy_(g.sps[i].shard_values())
+                else:
+                    g.layout.shard_of(local_tensor(p).detach().reshape(-1).float().cpu(), i, g.rank, piece)
             offload.load_state_tensors(gi, {"master": master})
             if self._masters is not None:
                 self._masters[gi] = master
@@ -417,19 +525,24 @@ class ZenFlow:
         between steps): each parameter's chosen columns, selective moments and step count, the learning rates the
         next selective update uses (the scheduler has moved on since they were synced) and, with overlap_step, the
         other set of Adam moments and this rank's masters (shards), the update waiting to be shown and its flags.
-        DeepSpeed 0.19.8 saves none of it: its resumed run starts the selective optimizer afresh."""
+        DeepSpeed 0.19.8 saves none of it: its resumed run starts the selective optimizer afresh.
+
+        At stage 3 what a rank holds of a parameter is saved as a full shard of it (the shard's values; the
+        moments spread to their positions in it, zeros elsewhere), so a load on another number of ranks re-cuts it
+        like the optimizer's shards."""
         out: dict[str, torch.Tensor] = {"zenflow.lr": torch.tensor(self._lr, dtype=torch.float64)}
         for i, s in enumerate(self.params):
             out[f"zenflow.{i}.step"] = torch.tensor([s.step], dtype=torch.int64)
             # the weights where they are not the masters: the selected columns and 1-D parameters carry selective
             # updates the masters get only at the next selection; with overlap_step the weights show the previous
             # update. A load publishes the masters, then puts these back (restore_weights)
-            shown = local_tensor(s.param).detach() if self._policy.overlap_step else s.view()
+            shown = s.all_values() if self._policy.overlap_step or s.sp is not None else s.view()
             out[f"zenflow.{i}.shown"] = shown.cpu()
             if s.columns is not None:
                 out[f"zenflow.{i}.columns"] = s.columns.cpu()
             if s.exp_avg is not None:
-                out[f"zenflow.{i}.exp_avg"], out[f"zenflow.{i}.exp_avg_sq"] = s.exp_avg.cpu(), s.exp_avg_sq.cpu()
+                out[f"zenflow.{i}.exp_avg"], out[f"zenflow.{i}.exp_avg_sq"] = (
+                    self._as_shard(s, m).cpu() for m in (s.exp_avg, s.exp_avg_sq))
         if self._policy.overlap_step:
             out["zenflow.overlap.flags"] = torch.tensor([self._parity, int(self._lagging)], dtype=torch.int64)
             for gi in range(len(self._groups)):
@@ -441,6 +554,32 @@ class ZenFlow:
             for i, t in enumerate(self._stale or ()):
                 out[f"zenflow.overlap.stale.{i}"] = t.cpu()
         return out
+
+    @staticmethod
+    def _as_shard(s: _Selective, values: torch.Tensor) -> torch.Tensor:
+        """Stage 3: selective state of ``s`` (one value per element :meth:`_Selective.view` returns) placed in a
+        shard-sized tensor; stages 1-2: as it is."""
+        if s.sp is None:
+            return values
+        out = torch.zeros(s.sp.shard_numel, dtype=values.dtype, device=values.device)
+        if s.is_2d:
+            out[s.flat_idx.to(values.device)] = values
+        else:
+            out[:values.numel()] = values
+        return out
+
+    @staticmethod
+    def _from_shard(s: _Selective, shard: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`_as_shard`, for this rank's positions."""
+        if s.is_2d:
+            return shard[s.flat_idx.to(shard.device)]
+        lo, hi = s.sp.layout.owned_range(0, s.sp.rank)
+        return shard[:hi - lo]
+
+    @staticmethod
+    def _read(reader, key: str, s: _Selective) -> torch.Tensor:
+        """A per-parameter tensor: whole at stages 1-2 (every rank saved the same), this rank's re-cut shard at 3."""
+        return reader.whole(key) if s.sp is None else reader.shard(key, s.sp.layout, s.sp.rank)
 
     def load_state(self, reader) -> bool:
         """Restore :meth:`state_tensors` from a checkpoint's ``reader`` (a ShardReader: ``whole(key)`` for what every
@@ -454,16 +593,19 @@ class ZenFlow:
             raise ValueError("hf_zero: the checkpoint's ZenFlow state is for another set of parameters "
                              f"({len(self.params)} here); load it into the model it was saved from")
         self._lr = [float(x) for x in reader.whole("zenflow.lr")]
-        self._shown = [reader.whole(f"zenflow.{i}.shown") for i in range(len(self.params))]
+        self._shown = [self._read(reader, f"zenflow.{i}.shown", s) for i, s in enumerate(self.params)]
         for i, s in enumerate(self.params):
             device = s.param.device
             s.step = int(reader.whole(f"zenflow.{i}.step")[0])
-            s.columns = reader.whole(f"zenflow.{i}.columns").to(device) if f"zenflow.{i}.columns" in keys else None
+            s.columns = s.flat_idx = s.grad_idx = None
+            if f"zenflow.{i}.columns" in keys:
+                s.choose(reader.whole(f"zenflow.{i}.columns").to(device))
             s.exp_avg = s.exp_avg_sq = None
             if f"zenflow.{i}.exp_avg" in keys:
                 home = torch.device("cpu") if self._policy.offload_moments else device
-                s.exp_avg = reader.whole(f"zenflow.{i}.exp_avg").to(home)
-                s.exp_avg_sq = reader.whole(f"zenflow.{i}.exp_avg_sq").to(home)
+                s.exp_avg, s.exp_avg_sq = (
+                    (m if s.sp is None else self._from_shard(s, m)).to(home)
+                    for m in (self._read(reader, f"zenflow.{i}.{k}", s) for k in ("exp_avg", "exp_avg_sq")))
         if self._policy.overlap_step and "zenflow.overlap.flags" in keys:
             parity, lagging = (int(x) for x in reader.whole("zenflow.overlap.flags"))
             self._parity, self._lagging = parity, bool(lagging)
@@ -475,7 +617,7 @@ class ZenFlow:
                         k: reader.shard(f"zenflow.overlap.{gi}.{k}", g.layout, g.rank) for k in ("exp_avg",
                                                                                                 "exp_avg_sq")}
             stale = [f"zenflow.overlap.stale.{i}" for i in range(len(self.params))]
-            self._stale = ([reader.whole(k).to(s.param.device) for k, s in zip(stale, self.params)]
+            self._stale = ([self._read(reader, k, s).to(s.param.device) for k, s in zip(stale, self.params)]
                            if stale[0] in keys else None)
         return True
 
@@ -487,10 +629,11 @@ class ZenFlow:
         with torch.no_grad():
             for s, values in zip(self.params, shown):
                 values = values.to(s.param.device, s.param.dtype)
-                if self._policy.overlap_step:
-                    local_tensor(s.param).data.copy_(values)
+                if self._policy.overlap_step or s.sp is not None:
+                    s.set_all(values)
                 else:
                     s.write(values)
+        self._shards_changed()
 
     def remove(self) -> None:
         for h in self._handles:

@@ -430,6 +430,18 @@ class Stage3Runtime:
                 for sp in self._sps:
                     sp.drop_initial_fp32_shard()
             return
+        self.shards_changed()
+        if not self._stepped:
+            self._stepped = True
+            for sp in self._sps:
+                sp.drop_initial_fp32_shard()
+
+    def shards_changed(self) -> None:
+        """Shards were written outside a forward (the optimizer's step, ZenFlow's selective update after a
+        backward): the gathered copies are stale, and the persistent parameters are gathered again (a collective:
+        every rank calls it at the same point)."""
+        if self.whole:  # the parameters are views of the shards
+            return
         self._reset_gathered()
         persistent = [sp for sp in self._sps if sp.persistent]
         for sp in persistent:
@@ -440,10 +452,6 @@ class Stage3Runtime:
             self.gatherer.gather(persistent, "persistent parameters")
             for sp in persistent:
                 sp.make_persistent()
-        if not self._stepped:
-            self._stepped = True
-            for sp in self._sps:
-                sp.drop_initial_fp32_shard()
 
     # ------------------------------------------------------------------ checkpoint (engine)
     def shard_state(self, *, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
