@@ -36,6 +36,7 @@ _spec = importlib.util.spec_from_file_location("deepspeed_chat_run", os.path.joi
 chat = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(chat)  # its launcher, environment and log reading serve both runners
 
+_TINY_LLAMA = "hf-internal-testing/tiny-random-LlamaForCausalLM"
 _HELLO = ["--num_layers", "2", "--h_dim", "64", "--ff_dim", "128", "--num_heads", "2", "--batch_size", "4",
           "--max_seq_length", "64", "--dropout", "0.0", "--log_every", "5", "--checkpoint_every", "10"]
 
@@ -49,6 +50,9 @@ class Case:
     ranks: int = 2
     after: str | None = None         # a case whose output this one reads (run first, same work directory)
     note: str = ""
+    # config files written into the example's copy before the run: name -> (the example's file, zero_optimization
+    # keys changed) -- a user's variant of the shipped config
+    configs: tuple[tuple[str, str, tuple[tuple[str, object], ...]], ...] = ()
 
 
 CASES: dict[str, Case] = {
@@ -65,6 +69,30 @@ CASES: dict[str, Case] = {
     "zenflow_benchmark": Case("DeepSpeed-ZenFlow/benchmark", "zf_benchmark.py",
                               ("--hidden_dim", "64", "--nlayers", "2", "--iteration", "3", "--pin_memory_opts", "0",
                                "--topk_ratios", "0.1", "--update_intervals", "2", "--overlap_steps", "0")),
+    # finetune_llama.sh at test size: bf16, ZeRO-2, optimizer offloaded, ZenFlow with overlap_step; the Llama and
+    # Alpaca it downloads resolve to stand-ins (one epoch of 64 rows: 8 steps of 8 samples)
+    "zenflow_finetune": Case("DeepSpeed-ZenFlow/finetuning", "finetune_llama.py",
+                             ("--deepspeed_config=zf_config.json", "--model_name", _TINY_LLAMA, "--num_train_epochs",
+                              "1", "--lr", "2e-5", "--batch_size", "8", "--weight_decay", "0.01", "--output_dir",
+                              "alpaca_output", "--seed", "42")),
+    # the same with its config at stage 3
+    "zenflow_finetune_stage3": Case("DeepSpeed-ZenFlow/finetuning", "finetune_llama.py",
+                                    ("--deepspeed_config=zf_config_stage3.json", "--model_name", _TINY_LLAMA,
+                                     "--num_train_epochs", "1", "--lr", "2e-5", "--batch_size", "8",
+                                     "--weight_decay", "0.01", "--output_dir", "alpaca_output", "--seed", "42"),
+                                    configs=(("zf_config_stage3.json", "zf_config.json", (("stage", 3),)),)),
+    # on one rank: the script saves its checkpoint from rank 0 alone, which a second rank does not join
+    "zenflow_finetune_1rank": Case("DeepSpeed-ZenFlow/finetuning", "finetune_llama.py",
+                                   ("--deepspeed_config=zf_config.json", "--model_name", _TINY_LLAMA,
+                                    "--num_train_epochs", "1", "--lr", "2e-5", "--batch_size", "8", "--weight_decay",
+                                    "0.01", "--output_dir", "alpaca_output", "--seed", "42"), ranks=1),
+    "zenflow_finetune_stage3_1rank": Case("DeepSpeed-ZenFlow/finetuning", "finetune_llama.py",
+                                          ("--deepspeed_config=zf_config_stage3.json", "--model_name", _TINY_LLAMA,
+                                           "--num_train_epochs", "1", "--lr", "2e-5", "--batch_size", "8",
+                                           "--weight_decay", "0.01", "--output_dir", "alpaca_output", "--seed",
+                                           "42"),
+                                          configs=(("zf_config_stage3.json", "zf_config.json", (("stage", 3),)),),
+                                          ranks=1),
     # the README's command (its argparse takes no --local_rank: the launcher is told so)
     "variable_batch_1rank": Case("data_efficiency/variable_batch_size_and_lr",
                                  "variable_batch_size_and_lr_example.py", (), flags=("--no_local_rank",), ranks=1),
@@ -80,6 +108,7 @@ _NUMBERS = {
     "loss": re.compile(r"\] Loss: (\S+)"),                                        # HelloDeepSpeed's log_dist
     "zenflow": re.compile(r"\[Summary\] .*avg_accumulation_step=(\S+)ms avg_update_step=(\S+)ms"),
     "epoch_loss": re.compile(r"epoch (\d+), batch (\d+), loss (\S+)"),            # variable batch (logger.info)
+    "step_loss": re.compile(r"\bStep (\d+), Loss: (\S+)"),                          # ZenFlow's finetune_llama.py
 }
 
 
@@ -140,7 +169,7 @@ def main(argv=None) -> int:
     if not a.examples or not os.path.isdir(os.path.join(a.examples, "training")):
         raise SystemExit(f"{a.examples}: not a DeepSpeedExamples checkout (no training/)")
     os.makedirs(work, exist_ok=True)
-    base = hub.build_hub(os.path.join(work, "hub_standins"), names=["roberta-base"])
+    base = hub.build_hub(os.path.join(work, "hub_standins"), names=["roberta-base", _TINY_LLAMA])
     pythons = {"hf_zero": a.python, "deepspeed": a.ds_python}
     wanted = a.cases.split(",")
     results = []
@@ -152,6 +181,12 @@ def main(argv=None) -> int:
             if case.after is None:  # a fresh copy of the example for each engine
                 shutil.rmtree(cwd, ignore_errors=True)
                 shutil.copytree(os.path.join(a.examples, "training", case.directory), cwd)
+            for written, shipped, changes in case.configs:
+                with open(os.path.join(cwd, shipped)) as f:
+                    cfg = json.load(f)
+                cfg["zero_optimization"].update(dict(changes))
+                with open(os.path.join(cwd, written), "w") as f:
+                    json.dump(cfg, f, indent=1)
             log = os.path.join(work, f"{name}.{engine}.log")
             try:
                 args = [x.format(experiment=experiment_dir(cwd)) if "{" in x else x for x in case.args]

@@ -190,6 +190,8 @@ DATASETS: dict[tuple[str, str], dict[str, int]] = {
     # DeepSpeedExamples' HelloDeepSpeed and bf16_master_weight
     ("wikitext", "wikitext-2-v1"): {"train": 256, "validation": 32, "test": 32},
     ("wikitext", "wikitext-103-raw-v1"): {"train": 2048, "validation": 32, "test": 32},
+    # DeepSpeedExamples' DeepSpeed-ZenFlow/finetuning (load_dataset("tatsu-lab/alpaca"): the default config)
+    ("tatsu-lab/alpaca", "default"): {"train": 64},
 }
 
 
@@ -215,7 +217,23 @@ def _wikitext_rows(rng: random.Random, n: int) -> dict[str, list]:
     return {"text": lines}
 
 
-_COLUMNS = {"nyu-mll/glue": _mrpc_rows, "wikitext": _wikitext_rows}
+def _alpaca_rows(rng: random.Random, n: int) -> dict[str, list]:
+    """Alpaca's columns: an instruction, an input (empty for every third row, as many of Alpaca's are), an output
+    and the formatted ``text``."""
+    def words(k):
+        return " ".join(rng.choices(_WORDS, k=k))
+
+    rows = {"instruction": [], "input": [], "output": [], "text": []}
+    for i in range(n):
+        instruction, given, output = words(8), "" if i % 3 == 0 else words(6), words(12)
+        rows["instruction"].append(instruction)
+        rows["input"].append(given)
+        rows["output"].append(output)
+        rows["text"].append(f"### Instruction:\n{instruction}\n\n### Response:\n{output}")
+    return rows
+
+
+_COLUMNS = {"nyu-mll/glue": _mrpc_rows, "wikitext": _wikitext_rows, "tatsu-lab/alpaca": _alpaca_rows}
 
 
 def repo_dir(hub_cache: str, name: str, kind: str = "models") -> str:
