@@ -77,6 +77,24 @@ def test_not_implemented_key_warns_once_with_what_hf_zero_does_and_is_marked_in_
     assert table[-1] == "  accepted, not yet implemented: zero_optimization.stage3_use_all_reduce_for_fetch_params"
 
 
+@pytest.mark.parametrize("key, value", [("zero_hpz_partition_size", 4), ("mics_shard_size", 4)])
+def test_a_secondary_or_shard_group_of_the_whole_world_is_the_partition_itself(key, value):
+    """zero_hpz_partition_size / mics_shard_size equal to the data-parallel world (a one-node config): one partition
+    over the world, which is hf_zero's; any other size warns that hf_zero partitions over the whole group."""
+    def warned(world_size):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, key: value}},
+                              world_size=world_size, log=False)
+        return [str(w.message) for w in caught if issubclass(w.category, ConfigKeyIgnored)], cfg.not_implemented
+
+    assert warned(4) == ([], ())
+    messages, listed = warned(8)
+    assert listed == (f"zero_optimization.{key}",)
+    assert messages == [f"hf_zero: config key zero_optimization.{key} is not implemented in hf_zero: parameters are "
+                        "partitioned over the whole data-parallel group"]
+
+
 def test_no_op_key_warns_with_its_reason_and_is_marked_but_not_listed():
     config = {"zero_optimization": {"stage": 2, "contiguous_gradients": False, "elastic_checkpoint": True}}
     assert ignored_warnings(config) == [

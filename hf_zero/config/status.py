@@ -270,14 +270,18 @@ STATUS: dict[str, KeyStatus] = {
     "zero_optimization.legacy_stage1": _no_op("hf_zero has one stage-1 implementation"),
     "zero_optimization.round_robin_gradients": _no_op("gradient copies to the CPU are not spread over ranks (same "
                                                       "values)"),
+    # A secondary group (hpZ) or shard group (MiCS) as large as the data-parallel world is the primary partition
+    # itself -- what a one-node config usually asks (zero_hpz_partition_size = GPUs per node): hf_zero's one
+    # partition over the world is then DeepSpeed's, values and layout (DeepSpeed also keeps the secondary copy).
     "zero_optimization.zero_hpz_partition_size": _todo(
         "parameters are partitioned over the whole data-parallel group",
-        active=lambda cfg: cfg.zero.zero_hpz_partition_size > 1),
+        active=lambda cfg: cfg.zero.zero_hpz_partition_size not in (1, cfg.world_size)),
     "zero_optimization.zero_quantized_weights": _todo("weights are all-gathered unquantized"),
     "zero_optimization.zero_quantized_nontrainable_weights": _todo("frozen weights are stored unquantized"),
     "zero_optimization.zero_quantized_gradients": _todo("gradients are reduced unquantized"),
     "zero_optimization.mics_shard_size": _todo("parameters are partitioned over the whole data-parallel group",
-                                               active=lambda cfg: cfg.zero.mics_shard_size > 0),
+                                               active=lambda cfg: cfg.zero.mics_shard_size not in (-1, 0,
+                                                                                                  cfg.world_size)),
     "zero_optimization.mics_hierarchical_params_gather": _todo("parameters are all-gathered in one level"),
     "zero_optimization.memory_efficient_linear": _no_op("hf_zero's linear layers are torch's"),
     # read by zero.Init (hf_zero/zero/init.py): modules built inside gather their parameters in apply(fn)
