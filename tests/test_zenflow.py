@@ -167,7 +167,8 @@ def zenflow_reference(*, dtype=torch.float32, world=1, steps=8, zenflow=BASE, lr
                     selected[i] = g[:, columns[i]]
                 else:
                     selected[i] = g
-                sel_state.setdefault(i, [0, torch.zeros_like(selected[i]), torch.zeros_like(selected[i])])
+                moment_dtype = torch.float32 if dtype == torch.float16 else dtype
+                sel_state.setdefault(i, [0, *(torch.zeros_like(selected[i], dtype=moment_dtype) for _ in "mv")])
 
         def view(i):
             p = params[i].data
@@ -176,7 +177,11 @@ def zenflow_reference(*, dtype=torch.float32, world=1, steps=8, zenflow=BASE, lr
         def apply(i, values):
             st = sel_state[i]
             st[0] += 1
-            _selective_adamw_(values, selected[i], st[1], st[2], st[0], selective_lr, weight_decay)
+            # fp16: hf_zero's selective update runs in fp32 (fp16 underflows Adam's second moment)
+            work = values.float() if dtype == torch.float16 else values
+            _selective_adamw_(work, selected[i].to(work.dtype), st[1], st[2], st[0], selective_lr, weight_decay)
+            if work is not values:
+                values.copy_(work)
             if params[i].dim() == 2:
                 params[i].data[:, columns[i]] = values
 
@@ -244,6 +249,8 @@ def _config(dtype: str, zenflow: dict, clip: float = 0.0, warmup_lr=None, stage:
            "gradient_clipping": clip}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # a static scale: a power of two, so scaled fp16 gradients round as unscaled ones do
+        cfg["fp16"] = {"enabled": True, "loss_scale": 1024}
     if warmup_lr is not None:
         cfg["scheduler"] = warmup_lr
     return cfg
@@ -252,7 +259,7 @@ def _config(dtype: str, zenflow: dict, clip: float = 0.0, warmup_lr=None, stage:
 def _train(cfg: dict, dtype_name: str, steps: int) -> dict:
     import torch.distributed as dist
 
-    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype_name, torch.float32)
     world, rank = dist.get_world_size(), dist.get_rank()
     model = _model()
     engine, _, _, _ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -349,6 +356,53 @@ def test_stage_3_matches_the_reference(world, dtype, threshold):
     if world == 2:  # the stage-3 choice differs from stages 1-2's per-slice one: the two runs part
         ref2 = zenflow_reference(dtype=torch_dtype, world=2, steps=8, **CASES["fixed"])
         assert max(abs(a - b) for a, b in zip(runs[0]["fixed"]["losses"], ref2["losses"])) > 1e-4
+
+
+def _train_fp16(steps: int) -> dict:
+    return {name: _train(_config("fp16", CASES[name]["zenflow"], CASES[name].get("clip", 0.0), stage=stage),
+                         "fp16", steps) for name, stage in (("fixed", 2), ("clip", 3))}
+
+
+def test_fp16_divides_the_selective_gradients_by_the_loss_scale():
+    """fp16 with a loss scale of 1024 trains as the unscaled fp16 reference (stages 2 and 3, 2 ranks)."""
+    runs = run_distributed(_train_fp16, 2, args=(8,))[0]
+    for name, stage3 in (("fixed", False), ("clip", True)):
+        ref = zenflow_reference(dtype=torch.float16, world=2, steps=8, stage3=stage3, **CASES[name])
+        assert runs[name]["losses"] == pytest.approx(ref["losses"], rel=1e-3), name
+        for a, b in zip(runs[name]["params"], ref["params"]):
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=name)
+
+
+def _overflowing_fp16(steps: int) -> dict:
+    cfg = _config("fp16", {**BASE, "full_warm_up_rounds": 0})
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 21, "hysteresis": 1}  # 2^21 overflows fp16 gradients
+    model = _model()
+    engine = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    out = {"unchanged": [], "scales": [], "losses": []}
+    for xs, ys in _batches(1, steps):
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        skipped = engine.zenflow.skipped_updates
+        loss = _loss(engine(xs[:MICRO].half()), ys[:MICRO], torch.float16)
+        engine.backward(loss)
+        if engine.zenflow.skipped_updates > skipped:  # the selective update of an overflowing micro-step
+            out["unchanged"].append(all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters())))
+        engine.step()
+        out["scales"].append(engine.loss_scaler.scale)
+        out["losses"].append(loss.item())
+    out["skipped"] = engine.zenflow.skipped_updates
+    out["finite"] = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
+    engine.destroy()
+    return out
+
+
+def test_fp16_overflow_skips_the_selective_update():
+    """A loss scale of 2^21 overflows these fp16 gradients: those micro-steps update nothing (DeepSpeed 0.19.8's
+    selective AdamW would take the inf and leave NaN weights), the scale halves at each update boundary (every 2nd
+    micro-step) until 2^18 fits, and the weights stay finite."""
+    out = run_distributed(_overflowing_fp16, 1, args=(12,))[0]
+    assert out["skipped"] >= 2 and out["unchanged"] == [True] * out["skipped"]
+    assert out["scales"] == [2.0 ** 21, 2.0 ** 20, 2.0 ** 20, 2.0 ** 19, 2.0 ** 19] + [2.0 ** 18] * 7
+    assert out["finite"] and all(math.isfinite(x) for x in out["losses"])
 
 
 # --- DeepSpeed ---------------------------------------------------------------------------------------------------

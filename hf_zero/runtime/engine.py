@@ -200,16 +200,13 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
 
     def _build_zenflow(self, config: HfZeroConfig, process_group):
         """ZenFlow's selective optimizer and schedule (hf_zero/zero/zenflow.py), for the checks only the engine
-        can make: the update rule it steps is Adam's, fp16's loss scale would reach the selective gradients."""
+        can make: the update rule it steps is Adam's. With fp16 it divides its gradients by the loss scale."""
         from hf_zero.config.policies import zenflow_policy
         from hf_zero.zero.zenflow import ZenFlow
 
         if not self.optimizer.backend.uses_adam_hyper:
             raise ConfigError("zero_optimization.zenflow", "needs an Adam or AdamW optimizer (its offloaded step is "
                                                            "Adam's with DeepSpeed's step count)")
-        if self.loss_scaler is not None:
-            raise ConfigError("zero_optimization.zenflow", "with fp16 loss scaling is not implemented in hf_zero; "
-                                                           "train in bf16 or fp32")
         if self.model_parallel_group is not None or tp_info(self.module) is not None:
             raise ConfigError("zero_optimization.zenflow", "with pipeline or tensor parallelism is not implemented "
                                                            "in hf_zero; use data parallelism alone")
@@ -218,7 +215,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         return ZenFlow(zenflow_policy(config), self.groups, self.optimizer, self.optimizer.param_group_of, hyper,
                        steps_per_epoch=lambda: (len(self.training_dataloader)
                                                 if getattr(self, "training_dataloader", None) is not None else None),
-                       process_group=process_group, world_size=self.world_size, stage3=self.stage3)
+                       process_group=process_group, world_size=self.world_size, stage3=self.stage3,
+                       loss_scaler=self.loss_scaler)
 
     def _check_every_gradient(self) -> None:
         """``zero_optimization.ignore_unused_parameters: false``: every trainable parameter must have had a gradient

@@ -266,11 +266,12 @@ class ZenFlow:
 
     def __init__(self, policy: ZenFlowPolicy, groups: Sequence, optimizer, param_group_of: Sequence[int],
                  hyper: dict, *, steps_per_epoch: Callable[[], int | None], process_group=None,
-                 world_size: int = 1, stage3=None) -> None:
+                 world_size: int = 1, stage3=None, loss_scaler=None) -> None:
         """``groups``: the engine's ShardedGroups (Stage3Groups at stage 3); ``hyper``: the config optimizer's
         params (lr, betas, eps, weight_decay), torch AdamW's defaults for the missing ones; ``steps_per_epoch``:
         read at the first backward (the initialize() dataloader exists by then); ``stage3``: the ZeRO-3 runtime
-        (hf_zero/zero/stage3/runtime.py), told when a selective update changed the shards."""
+        (hf_zero/zero/stage3/runtime.py), told when a selective update changed the shards; ``loss_scaler``: fp16's
+        (hf_zero/zero/loss_scaler.py), whose scale the selective gradients are divided by."""
         self._policy = policy
         self._steps_per_epoch = steps_per_epoch
         self.schedule: ZenFlowSchedule | None = None
@@ -283,6 +284,8 @@ class ZenFlow:
         self._lr = [float(self._hyper["lr"])] * len(optimizer.param_groups)  # synced from the scheduler at step()
         self._groups = list(groups)
         self._stage3 = stage3
+        self._loss_scaler = loss_scaler
+        self.skipped_updates = 0  # fp16: selective updates skipped for a gradient that was not finite
         self.params: list[_Selective] = []
         for g, pg in zip(self._groups, param_group_of):
             if getattr(g, "expert", None) is not None:
@@ -367,7 +370,11 @@ class ZenFlow:
         if not self._capturing:
             return
         self._capturing = False
-        self._average()
+        if not self._average():  # fp16 overflow: no selective update this micro-step (and no new columns)
+            self.skipped_updates += 1
+            for s in self.params:
+                s.grad = None
+            return
         if self._select:
             self._choose_columns()
         for s in self.params:
@@ -380,8 +387,12 @@ class ZenFlow:
             self._apply()
             self._shards_changed()
 
-    def _average(self) -> None:
-        """One all-reduce of every captured gradient, pre-divided by the world size (DeepSpeed's order)."""
+    def _average(self) -> bool:
+        """One all-reduce of every captured gradient, pre-divided by the world size (DeepSpeed's order); with fp16,
+        divided by the loss scale of this backward too, in fp32 (DeepSpeed 0.19.8 feeds its 16-bit selective AdamW
+        the scaled gradient -- Adam's step barely depends on the scale -- and turns the weights to NaN on an
+        overflow). False when the averaged gradient is not finite (an fp16 overflow, the same on every rank after
+        the all-reduce)."""
         locals_ = []
         for s in self.params:
             if s.local is None:  # no gradient this pass: zeros, as the reducer flushes for unused parameters
@@ -394,12 +405,19 @@ class ZenFlow:
         if self._world_size > 1:
             flat.div_(self._world_size)
             all_reduce_(flat, group=self._process_group, what="ZenFlow's selected-gradient all-reduce")
+        if self._loss_scaler is not None:
+            if not bool(torch.isfinite(flat).all()):
+                for s in self.params:
+                    s.local = None
+                return False
+            flat = flat.float().div_(self._loss_scaler.scale)  # fp32 from here (see _apply)
         at = 0
         for s in self.params:
             n = s.local.numel()
             s.grad = flat[at:at + n].view(s.local.shape)
             s.local = None
             at += n
+        return True
 
     def _choose_columns(self) -> None:
         ratio = self._resolved().topk_ratio
@@ -487,16 +505,21 @@ class ZenFlow:
         h = self._hyper
         for s in self.params:
             values = s.view()
+            # fp16: the update and its moments in fp32 -- the unscaled gradient's square underflows fp16 (and eps is
+            # 0 there), so a 16-bit AdamW would divide by zero
+            work = values.float() if self._loss_scaler is not None else values
             # zenflow.offload: the moments wait in CPU memory between updates (DeepSpeed's; the same values)
             home = torch.device("cpu") if self._policy.offload_moments else values.device
             if s.exp_avg is None or s.exp_avg.shape != values.shape:
-                s.exp_avg = torch.zeros_like(values, device=home)
-                s.exp_avg_sq = torch.zeros_like(values, device=home)
+                s.exp_avg = torch.zeros_like(work, device=home)
+                s.exp_avg_sq = torch.zeros_like(work, device=home)
             exp_avg, exp_avg_sq = s.exp_avg.to(values.device), s.exp_avg_sq.to(values.device)
             s.step += 1
-            selective_adamw_(values, s.grad.to(values.dtype), exp_avg, exp_avg_sq, step=s.step,
+            selective_adamw_(work, s.grad.to(work.dtype), exp_avg, exp_avg_sq, step=s.step,
                              lr=self._lr[s.group], beta1=h["betas"][0], beta2=h["betas"][1], eps=float(h["eps"]),
                              weight_decay=float(h["weight_decay"]))
+            if work is not values:
+                values.copy_(work)
             if exp_avg is not s.exp_avg:
                 s.exp_avg.copy_(exp_avg)
                 s.exp_avg_sq.copy_(exp_avg_sq)
