@@ -1,8 +1,9 @@
 """Optimizer-state offload: where the fp32 master weights and Adam moments of each group's shard live.
 
 ``zero_optimization.offload_optimizer`` moves, for every :class:`~hf_zero.zero.sharded_group.ShardedGroup`, the
-three fp32 streams ``master``, ``exp_avg`` and ``exp_avg_sq`` (12 bytes per parameter of the shard) out of the
-accelerator's memory; the 16-bit weights (``param16``) and the gradient shard stay where they were.
+three streams ``master``, ``exp_avg`` and ``exp_avg_sq`` (fp32: 12 bytes per parameter of the shard; with
+``bf16.bf16_master_weights_and_grads`` a bf16 master, 10 bytes, and with ``bf16_optimizer_states`` bf16 moments, 6)
+out of the accelerator's memory; the 16-bit weights (``param16``) and the gradient shard stay where they were.
 
 Each group's shard ``[0, shard_numel)`` is split in two tiers::
 
@@ -37,19 +38,18 @@ from hf_zero.config.policies import AioParams, NVMeOffloadPolicy, ZeroPolicy
 from hf_zero.offload.params import check_optimizer_offload
 from hf_zero.offload.swapper import SwapDir, wait_all
 from hf_zero.offload.transfers import HostStaging
-from hf_zero.ops.adam import AdamHyper, adam_step_, adam_step_reference
+from hf_zero.ops.adam import AdamHyper, adam_step_, adam_step_low_precision_, adam_step_reference
 from hf_zero.profiling.timers import NO_TIMERS
 
 __all__ = ["OptimizerOffload", "STATE_NAMES", "build_optimizer_offload"]
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
-_FP32_BYTES = 4
 _pin_warned = False
 
 
-def _host_empty(numel: int, pin: bool) -> torch.Tensor:
-    """fp32 CPU buffer, page-locked when asked and possible; pageable with one warning otherwise."""
-    return _pinned_or_pageable(torch.zeros(numel, dtype=torch.float32), pin)
+def _host_empty(numel: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Zeroed CPU buffer, page-locked when asked and possible; pageable with one warning otherwise."""
+    return _pinned_or_pageable(torch.zeros(numel, dtype=dtype), pin)
 
 
 def _host_copy(src: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -93,11 +93,18 @@ class OptimizerOffload:
     offloaded = True
 
     def __init__(self, groups: Sequence, *, device: str, nvme_path: str | None, pin_memory: bool, ratio: float,
-                 sub_group_size: int, aio: AioParams, rank: int, torch_adam: bool = False):
+                 sub_group_size: int, aio: AioParams, rank: int, torch_adam: bool = False,
+                 state_dtype: torch.dtype = torch.float32):
+        """``state_dtype``: the Adam moments' (bf16 with ``bf16.bf16_optimizer_states``). The masters keep the
+        groups' own dtype: bf16 with ``bf16.bf16_master_weights_and_grads`` (then, as for fp32 training, the master
+        is the weights), which the CPU Adam updates in fp32 and rounds once -- DeepSpeed's ZeRO-Offload with bf16
+        master weights."""
         if device not in ("cpu", "nvme"):
             raise ValueError(f"offload_optimizer.device={device!r}: expected 'cpu' or 'nvme'")
         self.groups = list(groups)
         self.device = device
+        self.dtypes = {"master": self.groups[0].master.dtype if self.groups else torch.float32,
+                       "exp_avg": state_dtype, "exp_avg_sq": state_dtype}
         # the update: the compiled CPU Adam, or with optimizer.params.torch_adam torch's own AdamW arithmetic (torch
         # ops, adam_step_reference) on the same offloaded tiles -- DeepSpeed runs torch.optim.Adam(W) there
         self._update = adam_step_reference if torch_adam else adam_step_
@@ -114,7 +121,7 @@ class OptimizerOffload:
                       for gi, g in enumerate(self.groups)
                       for lo in range(self.keep[gi], g.shard_numel, self.tile_numel)]
         if device == "nvme":
-            sizes = {f"group{gi}.{s}": (g.shard_numel - self.keep[gi]) * _FP32_BYTES
+            sizes = {f"group{gi}.{s}": (g.shard_numel - self.keep[gi]) * self.dtypes[s].itemsize
                      for gi, g in enumerate(self.groups) for s in STATE_NAMES}
             self.swap = SwapDir(nvme_path, kind="optimizer", rank=rank, sizes_nbytes=sizes, aio=aio,
                                 config_key="zero_optimization.offload_optimizer")
@@ -131,21 +138,22 @@ class OptimizerOffload:
             if keep_view:
                 resident_master = master[:k]
             else:
-                resident_master = torch.empty(k, dtype=torch.float32, device=on)
+                resident_master = torch.empty(k, dtype=self.dtypes["master"], device=on)
                 g.initial_master(0, k, resident_master)
-            self._resident.append({"master": resident_master, "exp_avg": torch.zeros_like(resident_master),
-                                   "exp_avg_sq": torch.zeros_like(resident_master)})
+            self._resident.append({"master": resident_master,
+                                   **{s: torch.zeros_like(resident_master, dtype=self.dtypes[s])
+                                      for s in ("exp_avg", "exp_avg_sq")}})
             if device == "cpu":
                 # CPU training: the master is in CPU memory already and stays (for fp32 it is the weights)
-                host = {s: _host_empty(n - k, pin_memory) for s in ("exp_avg", "exp_avg_sq")}
+                host = {s: _host_empty(n - k, pin_memory, self.dtypes[s]) for s in ("exp_avg", "exp_avg_sq")}
                 if built:
                     host["master"] = _host_copy(master[k:], pin_memory)
                 else:
-                    host["master"] = _host_empty(n - k, pin_memory)
+                    host["master"] = _host_empty(n - k, pin_memory, self.dtypes["master"])
                     g.initial_master(k, n, host["master"])
                 self._host.append(host)
             else:
-                buf = torch.empty(min(self.tile_numel, n - k), dtype=torch.float32)
+                buf = torch.empty(min(self.tile_numel, n - k), dtype=self.dtypes["master"])
                 for lo in range(k, n, self.tile_numel):
                     hi = min(lo + self.tile_numel, n)
                     g.initial_master(lo, hi, buf[:hi - lo])
@@ -154,11 +162,11 @@ class OptimizerOffload:
             g.release_master()
         # NVMe: two sets of tile buffers, used alternately (compute on one while the other is read / written)
         max_tile = max((t.hi - t.lo for t in self.tiles), default=0)
-        self._tile_bufs = ([{s: _host_empty(max_tile, pin_memory) for s in STATE_NAMES} for _ in range(2)]
-                           if device == "nvme" else [])
+        self._tile_bufs = ([{s: _host_empty(max_tile, pin_memory, self.dtypes[s]) for s in STATE_NAMES}
+                            for _ in range(2)] if device == "nvme" else [])
         # CPU offload of a GPU run: gradients down and 16-bit weights up on side streams, overlapping the CPU Adam
         # (transfers.py); a CPU run's gradients are on the host already
-        self._staging = (HostStaging(self.groups, self.keep, pin_memory)
+        self._staging = (HostStaging(self.groups, self.keep, pin_memory, master16=self.dtypes["master"] != torch.float32)
                          if device == "cpu" and self.tiles and HostStaging.wanted(self.groups) else None)
 
     # ---- the step ---------------------------------------------------------------------------------------------------
@@ -197,8 +205,8 @@ class OptimizerOffload:
             with self.timers.phase("offload_io"):
                 ready.synchronize()
             out16 = st.out16(t)
-            self._update(h["master"][sl], st.grad(t), h["exp_avg"][sl], h["exp_avg_sq"][sl], **hyper[t.group].kwargs(),
-                         grad_scale=divisor, out16=out16)
+            self._kernel(h["master"][sl], st.grad(t), h["exp_avg"][sl], h["exp_avg_sq"][sl], hyper[t.group], divisor,
+                         out16)
             if out16 is not None:
                 st.upload(t)
             else:  # fp32 weights (or a swapped ZeRO-3 shard): written from the master as before
@@ -236,6 +244,16 @@ class OptimizerOffload:
         off, numel = t.lo - self.keep[t.group], t.hi - t.lo
         return [self.swap.write_async(f"group{t.group}.{s}", bufs[s][:numel], off) for s in STATE_NAMES]
 
+    def _kernel(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                h: AdamHyper, divisor: float, out16: torch.Tensor | None) -> None:
+        """One tile's update: the fused pass for fp32 states (writing ``out16`` on the way), the fp32-slices one for
+        bf16 masters and/or moments (``out16`` is then None: a bf16 master is the weights' values)."""
+        if master.dtype != torch.float32 or exp_avg.dtype != torch.float32:
+            adam_step_low_precision_(master, grad, exp_avg, exp_avg_sq, update=self._update, **h.kwargs(),
+                                     grad_scale=divisor)
+        else:
+            self._update(master, grad, exp_avg, exp_avg_sq, **h.kwargs(), grad_scale=divisor, out16=out16)
+
     def _adam(self, g, h: AdamHyper, divisor: float, lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor) -> list[Future]:
         """Adam on elements [lo, hi) of group g, whose states are ``master``/``exp_avg``/``exp_avg_sq`` (hi-lo,).
@@ -245,20 +263,22 @@ class OptimizerOffload:
         if grad.device != master.device:
             grad = grad.to(master.device)
         param16 = g.param16[lo:hi] if g.param16 is not None else None
-        direct16 = param16 is not None and param16.dtype != torch.float32 and param16.device == master.device
-        self._update(master, grad, exp_avg, exp_avg_sq, **h.kwargs(), grad_scale=divisor,
-                     out16=param16 if direct16 else None)
+        # an fp32 master writes the 16-bit weights in its own pass; a 16-bit master is the weights' values already
+        direct16 = (param16 is not None and param16.dtype != master.dtype and master.dtype == torch.float32
+                    and param16.device == master.device)
+        self._kernel(master, grad, exp_avg, exp_avg_sq, h, divisor, param16 if direct16 else None)
         if direct16:
             return []
-        return g.write_param16(lo, hi, master)  # a no-op when the fp32 master is the weights' own memory
+        return g.write_param16(lo, hi, master)  # a no-op when the master is the weights' own memory
 
     # ---- checkpoint access ------------------------------------------------------------------------------------------
     def state_tensors(self, gi: int) -> dict[str, torch.Tensor]:
-        """Full ``(shard_numel,)`` fp32 copies of group gi's master, exp_avg and exp_avg_sq (read from NVMe)."""
+        """Full ``(shard_numel,)`` copies of group gi's master, exp_avg and exp_avg_sq (read from NVMe), each in its
+        own dtype (``self.dtypes``)."""
         g, k = self.groups[gi], self.keep[gi]
         out = {}
         for s in STATE_NAMES:
-            full = torch.empty(g.shard_numel, dtype=torch.float32)
+            full = torch.empty(g.shard_numel, dtype=self.dtypes[s])
             full[:k].copy_(self._resident[gi][s])
             if self.device == "cpu":
                 full[k:].copy_(self._host[gi][s])
@@ -272,7 +292,7 @@ class OptimizerOffload:
         the 16-bit weights from the master."""
         g, k = self.groups[gi], self.keep[gi]
         for s, full in tensors.items():
-            full = full.detach().to(torch.float32).cpu().contiguous()
+            full = full.detach().to(self.dtypes[s]).cpu().contiguous()
             self._resident[gi][s].copy_(full[:k])
             if self.device == "cpu":
                 self._host[gi][s].copy_(full[k:])
@@ -303,7 +323,8 @@ class OptimizerOffload:
 
 
 def build_optimizer_offload(groups: Sequence, zero: ZeroPolicy, *, rank: int, fused_adam: bool,
-                            torch_adam: bool = False) -> OptimizerOffload | None:
+                            torch_adam: bool = False, state_dtype: torch.dtype = torch.float32
+                            ) -> OptimizerOffload | None:
     """The offload object for ``zero_optimization.offload_optimizer``, or None when it is off."""
     off = zero.offload_optimizer
     if off is None:
@@ -312,4 +333,5 @@ def build_optimizer_offload(groups: Sequence, zero: ZeroPolicy, *, rank: int, fu
     nvme = off if isinstance(off, NVMeOffloadPolicy) else None
     return OptimizerOffload(groups, device=off.device, nvme_path=nvme.nvme_path if nvme else None,
                             pin_memory=off.pin_memory, ratio=zero.offload_ratio, sub_group_size=zero.sub_group_size,
-                            aio=nvme.aio if nvme else AioParams(), rank=rank, torch_adam=torch_adam)
+                            aio=nvme.aio if nvme else AioParams(), rank=rank, torch_adam=torch_adam,
+                            state_dtype=state_dtype)

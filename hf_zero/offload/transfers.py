@@ -32,7 +32,9 @@ class HostStaging:
     """Page-locked host copies of the offloaded tier of each group's gradient shard and 16-bit weights, and the two
     copy streams. Owned by :class:`~hf_zero.offload.optimizer_states.OptimizerOffload`; ``close()`` drops them."""
 
-    def __init__(self, groups: Sequence, keep: Sequence[int], pin_memory: bool) -> None:
+    def __init__(self, groups: Sequence, keep: Sequence[int], pin_memory: bool, master16: bool = False) -> None:
+        """``master16``: the masters are the 16-bit weights (bf16 master weights): Adam updates them in place and
+        they are copied up as they are, without an ``out16`` buffer."""
         self.groups = list(groups)
         self.keep = list(keep)
         self.pinned = bool(pin_memory)
@@ -42,7 +44,7 @@ class HostStaging:
             n = g.shard_numel - k
             self.grad_host.append(torch.empty(n, dtype=g.grad.dtype, pin_memory=self.pinned))
             p16 = g.param16
-            sixteen = p16 is not None and p16.dtype != torch.float32 and p16.device.type == "cuda"
+            sixteen = p16 is not None and p16.dtype != torch.float32 and p16.device.type == "cuda" and not master16
             self.param16_host.append(torch.empty(n, dtype=p16.dtype, pin_memory=self.pinned) if sixteen else None)
         self.d2h = torch.cuda.Stream()
         self.h2d = torch.cuda.Stream()

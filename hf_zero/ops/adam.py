@@ -27,7 +27,8 @@ import torch
 from hf_zero.ops._native import native_available, warn_fallback
 from hf_zero.ops._optim_common import FLOAT16, StateStepOptimizer
 
-__all__ = ["AdamHyper", "CPUAdam", "FusedAdam", "adam_step_", "adam_step_reference", "zeros_state"]
+__all__ = ["AdamHyper", "CPUAdam", "FusedAdam", "adam_step_", "adam_step_low_precision_", "adam_step_reference",
+           "zeros_state"]
 
 
 def zeros_state(shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32,
@@ -138,6 +139,24 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction,
         grad_scale=grad_scale, out16=out16,
     )
+
+
+_SLICE = 1 << 20  # elements per fp32 working slice of the low-precision Adam step
+
+
+def adam_step_low_precision_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                             exp_avg_sq: torch.Tensor, *, update=adam_step_, **kwargs) -> None:
+    """Adam on bf16 master weights and/or bf16 moments (bf16.bf16_master_weights_and_grads / bf16_optimizer_states):
+    the math in fp32 (``update``: :func:`adam_step_` or :func:`adam_step_reference`) on slices of at most
+    ``_SLICE`` elements, results rounded back into the storage dtypes, so no full fp32 copy of the shard ever
+    exists. Used by the on-device step and by the optimizer offload alike, so both give the same numbers."""
+    for lo in range(0, master.numel(), _SLICE):
+        hi = min(lo + _SLICE, master.numel())
+        p32, m32, v32 = master[lo:hi].float(), exp_avg[lo:hi].float(), exp_avg_sq[lo:hi].float()
+        update(p32, grad[lo:hi], m32, v32, **kwargs)
+        for dst, src in ((master, p32), (exp_avg, m32), (exp_avg_sq, v32)):
+            if dst.dtype != torch.float32:
+                dst[lo:hi].copy_(src)
 
 
 class CPUAdam(StateStepOptimizer):

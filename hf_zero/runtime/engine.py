@@ -165,7 +165,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         from hf_zero.offload import build_optimizer_offload
 
         offload = build_optimizer_offload(self.groups, zero, rank=self.global_rank,
-                                          fused_adam=plan.fused_adam, torch_adam=plan.torch_adam)
+                                          fused_adam=plan.fused_adam, torch_adam=plan.torch_adam,
+                                          state_dtype=self._state_dtype)
         self.optimizer = ZeroOptimizer(
             self.groups, [h for _, h in plan.groups], param_group_of=getattr(self, "_param_group_of", None),
             inner_cls=plan.inner_cls, inner_defaults=plan.defaults,
@@ -832,9 +833,6 @@ def _bf16_state_dtypes(config: HfZeroConfig, stage: int, grad_dtype: torch.dtype
         raise ConfigError(key, "true needs ZeRO stage 1, 2 or 3 (as in DeepSpeed)")
     if grad_dtype != torch.bfloat16:
         raise ConfigError(key, "true keeps gradients in bf16; remove data_types.grad_accum_dtype")
-    if config.zero.offload_optimizer.enabled:
-        raise ConfigError(key, "true with offload_optimizer is not implemented in hf_zero; keep the states on the "
-                               "device or drop the offload section")
     states = torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32
     if plan is not None and not plan.fused_adam and states != torch.bfloat16:
         raise ConfigError(key, f"true with the {plan.inner_cls.__name__} optimizer keeps its states in bf16 too: set "

@@ -27,7 +27,7 @@ from typing import Protocol, Sequence
 import torch
 
 from hf_zero.offload.swapper import wait_all
-from hf_zero.ops.adam import AdamHyper, adam_step_, zeros_state
+from hf_zero.ops.adam import AdamHyper, adam_step_, adam_step_low_precision_, zeros_state
 from hf_zero.profiling.timers import NO_TIMERS
 
 __all__ = ["OptimizerBackend", "FusedAdamBackend", "TorchOptimizerBackend"]
@@ -69,7 +69,7 @@ class FusedAdamBackend:
             if out16 is None and g.compute_dtype != torch.float32:
                 out16 = torch.empty(g.shard_numel, dtype=g.compute_dtype, device=g.master.device)
             if g.master.dtype != torch.float32 or self.state_dtype != torch.float32:
-                _adam_step_low_precision(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], **h.kwargs(),
+                adam_step_low_precision_(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], **h.kwargs(),
                                          grad_scale=divisor)
                 if g.param16 is None:  # swapped ZeRO-3 shards: the updated bf16 master goes to their files
                     wait_all(g.write_param16(0, g.shard_numel, g.master))
@@ -106,19 +106,3 @@ class TorchOptimizerBackend:
 
     def close(self) -> None:
         pass
-
-
-_SLICE = 1 << 20  # elements per fp32 working slice of the low-precision Adam step
-
-
-def _adam_step_low_precision(master, grad, exp_avg, exp_avg_sq, **kwargs) -> None:
-    """Adam on bf16 master weights and/or bf16 moments (bf16.bf16_master_weights_and_grads /
-    bf16_optimizer_states): the math in fp32 on slices of at most ``_SLICE`` elements, results rounded back into
-    the storage dtypes, so no full fp32 copy of the shard ever exists."""
-    for lo in range(0, master.numel(), _SLICE):
-        hi = min(lo + _SLICE, master.numel())
-        p32, m32, v32 = master[lo:hi].float(), exp_avg[lo:hi].float(), exp_avg_sq[lo:hi].float()
-        adam_step_(p32, grad[lo:hi], m32, v32, **kwargs)
-        for dst, src in ((master, p32), (exp_avg, m32), (exp_avg_sq, v32)):
-            if dst.dtype != torch.float32:
-                dst[lo:hi].copy_(src)
