@@ -77,8 +77,9 @@ def _measure(cases, frozen: bool, lora: bool = False):
         ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100}}
-        if dtype == "bf16":
-            ds["bf16"] = {"enabled": True}
+        if dtype.startswith("bf16"):  # bf16m: bf16 master weights; bf16ms: and bf16 optimizer states
+            ds["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": dtype in ("bf16m", "bf16ms"),
+                          "bf16_optimizer_states": dtype == "bf16ms"}
         if offload != "none":
             ds["zero_optimization"]["offload_optimizer"] = {"device": offload}
         # LoRA: estimated from the config alone (adapters added on the meta device), held by the real PEFT model
@@ -146,16 +147,27 @@ FROZEN_CASES = [(stage, "bf16", "none") for stage in (0, 1, 2, 3)] + [(3, "fp32"
 LORA_CASES = [(2, "fp32", "none"), (3, "bf16", "none")]
 
 
+# bf16 master weights (and bf16 moments), on the device and offloaded
+BF16_MASTER_CASES = [(1, "bf16m", "none"), (2, "bf16m", "cpu"), (3, "bf16m", "cpu"), (2, "bf16ms", "cpu"),
+                     (3, "bf16ms", "none")]
+
+
 def _frozen_and_lora():
-    return _measure(FROZEN_CASES, True), _measure(LORA_CASES, False, lora=True)
+    return (_measure(FROZEN_CASES, True), _measure(LORA_CASES, False, lora=True),
+            _measure(BF16_MASTER_CASES, False))
 
 
 def test_frozen_parameters_and_lora_targets_equal_the_engines_tensors():
     """LoRA targets estimated from the config alone: only the adapters get masters, gradients and optimizer
-    states, the frozen base keeps its weights -- byte for byte what the engine holds for a real PEFT model."""
+    states, the frozen base keeps its weights -- byte for byte what the engine holds for a real PEFT model. Also
+    bf16 master weights and optimizer states, on the device and with offload_optimizer."""
     results = run_distributed(_frozen_and_lora, 2, timeout_s=300)
-    _check([frozen for frozen, _ in results], "frozen embedding")
-    _check([lora for _, lora in results], "LoRA")
+    _check([frozen for frozen, _, _ in results], "frozen embedding")
+    _check([lora for _, lora, _ in results], "LoRA")
+    _check([master for _, _, master in results], "bf16 master weights")
+    # bf16 master: one bf16 copy instead of fp32 master + bf16 shard (6 B less per shard element), bf16 moments 4 less
+    by_case = results[0][2]
+    assert by_case[(2, "bf16ms", "cpu")][1] < by_case[(2, "bf16m", "cpu")][1]
     # the adapters are a sliver: far less than full fine-tuning's states (AdamW: master + 2 moments per element)
     full = estimate_memory(_config(), {"zero_optimization": {"stage": 2}}, world_size=2, seq_len=8,
                            accelerator="cpu", activations=0)

@@ -7,12 +7,14 @@ stages 0-2 (``ShardedGroup``; stage 0 shards over a world of one)::
 
     parameters   every parameter, full, compute dtype. At a sharding world of one the trainable ones are views of
                  the group's 16-bit shard (fp32: of the master itself), so they are not counted twice
-    master       fp32, one shard: sum over trainable parameters of ceil(numel / world)
+    master       fp32, one shard: sum over trainable parameters of ceil(numel / world); bf16 with
+                 ``bf16.bf16_master_weights_and_grads`` (then, like an fp32 master, it *is* the 16-bit shard)
     param16      compute-dtype copy of the shard (none for fp32, none at a world of one: it *is* the parameters)
     gradients    transients: the shard from the first reducing backward of an accumulation window to the step
                  (every micro-step at stage 2, the boundary at stages 0/1), and at stages 0/1 the full
                  ``param.grad`` between micro-steps
-    optimizer    Adam/AdamW 8 B per shard element (exp_avg, exp_avg_sq), SGD with momentum 4 B, else 0
+    optimizer    Adam/AdamW 8 B per shard element (exp_avg, exp_avg_sq; 4 B with ``bf16_optimizer_states``), SGD
+                 with momentum 4 B, else 0
 
 stage 3 (``Stage3Group``): master, param16 (= master for fp32) and the gradient shard per trainable parameter; the
 partitioned parameters are views of param16; frozen parameters keep their own shard; parameters of at most
@@ -156,23 +158,28 @@ def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compu
                       grad_dtype: torch.dtype | None = None, optimizer: str = "adamw", momentum: float = 0.0,
                       offload_optimizer: str = "none", offload_param: str = "none", accelerator: str = "cuda",
                       persistence_threshold: int = 100_000, sub_group_size: int = 1_000_000_000,
-                      model_persistence_threshold: int = NO_PERSISTENCE_CAP) -> list[Component]:
-    """Resident model-state components of one rank (phase ``states``), as the engine allocates them."""
+                      model_persistence_threshold: int = NO_PERSISTENCE_CAP, master_dtype: torch.dtype = torch.float32,
+                      state_dtype: torch.dtype = torch.float32) -> list[Component]:
+    """Resident model-state components of one rank (phase ``states``), as the engine allocates them.
+    ``master_dtype`` / ``state_dtype``: bf16 with ``bf16.bf16_master_weights_and_grads`` / ``bf16_optimizer_states``."""
     c = torch.empty(0, dtype=compute_dtype).element_size()
     g = torch.empty(0, dtype=grad_dtype or compute_dtype).element_size()
+    m = torch.empty(0, dtype=master_dtype).element_size()
+    m_name = "master (fp32 shard)" if m == _FP32 else "master (bf16 shard)"
     shard_world = 1 if stage == 0 else world_size
     trainable = [n for n, t in zip(layout.numels, layout.trainable) if t]
     frozen = [n for n, t in zip(layout.numels, layout.trainable) if not t]
     shard = sum(_ceil_div(n, shard_world) for n in trainable)
     opt_per_elem = {"adam": 8, "adamw": 8}.get(optimizer.lower(), 4 if momentum else 0)
+    opt_per_elem = opt_per_elem * torch.empty(0, dtype=state_dtype).element_size() // _FP32
     host = "host" if accelerator != "cpu" else "accelerator"  # a CPU-only run: host memory is the device memory
     out: list[Component] = []
     add = lambda name, device, nbytes, note="": out.append(Component(name, device, int(nbytes), "states", note))  # noqa: E731
     if stage < 3:
         bound = shard_world == 1  # trainable parameters are views of the 16-bit shard (fp32: of the master)
-        params = sum(frozen) * c + (0 if bound and c == _FP32 else sum(trainable) * c)
+        params = sum(frozen) * c + (0 if bound and c == m else sum(trainable) * c)
         add("parameters (full)", "accelerator", params, "every parameter, compute dtype")
-        if c != _FP32 and not bound:
+        if c != m and not bound:
             add("param16 shard", "accelerator", shard * c, "16-bit copy of the master shard")
     else:
         keep = persistent_parameters(layout.numels, persistence_threshold, model_persistence_threshold)
@@ -185,28 +192,28 @@ def model_state_bytes(layout: ParamLayout, *, stage: int, world_size: int, compu
             add("parameter shards", "nvme", (shard + frozen_shard) * c, "swap files")
         else:
             dev = "accelerator" if offload_param == "none" else host
-            add("parameter shards (16-bit)", dev, (shard if c != _FP32 else 0) * c + frozen_shard * c,
+            add("parameter shards (16-bit)", dev, (shard if c != m else 0) * c + frozen_shard * c,
                 "trainable: views of param16; fp32: of the master")
         add("gradient shard", "accelerator", shard * g, "reduced every micro-step")
     # master + optimizer moments, where offload_optimizer puts them
-    master_in_weights = c == _FP32 and (stage < 3 or offload_param != "nvme")
+    master_in_weights = c == m and (stage < 3 or offload_param != "nvme")
     if offload_optimizer == "none":
-        add("master (fp32 shard)", "accelerator", shard * _FP32, "fp32: it is also the 16-bit shard" if c == _FP32 else "")
+        add(m_name, "accelerator", shard * m, "it is also the 16-bit shard" if c == m else "")
         add(f"optimizer states ({optimizer})", "accelerator", shard * opt_per_elem)
     elif offload_optimizer == "cpu":
         if accelerator == "cpu":
-            add("master (fp32 shard)", "accelerator", shard * _FP32, "offloaded to host = the same memory on CPU")
+            add(m_name, "accelerator", shard * m, "offloaded to host = the same memory on CPU")
         else:
-            add("master (fp32 shard)", "host", shard * _FP32, "offload_optimizer cpu")
+            add(m_name, "host", shard * m, "offload_optimizer cpu")
             if master_in_weights:
-                add("weights (fp32, former master)", "accelerator", shard * _FP32, "param16 is the master for fp32")
+                add("weights (former master)", "accelerator", shard * m, "param16 is the master")
         add(f"optimizer states ({optimizer})", host, shard * opt_per_elem, "offload_optimizer cpu")
     else:  # nvme
-        add("master + optimizer states", "nvme", shard * (_FP32 + opt_per_elem), "swap files")
+        add("master + optimizer states", "nvme", shard * (m + opt_per_elem), "swap files")
         if master_in_weights:
-            add("weights (fp32, former master)", "accelerator", shard * _FP32, "param16 is the master for fp32")
+            add("weights (former master)", "accelerator", shard * m, "param16 is the master")
         tile = min(sub_group_size, shard)
-        add("optimizer tile buffers", host, 2 * 3 * tile * _FP32, "2 sets x (master, exp_avg, exp_avg_sq)")
+        add("optimizer tile buffers", host, 2 * tile * (m + opt_per_elem), "2 sets x (master, exp_avg, exp_avg_sq)")
     return out
 
 
@@ -479,6 +486,9 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
     compute = compute_dtype(ds)
     grad_name = (ds.get("data_types") or {}).get("grad_accum_dtype")
     grad_dtype = _DTYPES[grad_name] if grad_name else compute
+    bf16 = ds.get("bf16") or {}
+    master16 = bool(bf16.get("enabled")) and bool(bf16.get("bf16_master_weights_and_grads"))
+    states16 = master16 and bool(bf16.get("bf16_optimizer_states"))
     micro = micro_batch or _int(ds.get("train_micro_batch_size_per_gpu"), 1)
     opt = ds.get("optimizer") or {"type": "AdamW"}
     off_opt = (zero.get("offload_optimizer") or {}).get("device", "none") or "none"
@@ -502,7 +512,9 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
         offload_optimizer=off_opt, offload_param=off_param, accelerator=accelerator,
         persistence_threshold=_int(zero.get("stage3_param_persistence_threshold"), 100_000),
         model_persistence_threshold=_int(zero.get("stage3_model_persistence_threshold"), NO_PERSISTENCE_CAP),
-        sub_group_size=_int(zero.get("sub_group_size"), 1_000_000_000))
+        sub_group_size=_int(zero.get("sub_group_size"), 1_000_000_000),
+        master_dtype=torch.bfloat16 if master16 else torch.float32,
+        state_dtype=torch.bfloat16 if states16 else torch.float32)
     if activations is None:
         from hf_zero.profiling.activations import activation_profile
 
