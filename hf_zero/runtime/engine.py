@@ -131,9 +131,13 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self.stage3 = None
         tp = tp_info(module)
         if tp is not None and self.stage == 3:
-            raise ConfigError("zero_optimization.stage", "3 does not compose with tensor_parallel in hf_zero (ZeRO-3 "
-                                                         "would gather DTensor shards it cannot see into); use stage "
-                                                         "0, 1 or 2 over the data-parallel dimension")
+            # DeepSpeed 0.19.8 runs it (its AutoTP layers hold plain tensors ZeRO-3 partitions like any other);
+            # hf_zero's tensor-parallel parameters are DTensors, which its ZeRO-3 partitioning does not handle yet
+            raise ConfigError("zero_optimization.stage", "3 with tensor_parallel is not implemented in hf_zero "
+                                                         "(DeepSpeed runs it): ZeRO-3 does not partition "
+                                                         "tensor-parallel DTensor shards yet; use stage 1 or 2 over "
+                                                         "the data-parallel dimension (with a data-parallel size of "
+                                                         "1, stage 3 would partition nothing either)")
         # MoE layers get their expert-parallel groups here, as DeepSpeed's engine gives them (runtime/moe_setup.py)
         from hf_zero.runtime.moe_setup import setup_expert_parallel
 
