@@ -405,6 +405,22 @@ def test_fp16_overflow_skips_the_selective_update():
     assert out["finite"] and all(math.isfinite(x) for x in out["losses"])
 
 
+def _train_stage3_nvme(path: str) -> dict:
+    cfg = _config("fp32", CASES["fixed"]["zenflow"], stage=3)
+    cfg["zero_optimization"].update(stage3_param_persistence_threshold=0,
+                                    offload_param={"device": "nvme", "nvme_path": path})
+    return _train(cfg, "fp32", 8)
+
+
+def test_stage_3_with_shards_in_swap_files_matches_the_reference(tmp_path):
+    """offload_param nvme: the selective update reads each shard back from its swap file and writes it there."""
+    got = run_distributed(_train_stage3_nvme, 2, args=(str(tmp_path),))[0]
+    ref = zenflow_reference(world=2, steps=8, stage3=True, **CASES["fixed"])
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
+    for a, b in zip(got["params"], ref["params"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 # --- DeepSpeed ---------------------------------------------------------------------------------------------------
 # Printed by a real DeepSpeed 0.19.8 on CPU (one rank unless said), with this file's model, data and configs
 # (scripts/zenflow/ds_reference_run.py, 2026-11-29), e.g. "fixed_fp32":
