@@ -48,6 +48,7 @@ cat "$OUT/env.txt"
 step install 400 "$PY" -m pip install --no-build-isolation --no-deps --no-index -v -e .
 step doctor 60 "$PY" -m hf_zero doctor
 step gpu_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_two_ranks.py \
+  tests/test_gpu_offload_features.py \
   tests/test_build.py::test_cuda_extension_loaded_on_gpu_machine tests/test_ds_activation_checkpointing.py
 step trainer_zero3 240 torchrun --nproc_per_node 1 examples/train_trainer.py \
   --deepspeed integrations/ds_config_zero3.json --output_dir "$WORK/trainer" --metrics_out "$OUT/trainer_metrics.json"
