@@ -272,6 +272,47 @@ def _check_init_entry_points(rank, world):
     assert pp.zero_wrapper_for_fp_tensor_constructor is original
 
 
+class _Swapping(nn.Module):
+    """Two layers whose order the caller picks: the second iteration runs them in the other order."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, swap=False):
+        a, b = (self.second, self.first) if swap else (self.first, self.second)
+        return b(torch.tanh(a(x)))
+
+
+def _check_trace_miss_warning(rank):
+    """zero_optimization.log_trace_cache_warnings: a module asking out of the recorded order is logged once per
+    iteration, naming it; without the key nothing is logged."""
+    import logging
+
+    import hf_zero
+
+    logged = {}
+    for flag in (True, False):
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("hf_zero").addHandler(handler)
+        torch.manual_seed(0)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                     "log_trace_cache_warnings": flag}}
+        engine, *_ = hf_zero.initialize(model=_Swapping(), config=cfg)
+        for swap in (False, True, True):
+            engine.backward(engine(torch.randn(2, 8), swap=swap).sum())
+            engine.step()
+        engine.destroy()
+        logging.getLogger("hf_zero").removeHandler(handler)
+        logged[flag] = [r.getMessage() for r in records if "prefetch trace" in r.getMessage()]
+    # the swapped iterations ask for 'first' after 'second': a miss in each (forward; once per iteration)
+    assert len(logged[True]) == 2 and all("module first asked" in m for m in logged[True]), logged
+    assert logged[False] == []
+
+
 def _features(tmp_dir):
     enable_transformers_zero3()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -284,6 +325,7 @@ def _features(tmp_dir):
         _check_lora_frozen_base(cfg, rank, world, reentrant)
     _check_twice_and_external(rank, world)
     _check_eval_generate_and_state_dict(cfg, rank, world, tmp_dir)
+    _check_trace_miss_warning(rank)
     return True
 
 

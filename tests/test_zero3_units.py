@@ -44,7 +44,8 @@ def test_sharded_param_states_and_compat_attributes():
 
 
 def test_trace_prefetch_resync_and_reuse():
-    trace = GatherTrace({0: 10, 1: 20, 2: 30, 3: 40})
+    misses = []
+    trace = GatherTrace({0: 10, 1: 20, 2: 30, 3: 40}, on_miss=misses.append)
     trace.begin_iteration(True)
     assert trace.recording
     for gid in (0, 1, 2, 3, 2, 1, 0):
@@ -58,8 +59,10 @@ def test_trace_prefetch_resync_and_reuse():
     assert trace.reused_within({1}, 0) is False and trace.reused_within({1}, 5) is True
     trace.request(3)                         # skipped 1 and 2: resynchronizes after 3
     assert trace.upcoming(1000) == [2, 1, 0]
-    trace.request(7)                         # unknown: position unchanged
+    trace.request(7)                         # unknown: position unchanged, a miss
     assert trace.upcoming(1000) == [2, 1, 0]
+    trace.request(3)                         # behind the position: a miss too
+    assert misses == [7, 3]
     trace.begin_iteration(False)             # a no-grad iteration records its own trace
     assert trace.recording
 

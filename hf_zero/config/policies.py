@@ -87,6 +87,9 @@ class Stage3Policy:
     # stage3_module_granularity_threshold: modules whose parameters per layer are at most this are gathered whole
     # (leaf modules, hf_zero/zero/leaf.py); 0 off
     module_granularity_threshold: int = 0
+    # zero_optimization.log_trace_cache_warnings: a warning when a module asks for its parameters out of the
+    # recorded order (hf_zero/zero/stage3/prefetch.py)
+    log_trace_misses: bool = False
 
 
 def persistent_parameters(numels: Sequence[int], param_threshold: int, model_threshold: int = NO_PERSISTENCE_CAP
@@ -219,7 +222,8 @@ def zero_policy(cfg: "HfZeroConfig") -> ZeroPolicy:
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
             model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
             divergence_timeout_s=float(zero.stage3_divergence_timeout_s),
-            module_granularity_threshold=int(zero.stage3_module_granularity_threshold)))
+            module_granularity_threshold=int(zero.stage3_module_granularity_threshold),
+            log_trace_misses=bool(zero.log_trace_cache_warnings)))
 
 
 def precision_policy(cfg: "HfZeroConfig") -> PrecisionPolicy:

@@ -175,7 +175,7 @@ def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dty
         param_persistence_threshold=s3.persistence_threshold,
         model_persistence_threshold=s3.model_persistence_threshold, overlap_comm=zero.overlap_comm,
         grad_scale=1.0 / world, divergence_timeout_s=s3.divergence_timeout_s, swapper=swapper,
-        keep_whole_alone=True)
+        keep_whole_alone=True, log_trace_misses=s3.log_trace_misses)
     sp_of = {id(sp.param): sp for sp in runtime.sharded_params()}
     groups, seen = [], set()
     for params, _ in (plan.groups if plan is not None else ()):  # no plan: an evaluation engine, no groups

@@ -9,16 +9,23 @@ advances to the matching entry -- skipping ahead if the model took a shortcut, n
   its parameters stay gathered instead of being freed and gathered again).
 
 Every rank walks the same trace with the same requests, so the prefetch collectives they issue agree.
+
+A request that is not ahead in the trace (the model took another path than the recorded one) is a *miss*: the
+walker keeps its position and ``on_miss(gid)`` is called -- with ``zero_optimization.log_trace_cache_warnings``
+the runtime logs it, once per iteration, naming the module (DeepSpeed logs the invalidation of its trace cache).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 __all__ = ["GatherTrace"]
 
 
 class GatherTrace:
-    def __init__(self, group_numel: dict[int, int]) -> None:
+    def __init__(self, group_numel: dict[int, int], on_miss: Callable[[int], None] | None = None) -> None:
         self._group_numel = group_numel  # group id -> elements it gathers
+        self._on_miss = on_miss
         self._traces: dict[bool, list[int]] = {}
         self._mode: bool | None = None
         self._recording: list[int] | None = None
@@ -57,8 +64,9 @@ class GatherTrace:
             return
         try:
             self._pos = trace.index(gid, self._pos) + 1
-        except ValueError:
-            pass  # not ahead in the trace: leave the position, the next request may resynchronize
+        except ValueError:  # not ahead in the trace: leave the position, the next request may resynchronize
+            if self._on_miss is not None:
+                self._on_miss(gid)
 
     def _ahead(self):
         if self._recording is not None or self._mode is None:

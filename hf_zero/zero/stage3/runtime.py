@@ -21,6 +21,7 @@ Order of a training micro-step, as the engine drives it::
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -42,6 +43,8 @@ from .param import HoldReason, ParamState, ShardedParam, ZeroParamStatus, sharde
 from .prefetch import GatherTrace
 from .reduce import Stage3GradReducer
 from .states import ModuleCall, TrainingStates
+
+logger = logging.getLogger("hf_zero")
 
 __all__ = ["Stage3Runtime", "external_parameters", "EXTERNAL_PARAMS_ATTR", "WatchedParameters"]
 
@@ -84,8 +87,11 @@ class Stage3Runtime:
                  overlap_comm: bool = False,
                  grad_scale: float | None = None,
                  divergence_timeout_s: float = DEFAULT_DIVERGENCE_TIMEOUT_S, swapper=None,
-                 keep_whole_alone: bool = False) -> None:
+                 keep_whole_alone: bool = False, log_trace_misses: bool = False) -> None:
         self.module = module
+        # zero_optimization.log_trace_cache_warnings: a module asking out of the recorded order is logged
+        self._log_trace_misses = log_trace_misses
+        self._miss_logged = False  # once per iteration
         self.group = group
         if not torch.cuda.is_available():  # CPU training: stage 3's host memory policy (zero/host_memory.py)
             tune_cpu_training_memory(stage3=True)
@@ -124,7 +130,7 @@ class Stage3Runtime:
         self._groups: dict[nn.Module, _Group] = {}
         self._groups_of_sp: dict[int, set[int]] = {}  # ds_id -> group ids containing it
         self._build_groups()
-        self.trace = GatherTrace({g.gid: g.numel for g in self._groups.values()})
+        self.trace = self._new_trace()
         self.states = TrainingStates()  # forward / recompute / backward of each module call, see states.py
         self._read_holds: list[ShardedParam] = []  # see _on_param_read
         self._awaiting_grad: set[int] = set()  # ds_ids holding a "gradient not accumulated yet" reference
@@ -530,6 +536,7 @@ class Stage3Runtime:
         if _external_version() != self._external_version:
             self._rebuild_after_external_change()
         self.trace.begin_iteration(torch.is_grad_enabled())
+        self._miss_logged = False
         self.gatherer.header_checks = self.trace.recording
         return None
 
@@ -547,8 +554,21 @@ class Stage3Runtime:
 
     def _rebuild_after_external_change(self) -> None:
         self._build_groups()
-        self.trace = GatherTrace({g.gid: g.numel for g in self._groups.values()})
+        self.trace = self._new_trace()
         self._sync_module_hooks()
+
+    def _new_trace(self) -> GatherTrace:
+        return GatherTrace({g.gid: g.numel for g in self._groups.values()},
+                           on_miss=self._trace_miss if self._log_trace_misses else None)
+
+    def _trace_miss(self, gid: int) -> None:
+        if self._miss_logged:
+            return
+        self._miss_logged = True
+        fqn = next((g.fqn for g in self._groups.values() if g.gid == gid), str(gid))
+        logger.warning("hf_zero: ZeRO-3 prefetch trace: module %s asked for its parameters out of the order "
+                       "recorded in the first iteration; prefetching resumes at the next module found in that order "
+                       "(zero_optimization.log_trace_cache_warnings; logged once per iteration)", fqn)
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module, args, kwargs):
