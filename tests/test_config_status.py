@@ -95,6 +95,24 @@ def test_a_secondary_or_shard_group_of_the_whole_world_is_the_partition_itself(k
                         "partitioned over the whole data-parallel group"]
 
 
+def test_enable_sanity_checks_keeps_the_per_collective_check_on():
+    """DeepSpeed's ZeRO-3 sanity checks compare the ranks' parameter ids before gathers and reductions; hf_zero's
+    per-collective divergence check does that for every collective, and enable_sanity_checks keeps it on even when
+    comms_divergence_check is switched off."""
+    from hf_zero.comm import faults, settings
+
+    before = settings.checks_enabled()
+    try:
+        got = {}
+        for sanity in (False, True):
+            faults.configure_from(load({"comms_divergence_check": False,
+                                        "zero_optimization": {"stage": 3, "enable_sanity_checks": sanity}}))
+            got[sanity] = settings.checks_enabled()
+        assert got == {False: False, True: True}
+    finally:
+        settings.configure(divergence_check=before)
+
+
 def test_no_op_key_warns_with_its_reason_and_is_marked_but_not_listed():
     config = {"zero_optimization": {"stage": 2, "contiguous_gradients": False, "elastic_checkpoint": True}}
     assert ignored_warnings(config) == [

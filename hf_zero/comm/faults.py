@@ -83,12 +83,14 @@ _lock = threading.Lock()
 
 
 def configure_from(config, group=None) -> None:
-    """Apply an HfZeroConfig's ``comms_timeout_s`` / ``comms_divergence_check``. The group's own timeout is set
-    where hf_zero created the group; a group the application created keeps its timeout (it may bound the
+    """Apply an HfZeroConfig's ``comms_timeout_s`` / ``comms_divergence_check`` (kept on by
+    ``zero_optimization.enable_sanity_checks``: DeepSpeed's ZeRO-3 sanity checks compare the ranks' parameter ids
+    before its gathers and reductions, which the per-collective check does for every collective). The group's own
+    timeout is set where hf_zero created the group; a group the application created keeps its timeout (it may bound the
     application's own long barriers), with a warning when that is longer -- hf_zero's collectives are bounded by
     the watchdog either way."""
     seconds = config.comms_timeout_s if config.comms_timeout_s is not None else timeout_s()
-    configure(timeout_s=seconds, divergence_check=config.comms_divergence_check)
+    configure(timeout_s=seconds, divergence_check=config.comms_divergence_check or config.zero.enable_sanity_checks)
     for ch in _channels():  # built before this config was read (the device mesh's barrier): its bounds follow
         ch.follow_timeout()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:

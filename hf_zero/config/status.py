@@ -288,7 +288,9 @@ STATUS: dict[str, KeyStatus] = {
     "zero_optimization.override_module_apply": HONOURED,
     # a warning naming the module that asked for its parameters out of the recorded order (zero/stage3/prefetch.py)
     "zero_optimization.log_trace_cache_warnings": HONOURED,
-    "zero_optimization.enable_sanity_checks": _todo("no extra consistency checks are run"),
+    # keeps comms_divergence_check on (hf_zero/comm/faults.py:configure_from): every collective compares what the
+    # ranks issue, which covers DeepSpeed's stage-3 sanity checks (ranks' parameter ids before gathers/reductions)
+    "zero_optimization.enable_sanity_checks": HONOURED,
     "aio.block_size": HONOURED,
     "aio.queue_depth": HONOURED,
     "aio.intra_op_parallelism": HONOURED,
