@@ -91,8 +91,9 @@ def test_a_secondary_or_shard_group_of_the_whole_world_is_the_partition_itself(k
     assert warned(4) == ([], ())
     messages, listed = warned(8)
     assert listed == (f"zero_optimization.{key}",)
-    assert messages == [f"hf_zero: config key zero_optimization.{key} is not implemented in hf_zero: parameters are "
-                        "partitioned over the whole data-parallel group"]
+    assert messages[0].startswith(f"hf_zero: config key zero_optimization.{key} is not implemented in hf_zero: "
+                                  "parameters are partitioned over the whole data-parallel group")
+    assert len(messages) == 1
 
 
 def test_enable_sanity_checks_keeps_the_per_collective_check_on():

@@ -279,10 +279,14 @@ STATUS: dict[str, KeyStatus] = {
     "zero_optimization.zero_quantized_weights": _todo("weights are all-gathered unquantized"),
     "zero_optimization.zero_quantized_nontrainable_weights": _todo("frozen weights are stored unquantized"),
     "zero_optimization.zero_quantized_gradients": _todo("gradients are reduced unquantized"),
-    "zero_optimization.mics_shard_size": _todo("parameters are partitioned over the whole data-parallel group",
+    # DeepSpeed 0.19.8 removed MiCS and refuses both keys (DeepSpeedConfigError); hf_zero trains such a config
+    # with its one partition, and says so
+    "zero_optimization.mics_shard_size": _todo("parameters are partitioned over the whole data-parallel group "
+                                               "(DeepSpeed 0.19.8 removed MiCS and refuses the key)",
                                                active=lambda cfg: cfg.zero.mics_shard_size not in (-1, 0,
                                                                                                   cfg.world_size)),
-    "zero_optimization.mics_hierarchical_params_gather": _todo("parameters are all-gathered in one level"),
+    "zero_optimization.mics_hierarchical_params_gather": _todo("parameters are all-gathered in one level "
+                                                               "(DeepSpeed 0.19.8 removed MiCS and refuses the key)"),
     "zero_optimization.memory_efficient_linear": _no_op("hf_zero's linear layers are torch's"),
     # read by zero.Init (hf_zero/zero/init.py): modules built inside gather their parameters in apply(fn)
     "zero_optimization.override_module_apply": HONOURED,
