@@ -151,8 +151,12 @@ def test_policy_and_what_the_config_warns():
         return [str(w.message) for w in caught if issubclass(w.category, ConfigKeyIgnored)]
 
     assert ignored(_section()) == []  # dynamic batching alone: honoured, nothing to warn
+    # random-LTD routing is honoured too (tests/test_random_ltd.py); curriculum sampling warns by name
     routed = dict(_section(), data_routing={"enabled": True, "random_ltd": {"enabled": True}})
-    assert any("data_efficiency" in w and "dynamic_batching is" in w for w in ignored(routed))
+    assert ignored(routed) == []
+    curriculum = dict(_section())
+    curriculum["data_sampling"] = {**curriculum["data_sampling"], "curriculum_learning": {"enabled": True}}
+    assert any("data_efficiency" in w and "curriculum data sampling is not run" in w for w in ignored(curriculum))
 
 
 def _engine_run():

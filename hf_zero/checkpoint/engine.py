@@ -121,6 +121,8 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "curriculum_scheduler": curriculum.state_dict() if curriculum is not None else None,
+        "random_ltd": (engine.random_ltd_scheduler.state_dict()
+                       if getattr(engine, "random_ltd_scheduler", None) is not None else None),
         "client_state": client_state,
         "config": dict(engine.config),
     }, tmp / "engine_state.pt")
@@ -271,6 +273,9 @@ def _load_tag(engine, root: Path, tag: str, *, load_module_strict: bool, load_op
     curriculum = getattr(engine, "curriculum_scheduler_legacy", None)
     if curriculum is not None and engine_state.get("curriculum_scheduler") is not None:
         curriculum.load_state_dict(engine_state["curriculum_scheduler"])
+    ltd = getattr(engine, "random_ltd_scheduler", None)  # random-LTD's reserved length and consumed layer tokens
+    if ltd is not None and engine_state.get("random_ltd") is not None:
+        ltd.load_state_dict(engine_state["random_ltd"])
     comm.barrier(engine.process_group, what="the end of load_checkpoint")
     return str(path), engine_state["client_state"]
 

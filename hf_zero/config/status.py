@@ -83,13 +83,13 @@ def _any_enabled(section: Any) -> bool:
 
 
 def _data_efficiency_beyond_batching(cfg: "HfZeroConfig") -> bool:
-    """``data_efficiency`` asks for more than dynamic batching: curriculum sampling or data routing."""
+    """``data_efficiency`` asks for more than dynamic batching and random-LTD: curriculum sampling."""
     section = _get(cfg, "data_efficiency")
     if not isinstance(section, Mapping):
         return False
     sampling = section.get("data_sampling")
     rest = {k: v for k, v in sampling.items() if k != "dynamic_batching"} if isinstance(sampling, Mapping) else {}
-    return _any_enabled(section.get("data_routing")) or any(_any_enabled(v) for v in rest.values())
+    return any(_any_enabled(v) for v in rest.values())
 
 
 def _given_true(path: str) -> Callable[["HfZeroConfig"], bool]:
@@ -344,8 +344,9 @@ STATUS: dict[str, KeyStatus] = {
     "autotuning": _todo("nothing is tuned", active=_switched_on("autotuning")),
     # dynamic batching (data_sampling.dynamic_batching) is honoured by the data loader a script builds with
     # get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed (runtime/variable_batch.py)
-    "data_efficiency": _todo("its curriculum sampling and data routing (random-LTD) are not run; only "
-                             "data_sampling.dynamic_batching is", active=_data_efficiency_beyond_batching),
+    # data_sampling.dynamic_batching: runtime/variable_batch.py; data_routing.random_ltd: runtime/random_ltd.py
+    "data_efficiency": _todo("its curriculum data sampling is not run (data_sampling.dynamic_batching and "
+                             "data_routing.random_ltd are)", active=_data_efficiency_beyond_batching),
     "curriculum_learning": HONOURED,  # DeepSpeed's legacy curriculum (hf_zero/runtime/curriculum.py)
     # hf_zero/runtime/hybrid_engine.py. DeepSpeed also swaps in its inference kernels for the model families it has
     # policies for; the other keys size or tune those kernels. hf_zero generates with the model's own forward (so

@@ -86,6 +86,35 @@ class DeepSpeedEngineAPI:
         params.pop("enabled", None)
         return params
 
+    def random_ltd_enabled(self) -> bool:
+        return self.random_ltd_scheduler is not None
+
+    def random_ltd_config(self) -> dict:
+        """``data_efficiency.data_routing.random_ltd`` as written (DeepSpeed's getter)."""
+        return dict(((self._config.data_efficiency or {}).get("data_routing") or {}).get("random_ltd") or {})
+
+    def random_ltd_initialize(self) -> None:
+        """Hand the schedule to the configured layers among those convert_to_random_ltd wrapped: the i-th id of
+        ``random_ltd_layer_id`` (sorted) goes to the first wrapper, in module order, whose name contains it after
+        the previous one -- DeepSpeed's matching -- and they must all be found."""
+        from hf_zero.config.errors import ConfigError
+        from hf_zero.runtime.random_ltd import RandomLayerTokenDrop
+
+        if self.random_ltd_scheduler is None:
+            raise ConfigError("data_efficiency.data_routing.random_ltd.enabled", "random_ltd_initialize() needs the "
+                                                                                "random-LTD section enabled")
+        queue = list(self.random_ltd_scheduler.policy.layer_ids)
+        found = 0
+        for name, layer in self.module.named_modules():
+            if isinstance(layer, RandomLayerTokenDrop) and queue and str(queue[0]) in name:
+                layer.init_config(self.random_ltd_scheduler, found)
+                queue.pop(0)
+                found += 1
+        if queue:
+            raise ConfigError("data_efficiency.data_routing.random_ltd.random_ltd_layer_id",
+                              f"no wrapped layer found for ids {queue} (wrapped layers are matched in module order by "
+                              "the id in their name, as DeepSpeed does); wrap them with convert_to_random_ltd first")
+
     def postscale_gradients(self) -> bool:
         return not self._config.prescale_gradients
 

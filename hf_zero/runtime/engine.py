@@ -96,6 +96,13 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         # curriculum_learning (DeepSpeed's legacy one): each training forward moves it to step global_steps + 1
         self.curriculum_scheduler_legacy = (CurriculumScheduler(config.curriculum_learning)
                                             if config.curriculum_learning.enabled else None)
+        # data_efficiency.data_routing.random_ltd: the schedule the layers a script wraps with
+        # convert_to_random_ltd follow (runtime/random_ltd.py); each training forward moves it to global_steps
+        from hf_zero.runtime.random_ltd import RandomLTDScheduler, random_ltd_policy
+
+        ltd = random_ltd_policy(config.data_efficiency)
+        self.random_ltd_scheduler = (RandomLTDScheduler(ltd, int(config.train_batch_size or 0))
+                                     if ltd is not None else None)
         # torch_autocast: the forward runs under torch.autocast, parameters stay fp32; float16 gets loss scaling
         # with the fp16 section's settings (DeepSpeed uses a GradScaler there)
         self._autocast = config.torch_autocast if config.torch_autocast.enabled else None
@@ -387,6 +394,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             difficulty = self.curriculum_scheduler_legacy.update_difficulty(self.global_steps + 1)
             if self._config.curriculum_learning.curriculum_type == "seqlen":
                 kwargs = {**kwargs, "curriculum_seqlen": difficulty}
+        if self.random_ltd_scheduler is not None and self.module.training:
+            self.random_ltd_scheduler.update_seq(self.global_steps)
         if self._config.fp16.auto_cast:  # positional inputs only, as DeepSpeed (runtime/input_cast.py)
             args = cast_inputs_half(args)
         self.step_time.forward(args, kwargs)
