@@ -218,9 +218,10 @@ class _Selective:
         return grad.reshape(-1)[self.grad_idx]
 
     def view(self) -> torch.Tensor:
-        if self.sp is not None:
+        if self.sp is not None:  # the shard may live in host memory (offload_param) while the indices are on the GPU
             shard = self._shard()
-            return shard[self.flat_idx] if self.is_2d else shard[:self._owned()[1] - self._owned()[0]]
+            lo, hi = self._owned()
+            return shard[self.flat_idx.to(shard.device)] if self.is_2d else shard[:hi - lo]
         p = local_tensor(self.param).data
         return p if self.columns is None else p[:, self.columns]
 
@@ -228,9 +229,9 @@ class _Selective:
         if self.sp is not None:
             shard = self._shard()
             if self.is_2d:
-                shard[self.flat_idx] = values
+                shard[self.flat_idx.to(shard.device)] = values.to(shard.device)
             else:
-                shard[:values.numel()] = values
+                shard[:values.numel()] = values.to(shard.device)
             if self.sp.swapped:  # shard_values() read a copy back
                 self.sp.store_shard(shard)
             return
@@ -515,7 +516,8 @@ class ZenFlow:
                 s.exp_avg_sq = torch.zeros_like(work, device=home)
             exp_avg, exp_avg_sq = s.exp_avg.to(values.device), s.exp_avg_sq.to(values.device)
             s.step += 1
-            selective_adamw_(work, s.grad.to(work.dtype), exp_avg, exp_avg_sq, step=s.step,
+            # (a stage-3 shard in host memory with offload_param: the update runs there, the gradient comes to it)
+            selective_adamw_(work, s.grad.to(work.device, work.dtype), exp_avg, exp_avg_sq, step=s.step,
                              lr=self._lr[s.group], beta1=h["betas"][0], beta2=h["betas"][1], eps=float(h["eps"]),
                              weight_decay=float(h["weight_decay"]))
             if work is not values:
