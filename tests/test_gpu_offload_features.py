@@ -25,8 +25,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")]
 
 
-def _zenflow_run(stage: int) -> dict:
+def _zenflow_run(stage: int, offload_param: str | None = None) -> dict:
     cfg = zf._config("fp32", zf.CASES["fixed"]["zenflow"], stage=stage)
+    if offload_param:  # the shards in host memory, the selective update there
+        cfg["zero_optimization"]["offload_param"] = {"device": offload_param}
     model = zf._model()
     engine, *_ = hf_zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses = []
@@ -42,9 +44,9 @@ def _zenflow_run(stage: int) -> dict:
     return {"losses": losses, "params": params, "placed": placed}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zenflow_on_the_gpu_matches_the_reference(stage):
-    got = _zenflow_run(stage)
+@pytest.mark.parametrize("stage, offload_param", [(2, None), (3, None), (3, "cpu")])
+def test_zenflow_on_the_gpu_matches_the_reference(stage, offload_param):
+    got = _zenflow_run(stage, offload_param)
     ref = zf.zenflow_reference(world=1, steps=8, stage3=stage == 3, **zf.CASES["fixed"])
     assert got["placed"] == {"cuda"}
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-5)
