@@ -6,6 +6,7 @@ moments, or bf16 ones with ``bf16_optimizer_states``.
 On 2 ranks at stages 2 and 3 the offloaded run trains exactly as the same config without the offload (the same
 kernel on the same values), holds 10 (6 with bf16 moments) bytes of state per shard element in host memory instead
 of 12, and a checkpoint saved after step 3 resumes to the uninterrupted run's losses and weights, bit for bit.
+With every ZeRO-3 shard in swap files (``offload_param: nvme``) the masters are bf16 too, and train the same.
 """
 
 import torch
@@ -59,6 +60,31 @@ def _runs(root: str) -> dict:
             engine.destroy()
             out[(stage, states16)] = case
     return out
+
+
+def _swapped_runs(root: str) -> dict:
+    """Stage 3 with every shard in swap files (offload_param nvme), the optimizer states on the device or offloaded:
+    the bf16 master is built from the shards' fp32 starting values (read from their files) rounded once."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for name, offload in (("device", False), ("swapped", False), ("swapped_offload", True)):
+        cfg = _config(3, offload, False)
+        if name != "device":
+            cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": f"{root}/{name}"}
+        engine, *_ = hf_zero.initialize(model=make_model(), config=cfg)
+        out[name] = (engine_run(engine, world, rank, steps=4, dtype=torch.bfloat16), _weights(engine),
+                     {g.master.dtype for g in engine.groups})
+        engine.destroy()
+    return out
+
+
+def test_bf16_masters_with_shards_in_swap_files(tmp_path):
+    for r in run_distributed(_swapped_runs, 2, args=(str(tmp_path),)):
+        losses, weights, _ = r["device"]
+        for name in ("swapped", "swapped_offload"):
+            assert r[name][0] == losses, name
+            assert all(torch.equal(a, b) for a, b in zip(r[name][1], weights)), name
+        assert r["swapped"][2] == {torch.bfloat16}  # it was fp32 before: the key silently did nothing there
 
 
 def test_offloaded_bf16_masters_train_as_on_the_device_and_resume(tmp_path):

@@ -58,7 +58,7 @@ class Stage3Group:
         swapped = any(sp.swapped for sp in self.sps)
         self.grad = _zeros(numel, grad_dtype, device, pin)
         if swapped:
-            self.master = torch.empty(numel, dtype=torch.float32, device="meta" if master_offloaded else device)
+            self.master = torch.empty(numel, dtype=master_dtype, device="meta" if master_offloaded else device)
             self.param16 = None
             if not master_offloaded:
                 self.initial_master(0, numel, self.master)
@@ -91,8 +91,13 @@ class Stage3Group:
             i += 1
 
     def initial_master(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """``out`` <- elements ``[lo, hi)`` of the fp32 starting values; a bf16 ``out`` (bf16 master weights) gets
+        them rounded once (the shards' stores read fp32 bytes, so they read into an fp32 buffer first)."""
+        target = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
         for sp, a, b, off in self._pieces(lo, hi):
-            sp.read_initial_fp32(out[off:off + b - a], a)
+            sp.read_initial_fp32(target[off:off + b - a], a)
+        if target is not out:
+            out.copy_(target)
 
     @property
     def shard_numel(self) -> int:
