@@ -1,5 +1,7 @@
-"""On a real GPU (in this process, a world of one as hf_zero.initialize makes it): ZenFlow at stages 2 and 3 (selective updates of CUDA weights, the offloaded step on the CPU) and
-bf16 master weights with ``offload_optimizer: cpu`` (the bf16 masters in host memory, copied up after each tile).
+"""On a real GPU (in this process, a world of one as hf_zero.initialize makes it): ZenFlow at stages 2 and 3
+(selective updates of CUDA weights, the offloaded step on the CPU; at stage 3 also with the shards in host memory)
+and bf16 master weights with ``offload_optimizer: cpu`` (the bf16 masters in host memory, copied up after each
+tile).
 
 Marked ``gpu``: skipped where CUDA is not available (CI); ``scripts/gpu_check.sh`` runs them. One process each.
 The references are the CPU runs these features are proven against in ``tests/test_zenflow.py`` and

@@ -166,7 +166,8 @@ class OptimizerOffload:
                             for _ in range(2)] if device == "nvme" else [])
         # CPU offload of a GPU run: gradients down and 16-bit weights up on side streams, overlapping the CPU Adam
         # (transfers.py); a CPU run's gradients are on the host already
-        self._staging = (HostStaging(self.groups, self.keep, pin_memory, master16=self.dtypes["master"] != torch.float32)
+        master16 = self.dtypes["master"] != torch.float32
+        self._staging = (HostStaging(self.groups, self.keep, pin_memory, master16=master16)
                          if device == "cpu" and self.tiles and HostStaging.wanted(self.groups) else None)
 
     # ---- the step ---------------------------------------------------------------------------------------------------
