@@ -675,7 +675,7 @@ def _stage3_state(engine) -> dict:
     """This rank's weights and selective moments, each as a shard-sized tensor (zenflow.py's checkpoint form)."""
     zf = engine.zenflow
     out = {"weights": [s.all_values() for s in zf.params], "step": [s.step for s in zf.params]}
-    out["exp_avg"] = [zf._as_shard(s, s.exp_avg) for s in zf.params]
+    out["exp_avg"] = [s.into_shard(s.exp_avg.new_zeros(s.sp.shard_numel), s.exp_avg) for s in zf.params]
     return out
 
 

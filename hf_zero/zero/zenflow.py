@@ -217,21 +217,32 @@ class _Selective:
             return grad[lo:hi]
         return grad.reshape(-1)[self.grad_idx]
 
+    def _positions(self, device: torch.device):
+        """Stage 3: where the elements :meth:`view` returns sit in a shard on ``device`` (the shard may live in host
+        memory, with offload_param, while the indices are on the GPU)."""
+        if self.is_2d:
+            return self.flat_idx.to(device)
+        lo, hi = self._owned()
+        return slice(0, hi - lo)
+
+    def from_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        """Stage 3: this rank's selected elements of a shard-sized tensor."""
+        return shard[self._positions(shard.device)]
+
+    def into_shard(self, shard: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Stage 3: ``values`` (one per element :meth:`view` returns) written to their places in ``shard``."""
+        shard[self._positions(shard.device)] = values.to(shard.device)
+        return shard
+
     def view(self) -> torch.Tensor:
-        if self.sp is not None:  # the shard may live in host memory (offload_param) while the indices are on the GPU
-            shard = self._shard()
-            lo, hi = self._owned()
-            return shard[self.flat_idx.to(shard.device)] if self.is_2d else shard[:hi - lo]
+        if self.sp is not None:
+            return self.from_shard(self._shard())
         p = local_tensor(self.param).data
         return p if self.columns is None else p[:, self.columns]
 
     def write(self, values: torch.Tensor) -> None:
         if self.sp is not None:
-            shard = self._shard()
-            if self.is_2d:
-                shard[self.flat_idx.to(shard.device)] = values.to(shard.device)
-            else:
-                shard[:values.numel()] = values.to(shard.device)
+            shard = self.into_shard(self._shard(), values)
             if self.sp.swapped:  # shard_values() read a copy back
                 self.sp.store_shard(shard)
             return
@@ -566,8 +577,10 @@ class ZenFlow:
             if s.columns is not None:
                 out[f"zenflow.{i}.columns"] = s.columns.cpu()
             if s.exp_avg is not None:
+                # stage 3: spread to their places in a shard-sized tensor (zeros elsewhere), re-cut like the shards
                 out[f"zenflow.{i}.exp_avg"], out[f"zenflow.{i}.exp_avg_sq"] = (
-                    self._as_shard(s, m).cpu() for m in (s.exp_avg, s.exp_avg_sq))
+                    (m if s.sp is None else s.into_shard(m.new_zeros(s.sp.shard_numel), m)).cpu()
+                    for m in (s.exp_avg, s.exp_avg_sq))
         if self._policy.overlap_step:
             out["zenflow.overlap.flags"] = torch.tensor([self._parity, int(self._lagging)], dtype=torch.int64)
             for gi in range(len(self._groups)):
@@ -579,27 +592,6 @@ class ZenFlow:
             for i, t in enumerate(self._stale or ()):
                 out[f"zenflow.overlap.stale.{i}"] = t.cpu()
         return out
-
-    @staticmethod
-    def _as_shard(s: _Selective, values: torch.Tensor) -> torch.Tensor:
-        """Stage 3: selective state of ``s`` (one value per element :meth:`_Selective.view` returns) placed in a
-        shard-sized tensor; stages 1-2: as it is."""
-        if s.sp is None:
-            return values
-        out = torch.zeros(s.sp.shard_numel, dtype=values.dtype, device=values.device)
-        if s.is_2d:
-            out[s.flat_idx.to(values.device)] = values
-        else:
-            out[:values.numel()] = values
-        return out
-
-    @staticmethod
-    def _from_shard(s: _Selective, shard: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`_as_shard`, for this rank's positions."""
-        if s.is_2d:
-            return shard[s.flat_idx.to(shard.device)]
-        lo, hi = s.sp.layout.owned_range(0, s.sp.rank)
-        return shard[:hi - lo]
 
     @staticmethod
     def _read(reader, key: str, s: _Selective) -> torch.Tensor:
@@ -629,7 +621,7 @@ class ZenFlow:
             if f"zenflow.{i}.exp_avg" in keys:
                 home = torch.device("cpu") if self._policy.offload_moments else device
                 s.exp_avg, s.exp_avg_sq = (
-                    (m if s.sp is None else self._from_shard(s, m)).to(home)
+                    (m if s.sp is None else s.from_shard(m)).to(home)
                     for m in (self._read(reader, f"zenflow.{i}.{k}", s) for k in ("exp_avg", "exp_avg_sq")))
         if self._policy.overlap_step and "zenflow.overlap.flags" in keys:
             parity, lagging = (int(x) for x in reader.whole("zenflow.overlap.flags"))
