@@ -260,8 +260,8 @@ def test_cpp_sources_compile_as_cpp17(tmp_path):
         pytest.skip("no C++ compiler")
     assert CPP_SOURCES, "no .cpp file found under csrc/"
     flags = ["-std=c++17", "-fsyntax-only", "-fopenmp",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *[f"-I{p}" for p in include_paths()], f"-I{REPO / 'csrc' / 'common'}",
-             f"-I{sysconfig.get_paths()['include']}"]
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *[f"-I{p}" for p in include_paths()],
+             f"-I{REPO / 'csrc' / 'common'}", f"-I{sysconfig.get_paths()['include']}"]
     headers = sorted((REPO / "csrc").rglob("*.h"))
     digest = _digest([*CPP_SOURCES, *headers], torch.__version__, cxx, *flags)
     stamp = REPO / "build" / "cxx17_check" / f"all-{digest}.ok"

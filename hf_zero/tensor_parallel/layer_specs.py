@@ -33,9 +33,9 @@ partition_config too, ``use_default_specs: true`` puts the custom specs first an
 Refused, each naming the key: a sub-parameter ``shape`` with a ``partition_dim`` other than the layer's split dim,
 shapes of more than two dimensions (DeepSpeed's MoE expert views), a ``shape`` on a row-parallel LM head (DeepSpeed
 raises NotImplementedError), ``grad_allreduce`` on a split layer, and a ``shape`` on a fused projection whose
-model code cannot run split (``_UNSPLITTABLE``): GPT-NeoX / BLOOM store ``query_key_value`` per head (``[q_h, k_h, v_h]`` for each head h), so the blocks ``shape``
-describes are not there and the split would hand each rank a mix of heads its row-parallel output projection does
-not expect -- DeepSpeed trains that spec (its DeepSpeedExamples AutoTP example for Pythia carries it) without an
+model code cannot run split (``_UNSPLITTABLE``): GPT-NeoX / BLOOM store ``query_key_value`` per head
+(``[q_h, k_h, v_h]`` for each head h), so the blocks ``shape`` describes are not there and the split would hand each
+rank a mix of heads its row-parallel output projection does not expect -- DeepSpeed trains that spec (its DeepSpeedExamples AutoTP example for Pythia carries it) without an
 error, on a different function than the model's: on a tiny GPT-NeoX its first loss is 4.893878 where the model's is
 4.898342 (docs/tensor_parallel.md); Phi-3 slices ``qkv_proj``'s output at the config's full sizes, so DeepSpeed's
 own ``phi3`` preset fails in the forward with a shape error (hf_zero names the cause instead).
