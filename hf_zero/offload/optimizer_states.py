@@ -26,7 +26,6 @@ per-group tensors, so a checkpoint holds the same optimizer state with or withou
 
 from __future__ import annotations
 
-import os
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from hf_zero.config.policies import AioParams, NVMeOffloadPolicy, ZeroPolicy
 from hf_zero.offload.params import check_optimizer_offload
 from hf_zero.offload.swapper import SwapDir, wait_all
 from hf_zero.offload.transfers import HostStaging
-from hf_zero.ops.adam import AdamHyper, adam_step_, adam_step_low_precision_, adam_step_reference
+from hf_zero.ops.adam import AdamHyper, adam_step_, adam_step_any_dtype_, adam_step_reference
 from hf_zero.profiling.timers import NO_TIMERS
 
 __all__ = ["OptimizerOffload", "STATE_NAMES", "build_optimizer_offload"]
@@ -206,8 +205,8 @@ class OptimizerOffload:
             with self.timers.phase("offload_io"):
                 ready.synchronize()
             out16 = st.out16(t)
-            self._kernel(h["master"][sl], st.grad(t), h["exp_avg"][sl], h["exp_avg_sq"][sl], hyper[t.group], divisor,
-                         out16)
+            adam_step_any_dtype_(h["master"][sl], st.grad(t), h["exp_avg"][sl], h["exp_avg_sq"][sl],
+                                 update=self._update, **hyper[t.group].kwargs(), grad_scale=divisor, out16=out16)
             if out16 is not None:
                 st.upload(t)
             else:  # fp32 weights (or a swapped ZeRO-3 shard): written from the master as before
@@ -245,16 +244,6 @@ class OptimizerOffload:
         off, numel = t.lo - self.keep[t.group], t.hi - t.lo
         return [self.swap.write_async(f"group{t.group}.{s}", bufs[s][:numel], off) for s in STATE_NAMES]
 
-    def _kernel(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                h: AdamHyper, divisor: float, out16: torch.Tensor | None) -> None:
-        """One tile's update: the fused pass for fp32 states (writing ``out16`` on the way), the fp32-slices one for
-        bf16 masters and/or moments (``out16`` is then None: a bf16 master is the weights' values)."""
-        if master.dtype != torch.float32 or exp_avg.dtype != torch.float32:
-            adam_step_low_precision_(master, grad, exp_avg, exp_avg_sq, update=self._update, **h.kwargs(),
-                                     grad_scale=divisor)
-        else:
-            self._update(master, grad, exp_avg, exp_avg_sq, **h.kwargs(), grad_scale=divisor, out16=out16)
-
     def _adam(self, g, h: AdamHyper, divisor: float, lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor) -> list[Future]:
         """Adam on elements [lo, hi) of group g, whose states are ``master``/``exp_avg``/``exp_avg_sq`` (hi-lo,).
@@ -265,9 +254,9 @@ class OptimizerOffload:
             grad = grad.to(master.device)
         param16 = g.param16[lo:hi] if g.param16 is not None else None
         # an fp32 master writes the 16-bit weights in its own pass; a 16-bit master is the weights' values already
-        direct16 = (param16 is not None and param16.dtype != master.dtype and master.dtype == torch.float32
-                    and param16.device == master.device)
-        self._kernel(master, grad, exp_avg, exp_avg_sq, h, divisor, param16 if direct16 else None)
+        direct16 = param16 is not None and param16.dtype != master.dtype and param16.device == master.device
+        adam_step_any_dtype_(master, grad, exp_avg, exp_avg_sq, update=self._update, **h.kwargs(), grad_scale=divisor,
+                             out16=param16 if direct16 else None)
         if direct16:
             return []
         return g.write_param16(lo, hi, master)  # a no-op when the master is the weights' own memory

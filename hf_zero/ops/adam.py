@@ -27,7 +27,7 @@ import torch
 from hf_zero.ops._native import native_available, warn_fallback
 from hf_zero.ops._optim_common import FLOAT16, StateStepOptimizer
 
-__all__ = ["AdamHyper", "CPUAdam", "FusedAdam", "adam_step_", "adam_step_low_precision_", "adam_step_reference",
+__all__ = ["AdamHyper", "CPUAdam", "FusedAdam", "adam_step_", "adam_step_any_dtype_", "adam_step_reference",
            "zeros_state"]
 
 
@@ -144,18 +144,23 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
 _SLICE = 1 << 20  # elements per fp32 working slice of the low-precision Adam step
 
 
-def adam_step_low_precision_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                             exp_avg_sq: torch.Tensor, *, update=adam_step_, **kwargs) -> None:
-    """Adam on bf16 master weights and/or bf16 moments (bf16.bf16_master_weights_and_grads / bf16_optimizer_states):
-    the math in fp32 (``update``: :func:`adam_step_` or :func:`adam_step_reference`) on slices of at most
-    ``_SLICE`` elements, results rounded back into the storage dtypes, so no full fp32 copy of the shard ever
-    exists. Used by the on-device step and by the optimizer offload alike, so both give the same numbers."""
+def adam_step_any_dtype_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         *, update=adam_step_, out16: torch.Tensor | None = None, **kwargs) -> None:
+    """One Adam step of a shard whatever its storage dtypes, with ``update`` (:func:`adam_step_` or
+    :func:`adam_step_reference`). fp32 master and moments: one fused pass, writing ``out16`` on the way. bf16 master
+    weights and/or bf16 moments (bf16.bf16_master_weights_and_grads / bf16_optimizer_states): the math in fp32 on
+    slices of at most ``_SLICE`` elements, results rounded back into the storage dtypes (and ``out16``), so no full
+    fp32 copy of the shard ever exists. The on-device step and the optimizer offload both call it, so they give the
+    same numbers."""
+    if master.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32:
+        update(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
+        return
     for lo in range(0, master.numel(), _SLICE):
         hi = min(lo + _SLICE, master.numel())
         p32, m32, v32 = master[lo:hi].float(), exp_avg[lo:hi].float(), exp_avg_sq[lo:hi].float()
         update(p32, grad[lo:hi], m32, v32, **kwargs)
-        for dst, src in ((master, p32), (exp_avg, m32), (exp_avg_sq, v32)):
-            if dst.dtype != torch.float32:
+        for dst, src in ((master, p32), (exp_avg, m32), (exp_avg_sq, v32), (out16, p32)):
+            if dst is not None and dst.dtype != torch.float32:
                 dst[lo:hi].copy_(src)
 
 

@@ -27,7 +27,7 @@ from typing import Protocol, Sequence
 import torch
 
 from hf_zero.offload.swapper import wait_all
-from hf_zero.ops.adam import AdamHyper, adam_step_, adam_step_low_precision_, zeros_state
+from hf_zero.ops.adam import AdamHyper, adam_step_any_dtype_, zeros_state
 from hf_zero.profiling.timers import NO_TIMERS
 
 __all__ = ["OptimizerBackend", "FusedAdamBackend", "TorchOptimizerBackend"]
@@ -68,14 +68,8 @@ class FusedAdamBackend:
             out16 = g.param16
             if out16 is None and g.compute_dtype != torch.float32:
                 out16 = torch.empty(g.shard_numel, dtype=g.compute_dtype, device=g.master.device)
-            if g.master.dtype != torch.float32 or self.state_dtype != torch.float32:
-                adam_step_low_precision_(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], **h.kwargs(),
-                                         grad_scale=divisor)
-                if g.param16 is None:  # swapped ZeRO-3 shards: the updated bf16 master goes to their files
-                    wait_all(g.write_param16(0, g.shard_numel, g.master))
-                continue
-            adam_step_(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], **h.kwargs(), grad_scale=divisor,
-                       out16=None if out16 is None or out16 is g.master else out16)
+            adam_step_any_dtype_(g.master, g.grad, state["exp_avg"], state["exp_avg_sq"], **h.kwargs(),
+                                 grad_scale=divisor, out16=None if out16 is None or out16 is g.master else out16)
             if g.param16 is None:
                 wait_all(g.write_param16(0, g.shard_numel, g.master if out16 is None else out16))
 
