@@ -221,7 +221,7 @@ class RandomLayerTokenDrop(nn.Module):
         if not p.batch_first:
             out = out.transpose(0, 1)
         if isinstance(outputs, (tuple, list)):
-            return type(outputs)([out, *outputs[1:]]) if isinstance(outputs, list) else (out, *outputs[1:])
+            return [out, *outputs[1:]] if isinstance(outputs, list) else (out, *outputs[1:])
         return out
 
 
