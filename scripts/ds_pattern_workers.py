@@ -278,3 +278,33 @@ def autotp_layer_specs(name: str):
         engine.step()
         losses.append(loss.item())
     return {"losses": losses, "reference": t._reference(kind)[0]}
+
+
+def autotp_zero3(kind: str = "llama"):
+    """tests/test_tp_engine.py's stage-3 run on DeepSpeed: DP 2 x TP 2 on 4 ranks (``tensor_parallel.autotp_size``
+    2, every parameter partitioned: persistence threshold 0), each data-parallel rank its half of the global batch.
+    Returns the losses (averaged over the ranks) and gradient norms beside the one-process reference's. Llama only:
+    DeepSpeed's AutoTP refuses GPT-2 ("AutoTP not supported for model")."""
+    import deepspeed
+
+    import test_tp_engine as t
+    from _tp_util import make_model, token_data
+
+    config = t._config(3, kind)
+    model = make_model(kind)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    dp = dist.get_world_size() // 2
+    dp_rank = dist.get_rank() // 2  # ranks are laid out dp x tp, TP innermost (as hf_zero's mesh)
+    data = token_data(t.STEPS, batch=2 * dp)
+    losses, norms = [], []
+    for s in range(t.STEPS):
+        ids = data[s].view(dp, 2, -1)[dp_rank]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+        norms.append(float(engine.get_global_grad_norm()))
+    ref_losses, ref_norms, _ = t.reference(kind, dp)
+    return {"losses": losses, "norms": norms, "ref_losses": ref_losses, "ref_norms": ref_norms}

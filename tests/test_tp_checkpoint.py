@@ -2,6 +2,8 @@
 TP 1 (no tensor parallelism) and at TP 4, the next two steps continue the single-process loss curve (AdamW moments
 and step count resharded too). GPT-2 covers the fused q|k|v column order; Llama the grouped-query split. "llama-sp"
 trains with sequence parallelism (whole norm weights as replicated DTensors), resumed at TP 1 and at TP 4 with it.
+"gpt2-z3" trains under ZeRO-3 (every TP shard partitioned over the data-parallel group), resumed at TP 1 and TP 4
+under ZeRO-3 too: the tag holds the unsplit model and the optimizer's shards as at stages 1-2.
 
 The tag is atomic as a whole: re-saving it one step later with TP rank 1's shard write failing raises on both ranks,
 naming rank 1, and leaves every byte of the saved tag as it was (the reloads read it); an edited tp.json is refused
@@ -21,19 +23,24 @@ from _tp_spawns import SHARED_DIR, case, register
 from _tp_util import clipped_adamw_reference, engine_range, make_model
 
 STEPS, SAVED_AT, CLIP, LR = 4, 2, 0.5, 1e-3
-KINDS = ("llama", "gpt2", "llama-sp")
+KINDS = ("llama", "gpt2", "llama-sp", "gpt2-z3")
 
 
 def _config(tp: int, kind: str) -> dict:
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": 1}, "steps_per_print": 1000,
+            "zero_optimization": ({"stage": 3, "stage3_param_persistence_threshold": 0} if kind.endswith("-z3")
+                                  else {"stage": 1}), "steps_per_print": 1000,
             "tensor_parallel": {"autotp_size": tp, "sequence_parallel": kind.endswith("-sp") and tp > 1}}
 
 
 @functools.lru_cache(maxsize=None)
 def reference(kind: str) -> list[float]:
-    return clipped_adamw_reference(kind.removesuffix("-sp"), STEPS, lr=LR, clip=CLIP)
+    return clipped_adamw_reference(_family(kind), STEPS, lr=LR, clip=CLIP)
+
+
+def _family(kind: str) -> str:
+    return kind.split("-")[0]
 
 
 def _steps(engine, start: int, stop: int) -> list[float]:
@@ -53,7 +60,7 @@ def _save(root: str):
 
     out = {}
     for kind in KINDS:
-        engine, *_ = hf_zero.initialize(model=make_model(kind.removesuffix("-sp")), config=_config(2, kind))
+        engine, *_ = hf_zero.initialize(model=make_model(_family(kind)), config=_config(2, kind))
         out[kind] = _steps(engine, 0, SAVED_AT)
         engine.save_checkpoint(f"{root}/{kind}")
     # the last model again, one step on: re-saving the same tag with TP rank 1's shard write failing
@@ -105,10 +112,29 @@ def _resume(root: str, tp: int):
     out = {"refused": _refused_tp_json(root, tp)} if tp == 1 else {}
     for kind in KINDS:
         # a different initial model: everything must come from the checkpoint
-        engine, *_ = hf_zero.initialize(model=make_model(kind.removesuffix("-sp"), seed=7), config=_config(tp, kind))
+        engine, *_ = hf_zero.initialize(model=make_model(_family(kind), seed=7), config=_config(tp, kind))
         path, _ = engine.load_checkpoint(f"{root}/{kind}")
         assert path is not None and engine.global_steps == SAVED_AT
         out[kind] = _steps(engine, SAVED_AT, STEPS)
+    return out
+
+
+def _z3_dp2(root: str):
+    """ZeRO-3 over a real data-parallel pair: saved at (dp 2, tp 2), reloaded at the same layout, at (dp 1, tp 4)
+    and at (dp 4, tp 1), all under ZeRO-3 on the same four ranks."""
+    import hf_zero
+
+    kind, path = "gpt2-z3", f"{root}/z3-dp2"
+    engine, *_ = hf_zero.initialize(model=make_model("gpt2"), config=_config(2, kind))
+    out = {"saved": _steps(engine, 0, SAVED_AT)}
+    engine.save_checkpoint(path)
+    out["straight"] = _steps(engine, SAVED_AT, STEPS)
+    engine.destroy()
+    for tp in (2, 4, 1):
+        engine, *_ = hf_zero.initialize(model=make_model("gpt2", seed=7), config=_config(tp, kind))
+        engine.load_checkpoint(path)
+        out[tp] = (engine.world_size, _steps(engine, SAVED_AT, STEPS))
+        engine.destroy()
     return out
 
 
@@ -116,6 +142,18 @@ def _resume(root: str, tp: int):
 register(2, "ckpt_save", _save, (SHARED_DIR,))
 for _tp in (1, 4):
     register(_tp, "ckpt_resume", _resume, (SHARED_DIR, _tp), after=(2,))
+register(4, "ckpt_z3_dp2", _z3_dp2, (SHARED_DIR,))
+
+
+def test_zero3_checkpoint_over_a_data_parallel_pair_reshards():
+    ref = reference("gpt2-z3")
+    for rank, out in enumerate(case(4, "ckpt_z3_dp2")):
+        assert out[2][0] == 2 and out[4][0] == 1 and out[1][0] == 4, rank  # data-parallel sizes
+        # the same layout continues bit for bit; the re-cut ones add the order of another reduction
+        assert out[2][1] == out["straight"], (rank, out[2], out["straight"])
+        for got in (out["saved"] + out["straight"], out["saved"] + out[4][1], out["saved"] + out[1][1]):
+            for s, (a, b) in enumerate(zip(got, ref)):
+                assert abs(a - b) <= 1e-5 * b, (rank, s, got, ref)
 
 
 @pytest.mark.parametrize("tp", [1, 4])

@@ -81,7 +81,7 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
     * its ``model.safetensors`` (stages 0-2): the module's state dict -- unless ``write_model`` is false (a 3D
       pipeline keeps its module in per-layer files: hf_zero/checkpoint/pipeline.py); ``module_state`` if
       given (a tensor-parallel module's state dict, gathered by the caller before any write can fail: the gather
-      is a collective over the TP group).
+      is a collective over the TP group), at stage 3 too (the unsplit model a TP checkpoint re-cuts from).
 
     Unsharded optimizer state (stage 0: identical on every rank) is ``zero_rank00000``'s; a node-local directory
     without rank 0 gets its own copy of that file from its writer (without rank 0's RNG state).
@@ -105,7 +105,7 @@ def _write_rank_files_unsynced(engine, tmp: Path, exclude_frozen: bool, client_s
         save_file({k: v.detach().contiguous() for k, v in optimizer.shard_state(experts=False).items()},
                   str(tmp / rank_file(0)))
         written.append(rank_file(0))
-    if engine.stage3 is None and write_model:
+    if write_model and (engine.stage3 is None or module_state is not None):
         sd, aliases = dedupe_shared(module_state if module_state is not None else
                                      engine.module_state_dict(exclude_frozen))
         save_file(sd, str(tmp / "model.safetensors"), metadata={"aliases": json.dumps(aliases)})

@@ -67,9 +67,15 @@ def save_tp_checkpoint(engine, save_dir, *, tag=None, client_state=None, save_la
     root = Path(save_dir)
     tp_rank, rank = info.mesh.get_local_rank(), dist.get_rank()
     # the gathered model, before any write can fail (a collective over the TP group, whose members are all their
-    # data-parallel group's rank 0 -- the writer of model.safetensors -- or none of them)
-    module_state = engine.module_state_dict(exclude_frozen_parameters) \
-        if engine.global_rank == 0 and engine.stage3 is None else None
+    # data-parallel group's rank 0 -- the writer of model.safetensors -- or none of them; under ZeRO-3 a collective
+    # over the data-parallel group as well, so every rank takes part and the writers keep it)
+    module_state = None
+    if engine.stage3 is not None:
+        module_state = engine.module_state_dict(exclude_frozen_parameters)
+        if engine.global_rank != 0:
+            module_state = None
+    elif engine.global_rank == 0:
+        module_state = engine.module_state_dict(exclude_frozen_parameters)
     layouts = param_layout(engine.module)
 
     def write(tmp: Path) -> tuple[dict, None]:

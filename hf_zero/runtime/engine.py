@@ -137,14 +137,6 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self._master_dtype, self._state_dtype = _bf16_state_dtypes(config, self.stage, grad_dtype, plan)
         self.stage3 = None
         tp = tp_info(module)
-        if tp is not None and self.stage == 3:
-            # DeepSpeed 0.19.8 runs it (its AutoTP layers hold plain tensors ZeRO-3 partitions like any other);
-            # hf_zero's tensor-parallel parameters are DTensors, which its ZeRO-3 partitioning does not handle yet
-            raise ConfigError("zero_optimization.stage", "3 with tensor_parallel is not implemented in hf_zero "
-                                                         "(DeepSpeed runs it): ZeRO-3 does not partition "
-                                                         "tensor-parallel DTensor shards yet; use stage 1 or 2 over "
-                                                         "the data-parallel dimension (with a data-parallel size of "
-                                                         "1, stage 3 would partition nothing either)")
         # MoE layers get their expert-parallel groups here, as DeepSpeed's engine gives them (runtime/moe_setup.py)
         from hf_zero.runtime.moe_setup import setup_expert_parallel
 
@@ -699,7 +691,14 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             return {k: v.detach().clone() for k, v in sd.items()} if self.global_rank == 0 else None
         from hf_zero.zero.stage3.consolidate import consolidated_state_dict
 
-        return consolidated_state_dict(self.module, exclude_frozen=exclude_frozen_parameters)
+        full_of = None
+        if tp_info(self.module) is not None:  # each gathered TP shard joined with its TP group's (unsplit model)
+            from hf_zero.tensor_parallel.state import full_tensor
+
+            def full_of(name, t):
+                return full_tensor(self.module, name, t)
+        return consolidated_state_dict(self.module, exclude_frozen=exclude_frozen_parameters, full_of=full_of,
+                                       group=self.process_group)
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """What accelerate's ``get_state_dict`` asks a tensor-parallel DeepSpeed engine for: the full weights on the

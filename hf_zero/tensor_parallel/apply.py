@@ -37,6 +37,7 @@ from hf_zero.tensor_parallel.regions import SharedCopy
 from hf_zero.tensor_parallel.sequence import SEQ_DIM, SP_STYLES, install_sequence_check, sp_style
 from hf_zero.tensor_parallel.styles import (Conv1DColwise, Conv1DRowwise, ReplicatedGradAllReduce,
                                             fused_to_rank_major)
+from hf_zero.zero.init import unpartition_module
 
 __all__ = ["apply_tp", "TPInfo", "tp_info", "is_tp_sharded", "check_adapters_sharded"]
 
@@ -204,6 +205,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh | TPMesh, *, plan: dict[str, 
         raise ValueError("hf_zero: this model is already tensor parallel (apply_tp was called on it before)")
     if tp_mesh.ndim != 1:
         raise ValueError(f"hf_zero: apply_tp needs the 1-D tensor-parallel mesh (mesh['tp']), got {tp_mesh.ndim}-D")
+    # built under zero.Init: the weights are whole again before they are cut (ZeRO-3 then partitions the TP shards)
+    unpartition_module(model)
     outer, model = model, peft_base_model(model)  # PEFT: the transformers model inside (plan, embeddings, loss)
     before = dict(model.named_parameters(remove_duplicate=False))  # to map replaced parameters (TPInfo.replaced)
     parts: dict[str, int | tuple[int, ...]] = {}

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hf_zero.tensor_parallel.apply import tp_info
 from hf_zero.tensor_parallel.styles import fused_from_rank_major, fused_to_rank_major
+from hf_zero.zero.stage3 import sharded_param_of
 
 __all__ = ["param_layout", "replicated_layout", "split_sizes", "full_from_pieces", "piece_for"]
 
@@ -29,7 +30,9 @@ def param_layout(module: nn.Module) -> dict[str, dict]:
     out = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         shard = next((pl for pl in p.placements if isinstance(pl, Shard)), None) if isinstance(p, DTensor) else None
-        out[name] = {"shape": list(p.shape), "dim": None if shard is None else shard.dim % p.dim(),
+        sp = sharded_param_of(p)  # ZeRO-3 partitioned: a plain tensor's shape is its placeholder's until gathered
+        shape = p.shape if isinstance(p, DTensor) or sp is None else sp.shape
+        out[name] = {"shape": list(shape), "dim": None if shard is None else shard.dim % p.dim(),
                      "fused": list(fused[name]) if name in fused else None}
     return out
 

@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hf_zero.tensor_parallel.apply import tp_info
 from hf_zero.tensor_parallel.styles import fused_from_rank_major, fused_to_rank_major
+from hf_zero.zero.gathered import GatheredParameters
+from hf_zero.zero.stage3 import sharded_param_of
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_tensor", "local_of"]
 
@@ -46,7 +48,22 @@ def _strip(name: str) -> str:
 
 
 def full_state_dict(model: nn.Module, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every DTensor gathered into its ordinary full tensor (see the module docstring)."""
+    """``model.state_dict()`` with every DTensor gathered into its ordinary full tensor (see the module docstring).
+
+    Under ZeRO-3 each rank's TP shards are themselves partitioned over the data-parallel group: they are gathered
+    first (a collective over that group too) -- the TP shards held at once are fewer bytes than the result."""
+    partitioned = [p for p in model.parameters() if sharded_param_of(p) is not None]
+    if partitioned:
+        with GatheredParameters(partitioned):
+            full = _full_state_dict(model, keep_vars)
+            if keep_vars:
+                return full
+            copies: dict[int, torch.Tensor] = {}  # by identity: tied names stay one tensor
+            return {k: copies.setdefault(id(v), v.clone()) for k, v in full.items()}
+    return _full_state_dict(model, keep_vars)
+
+
+def _full_state_dict(model: nn.Module, keep_vars: bool) -> dict[str, torch.Tensor]:
     out, seen = {}, {}
     for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: tied weights keep one identity
         if id(t) in seen:  # a tied weight (GPT-2's LM head is the embedding): one tensor under both names
@@ -74,6 +91,7 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *,
         if name not in state:
             continue
         src = state[name].to(dtype=dst.dtype)
+        sp = sharded_param_of(dst)  # ZeRO-3: the rank's TP shard is partitioned over the data-parallel group
         if isinstance(dst, DTensor):
             if info is not None and _strip(name) in info.fused:
                 parts, dim = info.fused[_strip(name)]
@@ -81,7 +99,14 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *,
             # every rank holds the same full tensor: slice locally, no collective
             src = distribute_tensor(src.to(dst.to_local().device), dst.device_mesh, dst.placements,
                                     src_data_rank=None).to_local()
-            dst.to_local().copy_(src)
+            if sp is not None:
+                sp.store_full(src)
+            else:
+                dst.to_local().copy_(src)
+        elif sp is not None:
+            if tuple(src.shape) != tuple(sp.shape):
+                raise ValueError(f"hf_zero: {name}: checkpoint shape {tuple(src.shape)} != model {tuple(sp.shape)}")
+            sp.store_full(src)
         else:
             if tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(f"hf_zero: {name}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")

@@ -98,7 +98,7 @@ class GatheredParameters:
         src = self.modifier_rank if group is None else dist.get_global_rank(group, self.modifier_rank)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         with torch.no_grad():
-            fulls = [sp.param.data.reshape(-1) for sp in self._sps]
+            fulls = [sp.data.reshape(-1) for sp in self._sps]
             for sp, full in zip(self._sps, fulls):
                 if full.numel() != sp.numel:
                     raise ValueError(f"{sp.name}: its full data has {full.numel()} elements inside "
@@ -112,7 +112,7 @@ class GatheredParameters:
                     full.copy_(flat[offset:offset + sp.numel])
                     offset += sp.numel
             for sp in self._sps:
-                sp.param.data = sp.param.data.reshape(sp.shape)
+                sp.data = sp.data.reshape(sp.shape)
                 sp.update_shard_from_full()
 
 

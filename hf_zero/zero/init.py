@@ -48,10 +48,10 @@ from hf_zero.config.policies import InitPrecision, init_precision, param_offload
 from .buffer_dtypes import CASTABLE_DTYPES, keep_buffers_in_fp32, keep_in_fp32_pattern
 from .gathered import GatheredParameters  # deepspeed.runtime.zero.partition_parameters.GatheredParameters
 from .stage3.gather import gatherer_for
-from .stage3.param import ShardedParam, ZeroParamStatus, sharded_param_of
+from .stage3.param import ParamState, ShardedParam, ZeroParamStatus, sharded_param_of
 
 __all__ = ["Init", "zero_wrapper_for_fp_tensor_constructor", "get_accelerator", "partition_module", "GatheredParameters",
-           "ZeroParamStatus"]
+           "ZeroParamStatus", "unpartition_module"]
 
 _orig_torch_arange = torch.arange
 
@@ -113,6 +113,35 @@ def partition_module(module: nn.Module, *, group=None, dtype: torch.dtype | None
             if sp is not None:
                 out.append(sp)
     return out
+
+
+def unpartition_module(module: nn.Module) -> int:
+    """The inverse of :func:`partition_module`: every partitioned parameter of ``module`` gets its whole values back
+    as an ordinary tensor, module by module (a gather over each parameter's group: call on every rank). Returns how
+    many parameters were given back.
+
+    Tensor parallelism cuts whole weights: a model built under :class:`Init` is made whole before ``apply_tp``
+    shards it, and the engine's ZeRO-3 then partitions each rank's TP shard over the data-parallel group. The
+    peak is the whole model on every rank, as for a TP model built without zero.Init."""
+    count = 0
+    for prefix, mod in module.named_modules():
+        sps = [sp for p in mod._parameters.values() if p is not None and (sp := sharded_param_of(p)) is not None]
+        if not sps:
+            continue
+        gatherer = gatherer_for(sps[0].group)
+        for sp in sps:
+            gatherer.wait_available(sp)
+        need = [sp for sp in sps if sp.state is ParamState.PARTITIONED]
+        if need:
+            gatherer.gather(need, f"the whole weights of module {prefix or '<root>'!r}", header_check=True)
+        for sp in sps:
+            full = sp.data.clone()  # its own storage: the gathered buffer is the gatherer's to reuse
+            sp.release_persistence()
+            gatherer.release(sp)
+            sp.forget()
+            sp.data = full
+            count += 1
+    return count
 
 
 def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int, group, dtype,

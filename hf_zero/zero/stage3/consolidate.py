@@ -8,6 +8,8 @@ other ranks never hold more than one module's parameters.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 
@@ -20,11 +22,16 @@ __all__ = ["consolidated_state_dict"]
 
 
 def consolidated_state_dict(module: nn.Module, *, dtype: torch.dtype | None = None,
-                            exclude_frozen: bool = False, group=None) -> dict[str, torch.Tensor] | None:
+                            exclude_frozen: bool = False, group=None,
+                            full_of: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+                            ) -> dict[str, torch.Tensor] | None:
     """Call on every rank. Returns ``{name: full tensor}`` (CPU) on rank 0 of ``group``, None on the others.
 
     Tied parameters appear under every name they have, as one tensor (like ``module.state_dict()``).
     Persistent buffers are included; ``exclude_frozen`` drops parameters with ``requires_grad=False``.
+    ``full_of(name, tensor)``: the unsplit value of a gathered parameter or buffer as the module holds it (a
+    tensor-parallel DTensor's shards joined: a collective over its TP group, so every rank calls it, in the same
+    order); without it the gathered tensor is the value.
     """
     rank = get_rank(group)
     out: dict[str, torch.Tensor] | None = {} if rank == 0 else None
@@ -52,15 +59,17 @@ def consolidated_state_dict(module: nn.Module, *, dtype: torch.dtype | None = No
             sp = sharded_param_of(p)
             key = sp.ds_id if sp is not None else id(p)
             if key not in done:
-                done[key] = _copy_out(p.data, dtype) if out is not None else None
+                value = full_of(name, p.detach()) if full_of is not None else p.data if sp is None else sp.data
+                done[key] = _copy_out(value, dtype) if out is not None else None
             if out is not None:
                 out[name] = done[key]
         for sp in need:
             gatherer.release(sp)
-        if out is not None:
-            for n, b in mod._buffers.items():
-                if b is not None and n not in mod._non_persistent_buffers_set:
-                    out[prefix + n] = _copy_out(b, dtype if b.is_floating_point() else None)
+        for n, b in mod._buffers.items():
+            if b is not None and n not in mod._non_persistent_buffers_set:
+                value = full_of(prefix + n, b) if full_of is not None else b
+                if out is not None:
+                    out[prefix + n] = _copy_out(value, dtype if b.is_floating_point() else None)
     if gatherer is not None:
         gatherer.check_deferred()  # (GPU) every rank gathered the same parameters: the state dict is whole
     return out

@@ -35,6 +35,7 @@ import torch.nn as nn
 from hf_zero.comm import buffer_pool
 from hf_zero.comm.device import accelerator_device
 from hf_zero.zero.layout import ShardLayout, param_shard_numel
+from hf_zero.zero.local import local_grad, local_tensor
 
 from .storage import ResidentStorage, ShardStorage, ShardStore
 
@@ -101,9 +102,12 @@ class ShardedParam:
         if sharded_param_of(param) is not None:
             raise ValueError(f"parameter {name!r} is already partitioned")
         self.param = param
+        # what the parameter computes with: the Parameter itself, or a tensor-parallel DTensor's local shard --
+        # ZeRO-3 partitions what this rank holds over the data-parallel group, and its ``.data`` is what is rebound
+        self._target = local_tensor(param)
         self.name = name
-        self.shape = param.shape
-        self.numel = param.numel()
+        self.shape = self._target.shape
+        self.numel = self._target.numel()
         self.rank, self.world_size, self.group = rank, world_size, group
         self.shard_numel = param_shard_numel(self.numel, world_size)
         self.layout = ShardLayout((self.numel,), world_size)
@@ -119,7 +123,7 @@ class ShardedParam:
         # grad_storage holds zeros nobody wrote since (set by its optimizer group after clearing it): the first
         # reduced shard is copied in instead of added, so pages handed back to the kernel are not read first
         self.grad_zeroed = False
-        flat = param.data.detach().reshape(-1)
+        flat = self._target.data.detach().reshape(-1)
         # ``device``: where the shard lives (zero.Init: the training GPU, while the module was built on the CPU)
         shard = torch.empty(self.shard_numel, dtype=dtype or param.dtype, device=device or param.device)
         self.layout.shard_of(flat, 0, rank, shard)
@@ -133,6 +137,21 @@ class ShardedParam:
         self.to_partitioned()
 
     # ------------------------------------------------------------------ engine contract
+    @property
+    def data(self) -> torch.Tensor:
+        """The tensor the Parameter computes with (a DTensor parameter's local shard): the full values while
+        AVAILABLE, the empty placeholder otherwise. Assigning rebinds it."""
+        return self._target.data
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self._target.data = value
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The Parameter's gradient as this rank holds it (a DTensor gradient in the parameter's layout, local)."""
+        return None if self.param.grad is None else local_grad(self.param)
+
     @property
     def requires_grad(self) -> bool:
         return self.param.requires_grad
@@ -177,7 +196,7 @@ class ShardedParam:
         if self.state is ParamState.AVAILABLE:
             self._set_full(self.storage.local[:self.numel] if self._aliased else self._full.to(dtype))
         else:
-            self.param.data = self._placeholder()
+            self.data = self._placeholder()
         self._publish_compat()
 
     def drop_initial_fp32_shard(self) -> None:
@@ -226,7 +245,7 @@ class ShardedParam:
         assert self.state is ParamState.PARTITIONED, f"{self.name}: to_device while {self.state.name}"
         values, initial = self.storage.take()
         self.storage = ResidentStorage(values.to(device), None if initial is None else initial.to(device))
-        self.param.data = self._placeholder()
+        self.data = self._placeholder()
         self._publish_compat()
         return True
 
@@ -311,7 +330,7 @@ class ShardedParam:
             full = None
         self._full = None
         self.pending = None
-        self.param.data = self._placeholder()
+        self.data = self._placeholder()
         if full is not None:
             # no view of it left (autograd saved none, or freed them in backward): the next gather may reuse it
             buffer_pool.give_if_unshared(full)
@@ -356,7 +375,7 @@ class ShardedParam:
     @property
     def full_flat(self) -> torch.Tensor:
         assert self.state is ParamState.AVAILABLE, f"{self.name}: full data read while {self.state.name}"
-        return self.param.data.reshape(-1)
+        return self.data.reshape(-1)
 
     def update_shard_from_full(self) -> None:
         """Copy this rank's shard of the (possibly edited) full parameter into the local shard."""
@@ -366,9 +385,24 @@ class ShardedParam:
             self.layout.shard_of(flat.to(self.dtype), 0, self.rank, shard)
             self.store_shard(shard)
 
+    def store_full(self, values: torch.Tensor) -> None:
+        """The whole parameter (as this rank computes with it: a DTensor's local shard) is ``values`` from now
+        on: this rank's shard of it goes into the shard storage, and a full copy that is AVAILABLE is overwritten
+        too. Every rank of the group is handed the same values, so no collective is needed."""
+        if values.numel() != self.numel:
+            raise ValueError(f"{self.name}: {values.numel()} values (shape {tuple(values.shape)}) for a parameter of "
+                             f"shape {tuple(self.shape)}")
+        flat = values.detach().reshape(-1)
+        with torch.no_grad():
+            if self.state is ParamState.AVAILABLE and not self._aliased:
+                self.full_flat.copy_(flat)
+            shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage.device)
+            self.layout.shard_of(flat.to(device=shard.device, dtype=self.dtype), 0, self.rank, shard)
+            self.store_shard(shard)
+
     def _set_full(self, full_flat: torch.Tensor) -> None:
         self._full = full_flat
-        self.param.data = full_flat.view(self.shape)
+        self.data = full_flat.view(self.shape)
 
     def _placeholder(self) -> torch.Tensor:
         # on the device the parameter is computed on -- the GPU also when offload_param keeps the shard in host
@@ -386,6 +420,12 @@ class ShardedParam:
         p.ds_tensor = self.local_shard
         p.ds_status = _DS_STATUS[self.state]
         p.ds_persist = self.persistent or self.persist_planned
+
+    def forget(self) -> None:
+        """Detach from the Parameter: no hf_zero attribute is left on it (its ``.data`` is whatever it is now)."""
+        for attr in (SHARDED_PARAM_ATTR, "ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist"):
+            if attr in self.param.__dict__:
+                delattr(self.param, attr)
 
     def __repr__(self) -> str:
         return (f"ShardedParam({self.name!r}, shape={tuple(self.shape)}, shard_numel={self.shard_numel}, "

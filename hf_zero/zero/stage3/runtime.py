@@ -35,6 +35,7 @@ from hf_zero.zero.host_memory import tune_cpu_training_memory
 from hf_zero.zero.checkpoint_state import ShardReader
 from hf_zero.zero.layout import capped_bucket_numel
 from hf_zero.zero.leaf import z3_leaf_module
+from hf_zero.zero.local import local_tensor
 
 from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
 from .hooks import (install_module_hooks, outside_graph, queue_end_of_backward, register_output_grad_hooks,
@@ -170,7 +171,7 @@ class Stage3Runtime:
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             with torch.no_grad():
                 for _, p in fresh:
-                    dist.broadcast(p.data, src=src, group=self.group)
+                    dist.broadcast(local_tensor(p).data, src=src, group=self.group)
         for name, p in fresh:
             sps.append(ShardedParam(p, name, rank=self.rank, world_size=self.world_size, group=self.group))
         by_id = {id(sp.param): sp for sp in sps}
@@ -419,7 +420,7 @@ class Stage3Runtime:
         items = []
         for sp in self._sps:
             if sp.param.grad is not None:
-                items.append((sp, sp.param.grad))
+                items.append((sp, sp.grad))
                 sp.param.grad = None
         self.reducer.accumulate_alone(items)
 
@@ -519,9 +520,9 @@ class Stage3Runtime:
         for sp in self._sps:
             sp.release_persistence()
             self.gatherer.count_live(sp, -1)  # no longer a gathered copy: an ordinary tensor now
-            full = sp.param.data
-            _forget(sp)
-            sp.param.data = full
+            full = sp.data
+            sp.forget()
+            sp.data = full
         self._sps = []
         if self.swapper is not None:  # every parameter is an ordinary tensor again: the swap files can go
             self.swapper.close()
@@ -631,7 +632,7 @@ class Stage3Runtime:
         sp = sharded_param_of(param)
         if self.grad_guard is not None:
             self.grad_guard(sp.name)
-        grad = param.grad
+        grad = sp.grad
         param.grad = None
         self.states.begin_backward()
         self._settle_recomputation()
@@ -844,15 +845,6 @@ def _external_version() -> int:
 
 def bump_external_version() -> None:
     _EXTERNAL_VERSION[0] += 1
-
-
-def _forget(sp: ShardedParam) -> None:
-    """Detach ``sp`` from its Parameter: no hf_zero attribute is left on it."""
-    from .param import SHARDED_PARAM_ATTR
-
-    for attr in (SHARDED_PARAM_ATTR, "ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist"):
-        if attr in sp.param.__dict__:
-            delattr(sp.param, attr)
 
 
 class WatchedParameters(dict):
