@@ -5,7 +5,8 @@ first step, and clipping is active so the norm must count each adapter element o
 layer and lora_B of a row-parallel one are whole on both TP ranks, the other factor is split). A tiny GPT-2 beside
 it covers Conv1D base layers and the fused q|k|v projection (lora_B's rows follow the base's rank-major order).
 Both also train with ``tensor_parallel.sequence_parallel`` (the row-parallel adapters' outputs split along the
-sequence like their base layer's)."""
+sequence like their base layer's), and under ZeRO-3 on 4 ranks (DP 2 x TP 2, both replicas on the same batches, every
+parameter -- frozen base weights too -- partitioned over the data-parallel pair)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,11 @@ def _worker(root: str):
     return out
 
 
-def _train(kind: str, path: str, sequence_parallel: bool = False):
+def _worker_z3(root: str):
+    return {kind: _train(kind, f"{root}/lora-z3-{kind}", stage=3) for kind in TARGETS}
+
+
+def _train(kind: str, path: str, sequence_parallel: bool = False, stage: int = 1):
     import torch.distributed as dist
     from safetensors.torch import load_file
     from torch.distributed.tensor import DTensor
@@ -76,7 +81,7 @@ def _train(kind: str, path: str, sequence_parallel: bool = False):
     engine, *_ = hf_zero.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 4, "gradient_clipping": CLIP,
         "optimizer": {"type": OPTIMIZER[kind][0], "params": dict(OPTIMIZER[kind][1])},
-        "zero_optimization": {"stage": 1}, "steps_per_print": 1000,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, "steps_per_print": 1000,
         "tensor_parallel": {"autotp_size": 2, "sequence_parallel": sequence_parallel}})
     losses, norms = engine_steps(engine, token_data(STEPS))
     layout = {n.rsplit(".0.", 1)[1]: (isinstance(p, DTensor), tuple(local_of(p).shape), p.requires_grad)
@@ -91,6 +96,7 @@ def _train(kind: str, path: str, sequence_parallel: bool = False):
 
 
 register(2, "lora", _worker, (SHARED_DIR,))  # in the shared 2-rank process group (tests/_tp_spawns.py)
+register(4, "lora_z3", _worker_z3, (SHARED_DIR,))
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +104,23 @@ def results():
     return case(2, "lora")
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("mode", ["tp", "tp+sp", "dp2xtp2-zero3"])
 @pytest.mark.parametrize("kind", list(TARGETS))
-def test_lora_tp2_matches_one_process(results, kind, sp):
-    ref_losses, ref_norms, _, _ = reference(kind)
+def test_lora_tp2_matches_one_process(results, kind, mode):
+    ref_losses, ref_norms, ref_adapters, ref_base = reference(kind)
     assert min(ref_norms) > CLIP  # clipping changes every step
-    for rank, per in enumerate(results):
-        out = per[f"{kind}-sp" if sp else kind]
+    runs = case(4, "lora_z3") if mode.endswith("zero3") else results
+    for rank, per in enumerate(runs):
+        out = per[f"{kind}-sp" if mode == "tp+sp" else kind]
         for s in range(STEPS):
             assert abs(out["losses"][s] - ref_losses[s]) <= 1e-5 * ref_losses[s], (rank, s, out["losses"], ref_losses)
             assert abs(out["norms"][s] - ref_norms[s]) <= 1e-5 * ref_norms[s], (rank, s, out["norms"], ref_norms)
+        if mode.endswith("zero3"):  # the adapters saved from the gathered weights, the base untouched
+            assert set(out["saved"]) == set(ref_adapters)
+            for name, ref in ref_adapters.items():
+                assert rel(out["saved"][name], ref) <= 1e-5, (rank, name)
+            for name, ref in ref_base.items():
+                assert torch.equal(out["base"][name], ref), (rank, name)
 
 
 def test_adapters_split_with_their_base_layer(results):
