@@ -1,12 +1,14 @@
 """Data parallel x tensor parallel through hf_zero.initialize: ``tensor_parallel.autotp_size`` in the config,
 ZeRO 0/1/2/3 over the data-parallel dimension of a (dp 2, tp 2) mesh, against one process training on the whole
 global batch. At stage 3 every parameter is partitioned (persistence threshold 0): each rank's TP shard is cut
-again over its data-parallel pair and gathered module by module. Clipping is active (threshold below the norm), so a norm that counted a replicated parameter
-once per TP rank, or missed a shard, would change every step."""
+again over its data-parallel pair and gathered module by module; once more with the pieces in NVMe swap files
+(offload_param) and the optimizer in host memory. Clipping is active (threshold below the norm), so a norm that
+counted a replicated parameter once per TP rank, or missed a shard, would change every step."""
 
 from __future__ import annotations
 
 import functools
+import tempfile
 
 import pytest
 import torch
@@ -56,11 +58,12 @@ def _reference(model, kind: str, dp: int):
     return losses, norms, {n: t.detach().clone() for n, t in model.state_dict().items()}
 
 
-def _train(kind: str, stage: int, sequence_parallel: bool = False, model=None):
+def _train(kind: str, stage: int, sequence_parallel: bool = False, model=None, zero_extra=None):
     import hf_zero
 
     config = _config(stage, kind)
     config["tensor_parallel"]["sequence_parallel"] = sequence_parallel
+    config["zero_optimization"].update(zero_extra or {})
     engine, *_ = hf_zero.initialize(model=model if model is not None else make_model(kind), config=config)
     return _steps(engine, stage)
 
@@ -120,6 +123,9 @@ def _worker():
     out["sp"] = _train(*SP_RUN, sequence_parallel=True)
     out["sp3"] = _train(*SP3_RUN, sequence_parallel=True)
     out["zero_init"] = _zero_init()
+    with tempfile.TemporaryDirectory() as swap:  # the TP shards' data-parallel pieces in swap files
+        out["llama-3-offload"] = _train("llama", 3, zero_extra={
+            "offload_param": {"device": "nvme", "nvme_path": swap}, "offload_optimizer": {"device": "cpu"}})
     # ranks of one TP group read the same samples; the two DP replicas read different ones
     _, _, loader, _ = hf_zero.initialize(model=make_model("llama"), config=_config(1),
                                          training_data=torch.utils.data.TensorDataset(torch.arange(16)))
@@ -136,11 +142,12 @@ def results():
     return case(4, "engine")
 
 
-@pytest.mark.parametrize("kind,stage,sp", [(*r, False) for r in RUNS] + [(*SP_RUN, True), (*SP3_RUN, True)])
-def test_dp2_tp2_matches_single_process(results, kind, stage, sp):
+@pytest.mark.parametrize("kind,stage,sp,offload", [(*r, False, False) for r in RUNS]
+                         + [(*SP_RUN, True, False), (*SP3_RUN, True, False), ("llama", 3, False, True)])
+def test_dp2_tp2_matches_single_process(results, kind, stage, sp, offload):
     ref_losses, ref_norms, ref_state = reference(kind, 2)
     for out in results:
-        run = out[("sp3" if stage == 3 else "sp") if sp else f"{kind}-{stage}"]
+        run = out[("sp3" if stage == 3 else "sp") if sp else f"{kind}-{stage}" + ("-offload" if offload else "")]
         assert run["dp"] == 2
         for s in range(STEPS):
             assert abs(run["losses"][s] - ref_losses[s]) <= 1e-5 * ref_losses[s], (out["rank"], s, run["losses"])
