@@ -13,6 +13,7 @@ gradient hooks), the stage-3 runtime (parameter gather/release), :class:`ZeroOpt
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, ClassVar, Iterable
 
@@ -487,10 +488,15 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                 self._check_every_gradient()
             if self.zenflow is not None:  # overlap_step: this window's Adam moments
                 self.zenflow.before_offloaded_step(self.micro_steps)
-            with self.timers.phase("step"), self.step_profiler.step(self.global_steps):
-                self.optimizer.step()
-            if self.zenflow is not None:
-                self.zenflow.after_offloaded_step()
+            # ZenFlow at stage 3 writes its selected columns back after the step: the persistent parameters are
+            # re-gathered once, after both writers
+            coalesce = (self.stage3.coalesced_shard_changes() if self.stage3 is not None and self.zenflow is not None
+                        else contextlib.nullcontext())
+            with coalesce:
+                with self.timers.phase("step"), self.step_profiler.step(self.global_steps):
+                    self.optimizer.step()
+                if self.zenflow is not None:
+                    self.zenflow.after_offloaded_step()
             if self.reducer is not None:
                 self.reducer.hide_grads()  # stage 0's p.grad views: the step has used them
             if self.lr_scheduler is not None and not self.optimizer.overflow:

@@ -21,6 +21,7 @@ Order of a training micro-step, as the engine drives it::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable
 
@@ -147,6 +148,8 @@ class Stage3Runtime:
         self._module_handles: dict[nn.Module, tuple[str, list]] = {}  # module -> ("group" | "track", hooks)
         self._install_hooks()
         self._stepped = False
+        self._coalescing = False  # inside coalesced_shard_changes: shards_changed only notes the change
+        self._changed = False
         # the engine's check on each arriving gradient (refuses backward passes it did not see); None: no check
         self.grad_guard: Callable[[str], None] | None = None
         self.prefetched_numel = 0  # statistics: elements gathered ahead of need
@@ -443,11 +446,26 @@ class Stage3Runtime:
             for sp in self._sps:
                 sp.drop_initial_fp32_shard()
 
+    @contextlib.contextmanager
+    def coalesced_shard_changes(self):
+        """Writers of shards inside the block (the optimizer's step, then ZenFlow's write-back of its selected
+        columns) re-gather the persistent parameters once, at the end, instead of once each."""
+        self._coalescing, self._changed = True, False
+        try:
+            yield
+        finally:
+            self._coalescing = False
+        if self._changed:
+            self.shards_changed()
+
     def shards_changed(self) -> None:
         """Shards were written outside a forward (the optimizer's step, ZenFlow's selective update after a
         backward): the gathered copies are stale, and the persistent parameters are gathered again (a collective:
         every rank calls it at the same point)."""
         if self.whole:  # the parameters are views of the shards
+            return
+        if self._coalescing:
+            self._changed = True
             return
         self._reset_gathered()
         persistent = [sp for sp in self._sps if sp.persistent]
