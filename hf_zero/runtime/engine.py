@@ -45,9 +45,15 @@ from hf_zero.zero.placement import place_module
 from hf_zero.zero.local import local_tensor
 from hf_zero.zero.sharded_group import ShardedGroup
 
-__all__ = ["HfZeroEngine"]
+__all__ = ["HfZeroEngine", "UnusedParametersError"]
 
 logger = logging.getLogger("hf_zero")
+
+
+class UnusedParametersError(RuntimeError, AssertionError):
+    """Trainable parameters got no gradient with ``zero_optimization.ignore_unused_parameters: false``. Also an
+    AssertionError: DeepSpeed asserts there, and scripts (DeepSpeed's own tests among them) catch that type."""
+
 
 class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
     """A ``torch.nn.Module`` wrapping the user's model; see the module docstring for the loop."""
@@ -234,7 +240,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         comm.all_reduce_(missing, group=self.process_group, what="the ignore_unused_parameters check")
         unused = [f"{n} ({int(c)} of {self.world_size} ranks)" for n, c in zip(names, missing.tolist()) if c]
         if unused:
-            raise RuntimeError(
+            raise UnusedParametersError(
                 f"hf_zero: zero_optimization.ignore_unused_parameters is false and {len(unused)} trainable "
                 f"parameter(s) got no gradient in this accumulation window: {', '.join(unused[:10])}"
                 f"{' ...' if len(unused) > 10 else ''}. Make every trainable parameter and forward output take part "
