@@ -22,12 +22,12 @@ def _train(stage: int, how: str, precision: str = "fp32"):
         dtype = torch.float16
     engine, *_ = hf_zero.initialize(model=make_model(), config=base_config(stage, **extra))
     x, y = make_data(world, STEPS)
-    losses = []
+    losses, returned = [], []
     for s in range(STEPS):
         for m in range(GAS):
             loss = nn.functional.mse_loss(engine(x[s, m, rank].to(dtype)).float(), y[s, m, rank])
-            if how == "engine":
-                engine.backward(loss)
+            if how == "engine":  # returns the loss divided by the accumulation steps, as DeepSpeed's does
+                returned.append((engine.backward(loss).item(), (loss.detach() / GAS).item()))
             elif how == "direct":
                 loss.backward()
             else:  # DeepSpeed's manual backward with loss scaling
@@ -36,6 +36,7 @@ def _train(stage: int, how: str, precision: str = "fp32"):
             losses.append(loss.item())
     state = clone_state(engine)
     engine.destroy()
+    assert all(got == want for got, want in returned), returned
     return losses, state
 
 

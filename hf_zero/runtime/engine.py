@@ -427,7 +427,9 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of ``loss`` (divided by the accumulation steps when ``scale_wrt_gas``; times the fp16 scale).
-        ``loss.backward()`` on a loss computed from ``engine(...)``'s output does the same (runtime/backward.py)."""
+        ``loss.backward()`` on a loss computed from ``engine(...)``'s output does the same (runtime/backward.py).
+        Returns the loss divided by the accumulation steps (``scale_wrt_gas``), without the fp16 scale, as
+        DeepSpeed's does."""
         if self.optimizer is None:
             self._no_optimizer()
         if not loss.requires_grad:
@@ -435,15 +437,12 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                                "forward run under torch.no_grad(), or are all parameters frozen?")
         self._backward.last_loss = loss
         self._backward.scale_wrt_gas = scale_wrt_gas
-        scaled = loss
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
-        if self.loss_scaler is not None:
-            scaled = scaled * self.loss_scaler.scale
+        gas_scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        scaled = gas_scaled * self.loss_scaler.scale if self.loss_scaler is not None else gas_scaled
         # (a direct loss.backward() is not inside the profiler's backward window: its FLOPs are not counted)
         with self.step_profiler.backward(self.global_steps):
             self._backward.run_engine_backward(scaled, retain_graph)
-        return loss
+        return gas_scaled
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the fp16 loss scale, for ``engine.scale(loss).backward()`` (DeepSpeed's manual backward);
