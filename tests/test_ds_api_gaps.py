@@ -382,6 +382,73 @@ def test_unwrap_model_for_generation_gathers_once_and_restores_zero3():
         assert "already active" in result["nested"], result["nested"]  # nesting refused, the outer block intact
 
 
+def _trl_unwrap() -> dict:
+    """TRL's own ``unwrap_model_for_generation`` (trl/models/utils.py, GRPO / RLOO / online DPO) under ZeRO-3, as
+    its calls reach DeepSpeed's internals: inside ``GatheredParameters(engine.parameters())`` it clears each
+    parameter's ``ds_active_sub_modules`` (the parameters of ``parameter_offload.module`` and its
+    ``ds_external_parameters()``), removes every handle in ``parameter_offload.forward_hooks`` /
+    ``backward_hooks`` and empties both lists; after generating it invalidates ``param_coordinator``'s trace and
+    calls ``_register_deepspeed_module(parameter_offload.module)``."""
+    import deepspeed
+
+    rank = dist.get_rank()
+    engine = _engine(3)
+    torch.manual_seed(0)
+    ref = _Net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+    _engine_step(engine, 0, rank)
+    _reference_step(ref, opt, 0)
+    x = _batch(7)
+    with torch.no_grad():
+        outside = engine(x)
+    l1 = engine.module.l1
+    out = {"hooks_outside": len(l1._forward_pre_hooks)}
+    offload = engine.optimizer.parameter_offload
+    with deepspeed.zero.GatheredParameters(engine.parameters()):
+        root = offload.module
+        params = [p for _, p in root.named_parameters(recurse=True)] + [p for _, p in root.ds_external_parameters()]
+        for p in params:
+            p.ds_active_sub_modules.clear()
+        out["handles"] = (len(offload.forward_hooks), len(offload.backward_hooks))
+        for hook in offload.forward_hooks:
+            hook.remove()
+        for hook in offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks = []
+        offload.backward_hooks = []
+        out["hooks_inside"] = len(l1._forward_pre_hooks) + len(engine.module._forward_pre_hooks)
+        out["handles_inside"] = (len(offload.forward_hooks), len(offload.backward_hooks))
+        with torch.no_grad():
+            inside = [engine.module(x) for _ in range(3)]  # a generation loop on the unwrapped model
+        coordinator = offload.param_coordinator
+        out["trace_before"] = coordinator.is_invalid_trace()
+        if not coordinator.is_invalid_trace():
+            coordinator._invalidate_trace()
+        out["trace_invalidated"] = coordinator.is_invalid_trace()
+        offload._register_deepspeed_module(offload.module)
+    out["inside_vs_outside"] = max((o - outside).abs().max().item() for o in inside)
+    out["hooks_after"] = len(l1._forward_pre_hooks)
+    out["handles_after"] = len(offload.forward_hooks)
+    out["shapes_after"] = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+    for step in (1, 2):
+        _engine_step(engine, step, rank)
+        _reference_step(ref, opt, step)
+    out["after_steps"] = _max_diff(_weights(engine), dict(ref.named_parameters()) | dict(ref.named_buffers()))
+    engine.destroy()
+    return out
+
+
+def test_trls_hook_surgery_for_generation_under_zero3():
+    for result in run_distributed(_trl_unwrap, 2):
+        assert result["handles"] == (1, 0) and result["handles_inside"] == (0, 0) and result["handles_after"] == 1
+        assert result["hooks_outside"] >= 1 and result["hooks_inside"] == 0
+        assert result["hooks_after"] == result["hooks_outside"]
+        assert result["inside_vs_outside"] == 0.0
+        assert result["trace_before"] is False and result["trace_invalidated"] is True  # recorded by the step
+        assert result["shapes_after"] == {"l1.weight": (0,), "l1.bias": (0,), "l2.weight": (0,), "l2.bias": (4,)}
+        assert result["after_steps"] < 1e-5  # training goes on as the reference's
+
+
 def test_unwrap_model_for_generation_outside_zero3_yields_the_model():
     unwrap = _ds("deepspeed.runtime.zero.stage3").unwrap_model_for_generation
     assert _ds("deepspeed.runtime.zero").unwrap_model_for_generation is unwrap  # DeepSpeed exports it there too

@@ -186,6 +186,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             offload=offload, state_dtype=self._state_dtype, zero_stage=self.stage)
         if plan.client is not None:  # the script's optimizer: its param_groups are these (DeepSpeed's contract)
             adopt_client_groups(plan.client, self.optimizer)
+        if self.stage3 is not None:  # DeepSpeed's owner of the ZeRO-3 hooks, which TRL reaches into for generation
+            from hf_zero.zero.stage3.offload_view import ParameterOffloadView
+
+            self.optimizer.parameter_offload = ParameterOffloadView(self.stage3)
         if self.stage < 3:
             self.reducer = GroupGradReducer(
                 self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,

@@ -16,6 +16,7 @@ prefetch.py     the recorded gather order: prefetch and reuse decisions
 reduce.py       bucketed gradient reduce-scatter into the grad storage
 runtime.py      :class:`Stage3Runtime`, what the engine drives
 consolidate.py  full 16-bit state dict on rank 0, streamed module by module
+offload_view.py DeepSpeed's ``optimizer.parameter_offload`` (what TRL's generation reaches into)
 =============== =====================================================================
 """
 

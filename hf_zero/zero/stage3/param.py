@@ -420,10 +420,13 @@ class ShardedParam:
         p.ds_tensor = self.local_shard
         p.ds_status = _DS_STATUS[self.state]
         p.ds_persist = self.persistent or self.persist_planned
+        if "ds_active_sub_modules" not in p.__dict__:  # DeepSpeed's set of modules using it; TRL clears it
+            p.ds_active_sub_modules = set()
 
     def forget(self) -> None:
         """Detach from the Parameter: no hf_zero attribute is left on it (its ``.data`` is whatever it is now)."""
-        for attr in (SHARDED_PARAM_ATTR, "ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist"):
+        for attr in (SHARDED_PARAM_ATTR, "ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist",
+                     "ds_active_sub_modules"):
             if attr in self.param.__dict__:
                 delattr(self.param, attr)
 

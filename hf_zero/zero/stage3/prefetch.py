@@ -35,6 +35,11 @@ class GatherTrace:
     def recording(self) -> bool:
         return self._recording is not None
 
+    @property
+    def recorded(self) -> bool:
+        """Whether an iteration's order has been recorded (and not forgotten since)."""
+        return bool(self._traces)
+
     def begin_iteration(self, mode: bool) -> None:
         self.end_iteration()
         self._mode = mode

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from typing import Callable
 
 import torch
@@ -57,6 +58,11 @@ EXTERNAL_PARAMS_ATTR = "_hf_zero_external_params"  # set on a module by register
 
 def external_parameters(module: nn.Module) -> list[nn.Parameter]:
     return list(getattr(module, EXTERNAL_PARAMS_ATTR, ()))
+
+
+def _ds_external_parameters(module: nn.Module) -> list[tuple[int, nn.Parameter]]:
+    """DeepSpeed's ``module.ds_external_parameters()`` under ZeRO-3 (TRL reads it): ``(id, parameter)`` pairs."""
+    return [(id(p), p) for p in external_parameters(module)]
 
 
 class _Group:
@@ -275,6 +281,8 @@ class Stage3Runtime:
     def _install_hooks(self) -> None:
         # Registered after the root's group hooks: the iteration boundary runs before the root's own gather
         # (prepend) and after its release (append). These and the gradient hooks live as long as the runtime.
+        for mod in self.module.modules():  # DeepSpeed's method on every ZeRO-3 module (scripts and TRL call it)
+            mod.__dict__["ds_external_parameters"] = types.MethodType(_ds_external_parameters, mod)
         self._install_publish_hooks()
         if self.whole:  # nothing is partitioned after the first forward: no other hook has anything to do
             return
@@ -530,6 +538,8 @@ class Stage3Runtime:
         self._handles.clear()
         self._module_handles.clear()
         _unwatch(self.module)
+        for mod in self.module.modules():
+            mod.__dict__.pop("ds_external_parameters", None)
         self.reducer.finish()
         self._reset_gathered()
         todo = [sp for sp in self._sps if sp.state is ParamState.PARTITIONED]
