@@ -257,12 +257,19 @@ def _tag_validation(save_dir):
         try:
             engine.save_checkpoint(root, tag=f"t{dist.get_rank()}")
             error = None
-        except ValueError as exc:
-            error = str(exc)
+        except AssertionError as exc:  # DeepSpeed's type (hf_zero's error is a ValueError too)
+            error = str(exc) if isinstance(exc, ValueError) else f"not a ValueError: {exc}"
         dist.barrier()
         listing = sorted(os.listdir(root)) if root.exists() else []
         latest = (root / "latest").read_text().strip() if (root / "latest").exists() else None
         out[policy] = (error, listing, latest, [r for r in records if "different tags" in r])
+    refused = []
+    for bad in (None, ""):  # "" would be the working directory: refused as DeepSpeed does, before any collective
+        try:
+            engine.save_checkpoint(bad)
+        except ValueError as exc:
+            refused.append(str(exc))
+    out["no_dir"] = refused
     return out
 
 
@@ -285,3 +292,5 @@ def test_tag_validation_fail_refuses_warn_and_ignore_save_under_rank_0s_tag(tmp_
         assert len(warned) == 1 and "saving under rank 0's tag 't0'" in warned[0], warned
         error, listing, latest, warned = out["ignore"]
         assert error is None and listing == ["latest", "t0", "zero_to_fp32.py"] and latest == "t0" and warned == []
+        assert out["no_dir"] == ["hf_zero: save_checkpoint(save_dir=None): name the directory to save into",
+                                 "hf_zero: save_checkpoint(save_dir=''): name the directory to save into"]

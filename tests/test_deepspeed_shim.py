@@ -313,3 +313,17 @@ def test_accelerator_answers_like_deepspeed():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert acc.device_name() == expected
     assert acc.communication_backend_name() == ("nccl" if expected == "cuda" else "gloo")
+
+
+def test_deepspeed_config_error_catches_a_refused_config():
+    """``except deepspeed.DeepSpeedConfigError`` (DeepSpeed's own checkpoint tests use it) catches hf_zero's refusal
+    of a config value, which names the key."""
+    import importlib
+
+    ds = importlib.import_module("hf_zero.integrations.deepspeed_shim.deepspeed")
+    runtime_config = importlib.import_module("hf_zero.integrations.deepspeed_shim.deepspeed.runtime.config")
+    assert ds.DeepSpeedConfigError is runtime_config.DeepSpeedConfigError
+    from hf_zero.config.loader import load_config
+
+    with pytest.raises(ds.DeepSpeedConfigError, match="checkpoint.tag_validation: value 'foo'"):
+        load_config({"train_batch_size": 1, "checkpoint": {"tag_validation": "foo"}}, world_size=1)

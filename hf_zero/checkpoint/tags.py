@@ -19,10 +19,14 @@ import logging
 
 from hf_zero.checkpoint.commit import agree
 
-__all__ = ["resolve_save_tag"]
+__all__ = ["resolve_save_tag", "TagMismatchError"]
 
 log = logging.getLogger("hf_zero")
 KEY = "checkpoint.tag_validation"
+
+
+class TagMismatchError(ValueError, AssertionError):
+    """``tag_validation: fail`` and the ranks' tags differ. Also an AssertionError: DeepSpeed asserts there."""
 
 
 def resolve_save_tag(tag, default: str, policy: str) -> str:
@@ -36,7 +40,7 @@ def resolve_save_tag(tag, default: str, policy: str) -> str:
         groups.setdefault(t, []).append(r)
     seen = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {t!r}" for t, rs in groups.items())
     if policy == "fail":
-        raise ValueError(f"hf_zero: save_checkpoint: the ranks passed different tags ({seen}); nothing was written. "
+        raise TagMismatchError(f"hf_zero: save_checkpoint: the ranks passed different tags ({seen}); nothing was written. "
                          f"Pass the same tag on every rank (or set {KEY} to 'warn' to save under rank 0's tag)")
     if policy == "warn":
         log.warning("hf_zero: save_checkpoint: the ranks passed different tags (%s); saving under rank 0's tag %r "

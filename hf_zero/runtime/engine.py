@@ -635,6 +635,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                         exclude_frozen_parameters: bool = False) -> bool:
         if self.optimizer is None:
             self._no_optimizer()
+        if save_dir is None or not str(save_dir):  # "" would be the working directory (DeepSpeed refuses both)
+            raise ValueError(f"hf_zero: save_checkpoint(save_dir={save_dir!r}): name the directory to save into")
         from hf_zero.checkpoint.tags import resolve_save_tag
 
         tag = resolve_save_tag(tag, f"global_step{self.global_steps}", self._config.checkpoint.tag_validation)

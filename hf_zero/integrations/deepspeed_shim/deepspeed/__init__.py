@@ -20,6 +20,8 @@ _forward(__name__, {
     "PipelineModule": "hf_zero.pipeline:PipelineModule",
     "PipelineEngine": "hf_zero.runtime.pipe_engine:PipelineEngine",
     "DeepSpeedConfig": "hf_zero.integrations.ds_config:DeepSpeedConfig",
+    # what a config hf_zero refuses raises (a ValueError naming the key), caught under DeepSpeed's name
+    "DeepSpeedConfigError": "hf_zero.config.errors:ConfigError",
     "get_accelerator": "hf_zero.comm.accelerator:get_accelerator",
     # as in DeepSpeed, deepspeed.checkpointing is deepspeed.runtime.activation_checkpointing.checkpointing
     "checkpointing": "deepspeed.runtime.activation_checkpointing.checkpointing",

@@ -2,4 +2,5 @@
 
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
-_forward(__name__, {"DeepSpeedConfig": "hf_zero.integrations.ds_config:DeepSpeedConfig"})
+_forward(__name__, {"DeepSpeedConfig": "hf_zero.integrations.ds_config:DeepSpeedConfig",
+                    "DeepSpeedConfigError": "hf_zero.config.errors:ConfigError"})
