@@ -64,3 +64,53 @@ def test_apply_in_init_writes_through_partitioned_parameters():
         assert partitioned and leftover == []
         for name in ("a.weight", "b.0.weight", "b.1.weight"):
             assert values[name].abs().max().item() <= 8 ** -0.5, name
+
+
+class _BuildsInsideItsInit(torch.nn.Module):
+    """Its ``__init__`` opens a nested zero.Init around a parameter of its own, then writes to it whole: a nested
+    exit must not partition a module still being built."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import hf_zero
+
+        with hf_zero.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3},
+                                                    "train_micro_batch_size_per_gpu": 1}):
+            self.w = torch.nn.Parameter(torch.zeros(4, 3))
+        self.w.data.fill_(2.0)
+
+
+def _nested():
+    """DeepSpeed's tests/unit/runtime/zero/test_zero_nesting_init.py (TestShutdownInNestingInit) and more."""
+    import hf_zero
+    from hf_zero.zero.stage3.param import sharded_param_of
+
+    cfg = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
+    out = {}
+    with hf_zero.zero.Init(config_dict_or_path=cfg):
+        with hf_zero.zero.Init(config_dict_or_path=cfg):
+            model1 = torch.nn.Linear(4, 4)
+        # partitioned as the inner block closes (DeepSpeed: at the end of its __init__), so an engine can take it
+        out["inner_exit"] = all(sharded_param_of(p) is not None for p in model1.parameters())
+        engine, *_ = hf_zero.initialize(model=model1, config={**cfg, "gradient_clipping": 0.0,
+                                                              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        with hf_zero.zero.GatheredParameters(list(model1.parameters())):
+            before = [p.detach().clone() for p in model1.parameters()]
+        engine.backward(engine(torch.ones(2, 4)).sum())  # d/dW = 2 everywhere (two rows of ones), d/db = 2
+        engine.step()
+        with hf_zero.zero.GatheredParameters(list(model1.parameters())):
+            out["step"] = [(p.detach() - b).tolist() for p, b in zip(model1.parameters(), before)]
+        built = _BuildsInsideItsInit()
+        out["building_kept_whole"] = sharded_param_of(built.w) is None  # its parent's exit, not the nested one's
+    out["outer_exit"] = sharded_param_of(built.w) is not None
+    with hf_zero.zero.GatheredParameters([built.w]):
+        out["written_whole"] = torch.equal(built.w.detach(), torch.full((4, 3), 2.0))
+    return out
+
+
+def test_nested_init_partitions_what_it_built_when_it_closes():
+    for out in run_distributed(_nested, world_size=2):
+        assert out["inner_exit"] and out["building_kept_whole"] and out["outer_exit"] and out["written_whole"], out
+        # the engine trained it: SGD's step -lr * 2 on every element (the gradient averaged over the two ranks)
+        for delta in out["step"]:
+            assert torch.allclose(torch.tensor(delta), torch.full_like(torch.tensor(delta), -0.2)), delta

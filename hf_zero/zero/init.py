@@ -8,7 +8,11 @@ How, without patching tensor constructors: two public global hooks of ``torch.nn
   ``reset_parameters()`` -- is complete at that point, so its noted parameters are partitioned right then.
   Construction peaks at about one submodule's full parameters, not the model's.
 
-Parameters of the outermost module(s), which no parent adopts, are partitioned on ``__exit__``.
+Parameters of the outermost module(s), which no parent adopts, are partitioned on ``__exit__``. A nested context
+partitions, on its own exit, the modules first noted inside it whose ``__init__`` has returned (DeepSpeed partitions
+each module as its ``__init__`` ends, so ``zero.Init(); zero.Init(); Linear()`` is partitioned when the inner block
+closes); a module still being constructed (its ``__init__`` opened the inner block) waits for its parent or for
+the outermost exit.
 
 A parent's ``__init__`` that initialises its children with ``self.apply(fn)`` (nanoGPT's ``_init_weights``, timm)
 runs after they were partitioned: ``fn`` would see 1-D placeholders and change nothing, silently. So, with
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Callable
 
 import torch
@@ -191,6 +196,18 @@ def _init_precision(raw: dict | None, dtype: torch.dtype | None) -> InitPrecisio
     return InitPrecision(dtype=dtype or precision.dtype or torch.float32, keep_in_fp32=precision.keep_in_fp32)
 
 
+def _modules_under_construction() -> set[int]:
+    """ids of the objects whose ``__init__`` is on the call stack now (a module built in a nested zero.Init may
+    still be running its own ``__init__`` when the nested block closes)."""
+    out = set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and "self" in frame.f_code.co_varnames[:1]:
+            out.add(id(frame.f_locals["self"]))
+        frame = frame.f_back
+    return out
+
+
 def _apply_gathered(module: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
     """``module.apply(fn)`` for a module built under :class:`Init`: children first (their own ``apply``, gathering
     too where they were built inside), then ``fn(module)`` with the module's own partitioned parameters gathered;
@@ -235,6 +252,7 @@ class Init:
     """
 
     _depth = 0  # nested Init contexts install the hooks once
+    _active: "Init | None" = None  # the outermost open context: its hooks note what every nested one builds
 
     def __init__(self, config_dict_or_path=None, enabled: bool = True, dtype: torch.dtype | None = None,
                  module: nn.Module | None = None, mem_efficient_linear: bool = True, remote_device=None,
@@ -255,6 +273,7 @@ class Init:
         self._pending: dict[int, tuple[nn.Module, set[str]]] = {}
         self._handles: list = []
         self._owner = False
+        self._noted_before: set[int] = set()  # nested: the modules the outermost context had noted at __enter__
         self._roots: dict[int, nn.Module] = {}  # modules no parent has adopted (yet): the model's root at __exit__
         # zero_optimization.override_module_apply (DeepSpeed's default true): see the module docstring
         self._override_apply = bool((self.config.get("zero_optimization") or {}).get("override_module_apply", True))
@@ -292,12 +311,15 @@ class Init:
         # for why it is not installed anywhere.
         self._fp_constructor_wrapper = globals()["zero_wrapper_for_fp_tensor_constructor"]
         if Init._depth == 0:
+            Init._active = self
             self._owner = True
             self._roots = {}
             self._handles = [register_module_parameter_registration_hook(self._on_parameter),
                              register_module_module_registration_hook(self._on_submodule)]
             if self.dtype is not None:
                 self._handles.append(register_module_buffer_registration_hook(self._on_buffer))
+        else:  # nested: the outermost context's hooks note what is built; this exit partitions what it noted
+            self._noted_before = set(Init._active._pending)
         Init._depth += 1
         return self
 
@@ -305,7 +327,13 @@ class Init:
         if not self.enabled:
             return
         Init._depth -= 1
+        if not self._owner and Init._active is not None:
+            owner = Init._active
+            building = _modules_under_construction()
+            for key in [k for k in owner._pending if k not in self._noted_before and k not in building]:
+                owner._partition_noted(*owner._pending.pop(key))
         if self._owner:
+            Init._active = None
             for h in self._handles:
                 h.remove()
             self._handles = []
