@@ -103,7 +103,7 @@ def _max_diff(a: dict, b: dict) -> float:
 # ---- load_module_state_dict ---------------------------------------------------------------------------------------
 def _load_then_train(stage: int, offload: bool = False) -> dict:
     """Train 1 step, load a known state dict, train 2 more: engine vs torch AdamW on the same weights and data.
-    ``offload``: the masters live in the optimizer offload (the safe_get_* readers refuse them: the steps tell)."""
+    ``offload``: the masters live in the optimizer offload (safe_get_full_fp32_param reads them back from there)."""
     rank = dist.get_rank()
     engine = _engine(stage, offload)
     torch.manual_seed(0)
@@ -114,9 +114,8 @@ def _load_then_train(stage: int, offload: bool = False) -> dict:
     state = _known_state()
     engine.load_module_state_dict({"module": state})
     ref.load_state_dict(state)  # torch's AdamW keeps its moments; so do the engine's
-    out = {"loaded_weights": _max_diff(_weights(engine), state), "loaded_masters": 0.0}
-    if not offload:
-        out["loaded_masters"] = _max_diff(_masters(engine), {k: v for k, v in state.items() if k != "offset"})
+    out = {"loaded_weights": _max_diff(_weights(engine), state),
+           "loaded_masters": _max_diff(_masters(engine), {k: v for k, v in state.items() if k != "offset"})}
     for step in (1, 2):
         _engine_step(engine, step, rank)
         _reference_step(ref, opt, step)

@@ -36,10 +36,10 @@ def _reference():
 
 
 def _rank_fn(stages):
-    return {stage: _one_stage(stage) for stage in stages}
+    return {stage: _one_stage(*stage) if isinstance(stage, tuple) else _one_stage(stage) for stage in stages}
 
 
-def _one_stage(stage: int):
+def _one_stage(stage: int, offload: str | None = None):
     import deepspeed  # hf_zero's compatibility layer
     from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                                  safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
@@ -49,6 +49,8 @@ def _one_stage(stage: int):
     rank = torch.distributed.get_rank()
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage},
            "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0}}, "steps_per_print": 1000}
+    if offload:  # the master and moments in the optimizer offload: read back from there, written back there
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": offload}
     model = _model()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     names = [n for n, _ in model.named_parameters()]
@@ -96,17 +98,21 @@ def _reassemble(chunks, numel, shape):
     return torch.cat(chunks)[:numel].reshape(shape)
 
 
+SPECS = (0, 1, 2, 3, (2, "cpu"), (3, "cpu"))  # the last two: offload_optimizer cpu
+
+
 @pytest.fixture(scope="module")
 def per_stage():
-    """One pair of processes runs all four stages (process start-up dominates the cost)."""
-    per_rank = run_distributed(_rank_fn, world_size=2, args=((0, 1, 2, 3),), timeout_s=400)
-    return {stage: [r[stage] for r in per_rank] for stage in (0, 1, 2, 3)}
+    """One pair of processes runs every case (process start-up dominates the cost)."""
+    per_rank = run_distributed(_rank_fn, world_size=2, args=(SPECS,), timeout_s=400)
+    return {spec: [r[spec] for r in per_rank] for spec in SPECS}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_safe_get_set_at_every_stage(per_stage, stage):
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s[0]}-offload" if isinstance(s, tuple) else str(s))
+def test_safe_get_set_at_every_stage(per_stage, spec):
+    stage = spec[0] if isinstance(spec, tuple) else spec
     grads, params, states = _reference()
-    results = per_stage[stage]
+    results = per_stage[spec]
     for rank, out in enumerate(results):
         for n in grads:
             torch.testing.assert_close(out["grad"][n], grads[n], rtol=1e-5, atol=1e-6)

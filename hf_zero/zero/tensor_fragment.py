@@ -96,12 +96,33 @@ def fragment_of(param: torch.Tensor) -> _Fragment | None:
 
 
 def _fragment(param: torch.Tensor, what: str) -> _Fragment | None:
-    frag = fragment_of(param)
-    if frag is not None and frag.group.master.is_meta and frag.group.shard_numel > 0:
-        raise NotImplementedError(f"hf_zero {what}: the fp32 weights and optimizer states are offloaded "
-                                  "(zero_optimization.offload_optimizer); read them before enabling the offload "
-                                  "or from a checkpoint")
-    return frag
+    return fragment_of(param)
+
+
+# Under zero_optimization.offload_optimizer the master and Adam moments are the offload's (host memory, NVMe):
+# read as copies of the group's whole shard and written back the same way (offload/optimizer_states.py), which
+# also refreshes the 16-bit weights from a written master.
+_OFFLOADED = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _offloaded(frag: _Fragment, name: str) -> torch.Tensor | None:
+    """The group's ``name`` shard read back from the optimizer offload; None when it is not offloaded."""
+    offload = frag.optimizer.offload
+    if offload is None or name not in _OFFLOADED:
+        return None
+    return offload.state_tensors(frag.group_index)[name]
+
+
+def _store_offloaded(frag: _Fragment, name: str, values: torch.Tensor, lo: int, hi: int) -> None:
+    full = frag.optimizer.offload.state_tensors(frag.group_index)[name]
+    full[lo:hi].copy_(values)
+    frag.optimizer.offload.load_state_tensors(frag.group_index, {name: full})
+
+
+def _master(frag: _Fragment) -> torch.Tensor:
+    """The group's flat fp32 master shard (a copy read back from the optimizer offload)."""
+    offloaded = _offloaded(frag, "master")
+    return frag.group.master if offloaded is None else offloaded
 
 
 def _full(frag: _Fragment, shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -130,15 +151,21 @@ def _own_shard(frag: _Fragment, value: torch.Tensor) -> torch.Tensor:
     if flat.numel() != numel:
         raise ValueError(f"hf_zero: value has {flat.numel()} elements, the parameter has {numel} "
                          f"(shape {tuple(_shape(group.params[frag.index]))})")
-    out = torch.empty(frag.span[1] - frag.span[0], dtype=torch.float32, device=group.master.device)
+    # where the gradient shards are: the master may be offloaded (a meta tensor then)
+    out = torch.empty(frag.span[1] - frag.span[0], dtype=torch.float32, device=group.grad.device)
     group.layout.shard_of(flat.float(), frag.index, group.rank, out)
     return out
 
 
 def _state(frag: _Fragment, key: str, what: str) -> torch.Tensor:
+    offloaded = _offloaded(frag, key)
+    if offloaded is not None:
+        return offloaded
     state = frag.optimizer.state.get(frag.group.master, {})
     if key not in state:
         known = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.numel() == frag.group.shard_numel)
+        if frag.optimizer.offload is not None:
+            known = sorted(set(known) | {"exp_avg", "exp_avg_sq"})
         raise KeyError(f"hf_zero {what}: no optimizer state {key!r} for this parameter "
                        f"({'states: ' + ', '.join(known) if known else 'none yet: they appear at the first step'})")
     return state[key]
@@ -156,8 +183,11 @@ def _write_weights(frag: _Fragment, shard: torch.Tensor, full: torch.Tensor | No
 
     group = frag.group
     lo, hi = frag.span
-    group.master[lo:hi].copy_(shard)
-    wait_all(group.write_param16(lo, hi, group.master[lo:hi]))
+    if frag.optimizer.offload is not None:  # the offload's master, and the 16-bit shard from it
+        _store_offloaded(frag, "master", shard, lo, hi)
+    else:
+        group.master[lo:hi].copy_(shard)
+        wait_all(group.write_param16(lo, hi, group.master[lo:hi]))
     param = group.params[frag.index]
     sp = sharded_param_of(param)
     holds_full = (sp is None and group.world_size > 1) or (sp is not None and sp.state is ParamState.AVAILABLE)
@@ -170,7 +200,7 @@ def _write_weights(frag: _Fragment, shard: torch.Tensor, full: torch.Tensor | No
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     frag = _fragment(param, "safe_get_full_fp32_param")
-    return None if frag is None else _full(frag, frag.group.master, param)
+    return None if frag is None else _full(frag, _master(frag), param)
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -210,7 +240,10 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
         state.copy_(value)
         return
     lo, hi = frag.span
-    state[lo:hi].copy_(_own_shard(frag, value))
+    if _offloaded(frag, optim_state_key) is not None:
+        _store_offloaded(frag, optim_state_key, _own_shard(frag, value), lo, hi)
+    else:
+        state[lo:hi].copy_(_own_shard(frag, value))
 
 
 def safe_update_full_grad_vectorized(param_list: Sequence[torch.Tensor],
@@ -237,7 +270,7 @@ def safe_update_full_grad_vectorized(param_list: Sequence[torch.Tensor],
 
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     frag = _fragment(param, "safe_get_local_fp32_param")
-    return None if frag is None else frag.group.master[slice(*frag.span)].clone()
+    return None if frag is None else _master(frag)[slice(*frag.span)].clone()
 
 
 def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -274,6 +307,8 @@ def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, opt
     state = _state(frag, optim_state_key, "safe_set_local_optimizer_state")
     if state.dim() == 0:
         state.copy_(value)
+    elif _offloaded(frag, optim_state_key) is not None:
+        _store_offloaded(frag, optim_state_key, _local_value(frag, value), *frag.span)
     else:
         state[slice(*frag.span)].copy_(_local_value(frag, value))
 
