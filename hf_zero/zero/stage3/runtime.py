@@ -341,9 +341,11 @@ class Stage3Runtime:
         self._install_root_hooks()
 
     def _sync_module_hooks(self) -> None:
-        """Hooks on exactly the modules that have a group now. A module keeping its group keeps its hooks (they
-        look the group up at each call): a rebuild runs inside the root's forward pre-hooks, whose list torch has
-        already taken, so re-registering the root's hooks there would call the old ones with the wrong arguments."""
+        """Hooks on exactly the modules that have a group now, or that only track their forward. A module keeping
+        either keeps its hooks, which decide at each call which it is (:meth:`_module_pre_forward`): a rebuild runs
+        inside the root's forward pre-hooks, whose list torch has already taken, so a hook replaced there would
+        still be called -- a removed one with the wrong arguments, the new one not at all (the root turning from
+        tracked into grouped after TRL's generation re-registered the hooks did exactly that)."""
         for mod in self.module.modules():
             if type(mod._parameters) is dict and any(sharded_param_of(p) is not None
                                                      for p in mod._parameters.values() if p is not None):
@@ -356,23 +358,25 @@ class Stage3Runtime:
             if mod not in wanted and not any(mod is not leaf and _is_within(mod, leaf) for leaf in leaves) and \
                     any((sp := sharded_param_of(p)) is not None and not sp.persist_planned for p in mod.parameters()):
                 wanted[mod] = "track"
-        for mod in [m for m, (kind, _) in self._module_handles.items() if wanted.get(m) != kind]:
+        for mod in [m for m in self._module_handles if m not in wanted]:
             for h in self._module_handles.pop(mod)[1]:
                 h.remove()
         for mod, kind in wanted.items():
-            if mod in self._module_handles:
-                continue
-            if kind == "group":
-                handles = install_module_hooks(mod, self._pre_forward, self._post_forward)
-            else:
-                handles = install_module_hooks(mod, self._track_pre_forward, self._track_post_forward)
+            handles = self._module_handles[mod][1] if mod in self._module_handles else \
+                install_module_hooks(mod, self._module_pre_forward, self._module_post_forward)
             self._module_handles[mod] = (kind, handles)
 
-    def _track_pre_forward(self, module, args, kwargs):
+    def _module_pre_forward(self, module, args, kwargs):
+        """Every hooked module's pre-forward: gather its group, or (a module without one, above partitioned
+        parameters) record that its forward runs."""
+        if module in self._groups:
+            return self._pre_forward(module, args, kwargs)
         self.states.track(module)
         return None
 
-    def _track_post_forward(self, module, args, output):
+    def _module_post_forward(self, module, args, output):
+        if module in self._groups:
+            return self._post_forward(module, args, output)
         self.states.untrack(module)
         return None
 
