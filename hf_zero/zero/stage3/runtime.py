@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import types
+import weakref
 from typing import Callable
 
 import torch
@@ -60,9 +60,26 @@ def external_parameters(module: nn.Module) -> list[nn.Parameter]:
     return list(getattr(module, EXTERNAL_PARAMS_ATTR, ()))
 
 
-def _ds_external_parameters(module: nn.Module) -> list[tuple[int, nn.Parameter]]:
-    """DeepSpeed's ``module.ds_external_parameters()`` under ZeRO-3 (TRL reads it): ``(id, parameter)`` pairs."""
-    return [(id(p), p) for p in external_parameters(module)]
+class _DsExternalParameters:
+    """DeepSpeed's ``module.ds_external_parameters()`` under ZeRO-3 (TRL calls it on the root): ``(id, parameter)``
+    pairs. An instance attribute that refers to its module weakly, and copies or pickles as one that answers
+    nothing: a copied module is not the runtime's (a bound method there would make ``torch.save(model)`` fail to
+    load, its ``getattr`` running before the module's attributes are back)."""
+
+    __slots__ = ("_module",)
+
+    def __init__(self, module: nn.Module | None) -> None:
+        self._module = weakref.ref(module) if module is not None else None
+
+    def __call__(self) -> list[tuple[int, nn.Parameter]]:
+        module = self._module() if self._module is not None else None
+        return [] if module is None else [(id(p), p) for p in external_parameters(module)]
+
+    def __reduce__(self):
+        return (_DsExternalParameters, (None,))
+
+    def __deepcopy__(self, memo):
+        return _DsExternalParameters(None)
 
 
 class _Group:
@@ -282,7 +299,7 @@ class Stage3Runtime:
         # Registered after the root's group hooks: the iteration boundary runs before the root's own gather
         # (prepend) and after its release (append). These and the gradient hooks live as long as the runtime.
         for mod in self.module.modules():  # DeepSpeed's method on every ZeRO-3 module (scripts and TRL call it)
-            mod.__dict__["ds_external_parameters"] = types.MethodType(_ds_external_parameters, mod)
+            mod.__dict__["ds_external_parameters"] = _DsExternalParameters(mod)
         self._install_publish_hooks()
         if self.whole:  # nothing is partitioned after the first forward: no other hook has anything to do
             return
