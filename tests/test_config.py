@@ -633,7 +633,8 @@ def test_table_is_logged_on_rank_zero_only(caplog):
 TOP_LEVEL_KEYS = frozenset({
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "prescale_gradients",
-    "gradient_predivide_factor", "sparse_gradients", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "gradient_predivide_factor", "gradient_allreduce_op", "sparse_gradients", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
     "communication_data_type", "fp16", "bf16", "bfloat16", "amp", "optimizer", "scheduler", "zero_optimization",
     "aio", "activation_checkpointing", "flops_profiler", "tensorboard", "csv_monitor", "wandb", "comet",
     "comms_logger", "checkpoint", "data_types", "pipeline", "compression_training", "tensor_parallel", "elasticity",
@@ -683,3 +684,17 @@ def test_config_is_frozen():
         cfg.zero.stage = 3  # type: ignore[misc]
     with pytest.raises(TypeError):
         cfg.optimizer.params["lr"] = 1.0  # type: ignore[index]
+
+
+def test_config_error_survives_pickling():
+    """A worker pool hands exceptions back pickled (multiprocessing); a ConfigError that cannot be rebuilt from its
+    pickle kills the pool's result thread and the parent waits forever (DeepSpeed's own test harness hung so)."""
+    import pickle
+
+    from hf_zero.config.elasticity import ElasticityConfigError
+
+    for err in (ConfigError("checkpoint.tag_validation", "value 'foo' is not accepted"),
+                ElasticityConfigError("elasticity.max_train_batch_size", "must be > 0")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+        assert (back.key_path, back.detail) == (err.key_path, err.detail)

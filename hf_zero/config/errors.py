@@ -20,6 +20,11 @@ class ConfigError(ValueError):
         self.detail = message  # the message without the key path, for re-raising under a longer path
         super().__init__(f"{key_path}: {message}" if key_path else message)
 
+    def __reduce__(self):
+        # rebuilt from both arguments: an exception pickles as cls(*args), and args holds only the joined message
+        # -- a worker pool handing this error back to its parent (multiprocessing) would otherwise hang there
+        return (type(self), (self.key_path, self.detail), self.__dict__)
+
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:
     """The candidate a typo most likely meant, or None when nothing is close."""

@@ -77,6 +77,8 @@ class HfZeroConfig:
     memory_breakdown: bool = spec(False, help="Log accelerator memory at each stage of a step.")
     dump_state: bool = spec(False, help="Print the engine state after initialisation.")
     prescale_gradients: bool = spec(False, help="Divide gradients by the world size before reducing them.")
+    gradient_allreduce_op: str = spec(
+        "mean", help="'mean' averages the data-parallel gradients, 'sum' adds them (ZeRO 0-2; DeepSpeed 0.19.8).")
     gradient_predivide_factor: float = spec(
         1.0, help="Divide gradients by this before the reduction and by world_size/this after.")
     sparse_gradients: bool = spec(False, help="Reduce embedding gradients as sparse tensors.")
@@ -167,6 +169,16 @@ class HfZeroConfig:
                 raise ConfigError(key, f"must be a positive integer, got {value}")
         if isinstance(self.gradient_clipping, float) and self.gradient_clipping < 0:
             raise ConfigError("gradient_clipping", f"must be >= 0 (0 is off), got {self.gradient_clipping}")
+        op = self.gradient_allreduce_op.lower() if isinstance(self.gradient_allreduce_op, str) else None
+        if op not in ("mean", "sum"):
+            raise ConfigError("gradient_allreduce_op", f"{self.gradient_allreduce_op!r} is not supported; use 'mean' "
+                                                       "or 'sum'")
+        if op == "sum" and self.zero.stage == 3:
+            raise ConfigError("gradient_allreduce_op", "'sum' is not supported with ZeRO stage 3 (DeepSpeed refuses "
+                                                       "it too); use 'mean'")
+        if op == "sum" and self.zero.zenflow is not None:
+            raise ConfigError("gradient_allreduce_op", "'sum' is not supported with zero_optimization.zenflow "
+                                                       "(DeepSpeed refuses it too); use 'mean'")
         if self.gradient_predivide_factor <= 0:
             raise ConfigError("gradient_predivide_factor", f"must be > 0, got {self.gradient_predivide_factor}")
         if self.steps_per_print is not None and self.steps_per_print < 1:

@@ -152,6 +152,7 @@ STATUS: dict[str, KeyStatus] = {
                                         "reduced; DeepSpeed's factor splits that division between before and "
                                         "after the reduction (1/f, then f/world), the same gradient up to "
                                         "rounding"),
+    "gradient_allreduce_op": HONOURED,  # 'sum': the reducers skip the 1/world division (zero/grad_reducer.py)
     "sparse_gradients": _todo("embedding gradients are reduced as dense tensors (same values)"),
     "zero_allow_untested_optimizer": HONOURED,
     "dataloader_drop_last": HONOURED,

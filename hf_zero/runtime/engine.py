@@ -194,7 +194,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             self.reducer = GroupGradReducer(
                 self.groups, mode=ReduceMode.ALL_REDUCE if self.stage == 0 else ReduceMode.REDUCE_SCATTER,
                 bucket_numel=zero.reduce_bucket_numel, overlap=zero.overlap_comm,
-                process_group=process_group, guard=self._backward.tolerate if self._guards_backward else None)
+                process_group=process_group, guard=self._backward.tolerate if self._guards_backward else None,
+                average=config.gradient_allreduce_op.lower() == "mean")  # DeepSpeed's values: any case
         else:
             self.reducer = None
         if zero.require_every_gradient:  # zero_optimization.ignore_unused_parameters false (_check_every_gradient)

@@ -74,9 +74,12 @@ class GroupGradReducer:
     """Owns the gradient hooks of one engine. ``begin(reducing)`` before backward, ``finish()`` after it."""
 
     def __init__(self, groups: list[ShardedGroup], *, mode: ReduceMode, bucket_numel: int, overlap: bool,
-                 process_group=None, max_in_flight: int = 2, guard: Callable[[str], None] | None = None):
+                 process_group=None, max_in_flight: int = 2, guard: Callable[[str], None] | None = None,
+                 average: bool = True):
         """``guard(param_name)`` runs as each gradient arrives, before anything else (the engine refuses
-        gradients of backward passes it did not see there)."""
+        gradients of backward passes it did not see there). ``average``: the data-parallel mean of the gradients
+        (False: their sum, ``gradient_allreduce_op: sum``)."""
+        self.average = average
         self.groups = groups
         self.guard = guard
         # the names of the parameters a gradient arrived for, since the caller last cleared it; None: not kept
@@ -241,7 +244,7 @@ class GroupGradReducer:
             flats.append(local_grad(p).reshape(-1) if p.grad is not None else
                          torch.zeros(local_tensor(p).numel(), dtype=g.grad.dtype, device=g.grad.device))
             p.grad = None  # the full gradient is no longer the parameter's: this is where stage 2 saves memory
-        scale = 1.0 / self.data_parallel_size if self.data_parallel_size > 1 else None
+        scale = 1.0 / self.data_parallel_size if self.data_parallel_size > 1 and self.average else None
         bucket.launched = True
         self._next += 1
         what = f"the gradient reduction of [{g.names[bucket.start]}{' ...' if bucket.stop - bucket.start > 1 else ''}]"
