@@ -190,6 +190,18 @@ class DeepSpeedEngineAPI:
             return []
         return [list(g["betas"]) if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: between steps, give back the memory of ZeRO-3 parameters still gathered (a forward under
+        ``no_grad`` that was not followed by a backward, a prefetch); persistent parameters stay whole. Nothing to
+        do at stages 0-2. Not inside a forward or backward."""
+        stage3 = getattr(self, "stage3", None)
+        if stage3 is None:
+            return
+        if stage3.states.any_open():
+            raise RuntimeError("hf_zero: engine.empty_partition_cache() inside the model's forward or backward; call "
+                               "it between steps")
+        stage3.release_gathered()
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside reduce no gradients: they accumulate on this rank until a backward outside (as

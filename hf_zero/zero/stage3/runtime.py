@@ -849,6 +849,11 @@ class Stage3Runtime:
                     and sp not in self._deferred):
                 self.gatherer.release(sp, park=park)
 
+    def release_gathered(self) -> None:
+        """Partition every parameter that is gathered and not persistent (``empty_partition_cache``): between
+        iterations, the same as the next iteration's start does."""
+        self._reset_gathered()
+
     def _reset_gathered(self) -> None:
         """Between iterations: forget every hold (leaks from early-stopped recomputation, unused backward
         paths) and partition everything that is not persistent. Also where the GPU gathers' divergence trailers
