@@ -327,3 +327,12 @@ def test_deepspeed_config_error_catches_a_refused_config():
 
     with pytest.raises(ds.DeepSpeedConfigError, match="checkpoint.tag_validation: value 'foo'"):
         load_config({"train_batch_size": 1, "checkpoint": {"tag_validation": "foo"}}, world_size=1)
+
+
+def test_version_parts_and_build_info_as_deepspeed_exports_them():
+    import importlib
+
+    ds = importlib.import_module("hf_zero.integrations.deepspeed_shim.deepspeed")
+    parts = [int(p) for p in ds.__version__.split("+")[0].split(".")]
+    assert [ds.__version_major__, ds.__version_minor__, ds.__version_patch__] == parts[:3]
+    assert isinstance(ds.__git_hash__, str) and isinstance(ds.__git_branch__, str)

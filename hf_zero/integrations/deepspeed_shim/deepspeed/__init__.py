@@ -7,6 +7,9 @@ from hf_zero.integrations.deepspeed_shim._finder import shim_version as _shim_ve
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
 __version__ = _shim_version()
+# DeepSpeed's version parts and build info, which scripts (and its own tests) read from the package
+__version_major__, __version_minor__, __version_patch__ = (
+    [int(p) for p in __version__.split("+")[0].split(".")[:3] if p.isdigit()] + [0, 0, 0])[:3]
 
 _forward(__name__, {
     "initialize": "hf_zero.integrations.compat:initialize",  # hf_zero's, logging DeepSpeed's info line
@@ -22,6 +25,8 @@ _forward(__name__, {
     "DeepSpeedConfig": "hf_zero.integrations.ds_config:DeepSpeedConfig",
     # what a config hf_zero refuses raises (a ValueError naming the key), caught under DeepSpeed's name
     "DeepSpeedConfigError": "hf_zero.config.errors:ConfigError",
+    "__git_hash__": "hf_zero.integrations.ds_version_info:git_hash",
+    "__git_branch__": "hf_zero.integrations.ds_version_info:git_branch",
     "get_accelerator": "hf_zero.comm.accelerator:get_accelerator",
     # as in DeepSpeed, deepspeed.checkpointing is deepspeed.runtime.activation_checkpointing.checkpointing
     "checkpointing": "deepspeed.runtime.activation_checkpointing.checkpointing",
