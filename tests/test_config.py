@@ -155,7 +155,22 @@ def test_string_that_is_neither_file_nor_base64_json(tmp_path):
 def test_invalid_json_file_names_the_position(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"train_batch_size": 8,\n "fp16": }')
-    assert error_of(path) == f"config file {path} is not valid JSON: Expecting value at line 2 column 10"
+    assert error_of(path) == (f"config file {path} is neither valid JSON (Expecting value at line 2 column 10) "
+                              "nor hjson")
+
+
+def test_hjson_config_as_deepspeed_reads_it(tmp_path):
+    """DeepSpeed reads config files (and base64 configs) with hjson: comments, trailing commas, unquoted keys. A key
+    given twice in one object is refused, as DeepSpeed refuses it (plain json would keep the last silently)."""
+    path = tmp_path / "ds_config.json"
+    path.write_text('{\n  // the global batch\n  train_batch_size: 8,\n  "zero_optimization": {"stage": 2,},\n}')
+    cfg = load(str(path), world_size=2)
+    assert cfg.train_batch_size == 8 and cfg.zero.stage == 2
+    encoded = base64.urlsafe_b64encode(b"{train_batch_size: 4, # hjson comment\n}").decode()
+    assert load(encoded, world_size=1).train_batch_size == 4
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 1, "stage": 3}}')
+    assert error_of(twice) == "stage: given twice in the same object of the config; keep one"
 
 
 def test_config_of_wrong_kind():

@@ -206,21 +206,51 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]
 
 
 def _read_file(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ConfigError("", f"config file {path} is not valid JSON: {err.msg} at line {err.lineno} "
-                              f"column {err.colno}") from None
+    with open(path, encoding="utf-8") as f:
+        data = _parse(f.read(), f"config file {path}")
     if not isinstance(data, dict):
         raise ConfigError("", f"config file {path} must hold a JSON object, got {type(data).__name__}")
     return data
 
 
+def _parse(text: str, what: str) -> Any:
+    """JSON, else hjson: DeepSpeed reads config files and base64 configs with hjson (comments, trailing commas,
+    unquoted keys and strings), so configs written for it use them. A key given twice in one object is refused, as
+    DeepSpeed refuses it (json would keep the last one silently)."""
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except json.JSONDecodeError as err:
+        json_error = f"{err.msg} at line {err.lineno} column {err.colno}"
+    try:
+        import hjson  # a dependency (DeepSpeed's too), imported only for a config that is not plain JSON
+    except ImportError:
+        raise ConfigError("", f"{what} is not valid JSON ({json_error}); DeepSpeed would read it as hjson, which "
+                              "is not installed here (pip install hjson)") from None
+    try:
+        return hjson.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except hjson.HjsonDecodeError:
+        raise ConfigError("", f"{what} is neither valid JSON ({json_error}) nor hjson") from None
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(str(key), "given twice in the same object of the config; keep one")
+        out[key] = value
+    return out
+
+
 def _decode_base64_json(text: str) -> dict[str, Any] | None:
     try:
-        data = json.loads(base64.urlsafe_b64decode(text.strip()).decode("utf-8"))
+        decoded = base64.urlsafe_b64decode(text.strip()).decode("utf-8")
     except (binascii.Error, ValueError, UnicodeDecodeError):
+        return None
+    try:
+        data = _parse(decoded, "the base64-encoded config")
+    except ConfigError as err:
+        if err.key_path:  # valid syntax with a key given twice: that is the user's error to see
+            raise
         return None
     return data if isinstance(data, dict) else None
 
