@@ -109,3 +109,23 @@ def test_nvme_space_for_one_rank_only_fails_every_rank_before_partitioning(tmp_p
         assert "RLIMIT_FSIZE" in text and "rank 0:" not in text.split("ConfigError:")[-1]
         assert "Nothing was partitioned" in text
         assert "FAULT_AT" not in text  # ended inside initialize(), before the first step
+
+
+def test_a_failed_process_whose_shutdown_stalls_still_ends():
+    """Once an exception that is the job's fault reaches the top of a script, the exit is bounded by a timer
+    (faults._exit_within): a shutdown step that blocks -- here an exit handler that sleeps for a minute -- cannot
+    keep the failed process alive (a CI run once saw a continued SIGSTOPped pipeline rank stall there)."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import atexit, time\n"
+            "from hf_zero.comm import faults\n"
+            "atexit.register(time.sleep, 60)\n"
+            "faults._exit_within(1.0)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "the exit after the failure above took over 1s; ending the process now" in done.stderr
+    assert elapsed < 30, elapsed

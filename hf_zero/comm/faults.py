@@ -25,7 +25,9 @@ ignores wait timeouts in places (its reduce-scatter) and hangs on exit with work
   told apart by heartbeats and, on one host, by the peer's process state), or any exception that escapes the
   script (a full disk, a user error). Every other rank reads it: a rank blocked in a collective that will never
   finish prints the published cause and exits; a rank that raised exits when Python exits. Exit is ``os._exit``
-  with status 1, because a process group with work in flight blocks interpreter shutdown forever.
+  with status 1, because a process group with work in flight blocks interpreter shutdown forever. Once such an
+  exception has reached the top of the script, the exit is also bounded by a timer (``3 * grace + 1`` s): whatever
+  in the shutdown might still block -- another library's exception hook or exit handler -- the process ends.
 * **Where a rank that never came is**: a rank that is alive but runs other code (a data loader that hangs, a
   branch the others did not take) is asked, through the store, for its main thread's stack; its watchdog thread
   answers within a period, and the error the waiting rank raises ends with that stack. The rank itself prints it
@@ -761,8 +763,28 @@ def _install_hooks() -> None:
     previous = sys.excepthook
 
     def hook(tp, value, tb):
-        for ch in _channels():
+        channels = _channels()
+        for ch in channels:
             ch.publish_exception(value)
+        if any(ch.fatal is not None for ch in channels):
+            # this process ends with status 1 (the atexit os._exit); bound the way there as well
+            _exit_within(3 * max(ch.grace() for ch in channels) + 1.0)
         previous(tp, value, tb)
 
     sys.excepthook = hook
+
+
+def _exit_within(seconds: float) -> None:
+    """A daemon timer ending the process with status 1 after ``seconds``, should the shutdown of a process that
+    already failed stall (a CI run once saw a continued SIGSTOPped pipeline rank print its error and never exit)."""
+    def force() -> None:
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"hf_zero: the exit after the failure above took over {seconds:g}s; ending the "
+                             "process now\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()
