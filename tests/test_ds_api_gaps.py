@@ -100,26 +100,37 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-# ---- load_module_state_dict ---------------------------------------------------------------------------------------
-def _load_then_train(stage: int, offload: bool = False) -> dict:
-    """Train 1 step, load a known state dict, train 2 more: engine vs torch AdamW on the same weights and data.
-    ``offload``: the masters live in the optimizer offload (safe_get_full_fp32_param reads them back from there)."""
-    rank = dist.get_rank()
+def _after_first_step(stage: int, offload: bool = False, *, rank: int):
+    """An engine and the torch reference (AdamW, same seed), each one step in."""
     engine = _engine(stage, offload)
     torch.manual_seed(0)
     ref = _Net()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     _engine_step(engine, 0, rank)
     _reference_step(ref, opt, 0)
+    return engine, ref, opt
+
+
+def _two_more_steps(engine, ref, opt, rank: int) -> float:
+    """Steps 1 and 2 on both; the largest difference of the engine's weights from the reference's."""
+    for step in (1, 2):
+        _engine_step(engine, step, rank)
+        _reference_step(ref, opt, step)
+    return _max_diff(_weights(engine), dict(ref.named_parameters()) | dict(ref.named_buffers()))
+
+
+# ---- load_module_state_dict ---------------------------------------------------------------------------------------
+def _load_then_train(stage: int, offload: bool = False) -> dict:
+    """Train 1 step, load a known state dict, train 2 more: engine vs torch AdamW on the same weights and data.
+    ``offload``: the masters live in the optimizer offload (safe_get_full_fp32_param reads them back from there)."""
+    rank = dist.get_rank()
+    engine, ref, opt = _after_first_step(stage, offload, rank=rank)
     state = _known_state()
     engine.load_module_state_dict({"module": state})
     ref.load_state_dict(state)  # torch's AdamW keeps its moments; so do the engine's
     out = {"loaded_weights": _max_diff(_weights(engine), state),
            "loaded_masters": _max_diff(_masters(engine), {k: v for k, v in state.items() if k != "offset"})}
-    for step in (1, 2):
-        _engine_step(engine, step, rank)
-        _reference_step(ref, opt, step)
-    out["after_steps"] = _max_diff(_weights(engine), dict(ref.named_parameters()) | dict(ref.named_buffers()))
+    out["after_steps"] = _two_more_steps(engine, ref, opt, rank)
     # a step from the loaded values moves every weight: the load was not reverted to the masters of step 0
     out["moved_from_loaded"] = min((_weights(engine)[k] - state[k]).abs().max().item() for k in state
                                    if k != "offset")
@@ -333,12 +344,7 @@ def test_safe_update_full_grad_vectorized_skips_parameters_without_gradients():
 def _unwrap(stage: int) -> dict:
     rank = dist.get_rank()
     unwrap = _ds("deepspeed.runtime.zero.stage3").unwrap_model_for_generation
-    engine = _engine(stage)
-    torch.manual_seed(0)
-    ref = _Net()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
-    _engine_step(engine, 0, rank)
-    _reference_step(ref, opt, 0)
+    engine, ref, opt = _after_first_step(stage, rank=rank)
     x = _batch(7)
     with torch.no_grad():
         outside = engine(x)
@@ -360,10 +366,7 @@ def _unwrap(stage: int) -> dict:
     out["vs_reference"] = (outside - ref(x)).abs().max().item()
     out["shapes_after"] = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
     out["hooks_after"] = len(l1._forward_pre_hooks)
-    for step in (1, 2):
-        _engine_step(engine, step, rank)
-        _reference_step(ref, opt, step)
-    out["after_steps"] = _max_diff(_weights(engine), dict(ref.named_parameters()) | dict(ref.named_buffers()))
+    out["after_steps"] = _two_more_steps(engine, ref, opt, rank)
     engine.destroy()
     return out
 
@@ -391,12 +394,7 @@ def _trl_unwrap() -> dict:
     import deepspeed
 
     rank = dist.get_rank()
-    engine = _engine(3)
-    torch.manual_seed(0)
-    ref = _Net()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
-    _engine_step(engine, 0, rank)
-    _reference_step(ref, opt, 0)
+    engine, ref, opt = _after_first_step(3, rank=rank)
     x = _batch(7)
     with torch.no_grad():
         outside = engine(x)
@@ -429,10 +427,7 @@ def _trl_unwrap() -> dict:
     out["hooks_after"] = len(l1._forward_pre_hooks)
     out["handles_after"] = len(offload.forward_hooks)
     out["shapes_after"] = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
-    for step in (1, 2):
-        _engine_step(engine, step, rank)
-        _reference_step(ref, opt, step)
-    out["after_steps"] = _max_diff(_weights(engine), dict(ref.named_parameters()) | dict(ref.named_buffers()))
+    out["after_steps"] = _two_more_steps(engine, ref, opt, rank)
     engine.destroy()
     return out
 
@@ -467,21 +462,13 @@ def _empty_partition_cache() -> dict:
     engine2 = _engine(2)
     engine2.empty_partition_cache()  # nothing partitioned: nothing to do
     engine2.destroy()
-    engine = _engine(3)
-    torch.manual_seed(0)
-    ref = _Net()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
-    _engine_step(engine, 0, rank)
-    _reference_step(ref, opt, 0)
+    engine, ref, opt = _after_first_step(3, rank=rank)
     sps = {n: sharded_param_of(p) for n, p in engine.module.named_parameters()}
     engine.stage3.gatherer.gather([sps["l1.weight"]], "left gathered by a test")  # as a prefetch might leave it
     out["before"] = {n: sp.state.name for n, sp in sps.items()}
     engine.empty_partition_cache()
     out["after"] = {n: sp.state.name for n, sp in sps.items()}
-    for step in (1, 2):
-        _engine_step(engine, step, rank)
-        _reference_step(ref, opt, step)
-    out["after_steps"] = _max_diff(_weights(engine), dict(ref.named_parameters()) | dict(ref.named_buffers()))
+    out["after_steps"] = _two_more_steps(engine, ref, opt, rank)
     engine.destroy()
     return out
 
