@@ -441,7 +441,13 @@ class FaultChannel:
         raise self.fail(DivergenceError(
             f"hf_zero: ranks diverged at collective #{seq}, before it was issued (seen on rank "
             f"{self.global_ranks[self.rank]}): {how}. " + "; ".join(parts) + ". Every rank must run the same "
-            "modules, micro-batches and steps in the same order (generate(): synced_gpus=True)."))
+            "modules, micro-batches and steps in the same order (generate(): synced_gpus=True)." + (
+                " At ZeRO-3, a module whose ranks may use different parameters (mixture-of-experts routing, a "
+                "branch chosen by rank) must be a leaf, whose gradients are reduced together with zeros for the "
+                "unused ones: zero_optimization.leaf_module {\"names\": [...]} or "
+                "deepspeed.utils.set_z3_leaf_modules(model, [ModuleClass])"
+                if any(d and ("gradient reduce-scatter" in d or "the gather of module" in d)
+                       for d in descriptions.values()) else "")))
 
     def wait(self, work, what: str, timeout: float | None = None, stream_ordered: bool = False) -> None:
         with self.bounded(what, timeout) as limit:

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from .hf_zero_config import HfZeroConfig
     from .sections import AioConfig, FP16Config, OffloadConfig
 
-__all__ = ["AioParams", "OffloadPolicy", "CPUOffloadPolicy", "NVMeOffloadPolicy", "Stage3Policy", "ZeroPolicy",
+__all__ = ["AioParams", "OffloadPolicy", "CPUOffloadPolicy", "NVMeOffloadPolicy", "LeafModulePolicy", "Stage3Policy",
+           "ZeroPolicy",
            "LossScalePolicy", "PrecisionPolicy", "zero_policy", "precision_policy", "loss_scale_policy",
            "param_offload_policy", "param_offload_device", "InitPrecision", "init_precision", "ZenFlowPolicy",
            "zenflow_policy"]
@@ -74,6 +75,17 @@ class NVMeOffloadPolicy(OffloadPolicy):
 
 
 @dataclass(frozen=True)
+class LeafModulePolicy:
+    """``zero_optimization.leaf_module``: which modules ZeRO-3 makes leaves when the engine is built."""
+
+    classes: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+    name_suffixes: tuple[str, ...] = ()
+    # the config changed DeepSpeed's defaults: names or suffixes matching nothing, or nothing matched, are warned of
+    warn_unmatched: bool = False
+
+
+@dataclass(frozen=True)
 class Stage3Policy:
     """ZeRO-3's gather schedule (all in elements, as DeepSpeed's keys)."""
 
@@ -87,6 +99,8 @@ class Stage3Policy:
     # stage3_module_granularity_threshold: modules whose parameters per layer are at most this are gathered whole
     # (leaf modules, hf_zero/zero/leaf.py); 0 off
     module_granularity_threshold: int = 0
+    # zero_optimization.leaf_module: leaves chosen by class, name or name suffix (hf_zero/zero/leaf.py)
+    leaf_modules: LeafModulePolicy = LeafModulePolicy()
     # zero_optimization.log_trace_cache_warnings: a warning when a module asks for its parameters out of the
     # recorded order (hf_zero/zero/stage3/prefetch.py)
     log_trace_misses: bool = False
@@ -223,6 +237,9 @@ def zero_policy(cfg: "HfZeroConfig") -> ZeroPolicy:
             model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
             divergence_timeout_s=float(zero.stage3_divergence_timeout_s),
             module_granularity_threshold=int(zero.stage3_module_granularity_threshold),
+            leaf_modules=LeafModulePolicy(classes=zero.leaf_module.classes, names=zero.leaf_module.names,
+                                          name_suffixes=zero.leaf_module.name_suffixes,
+                                          warn_unmatched=zero.leaf_module.customized),
             log_trace_misses=bool(zero.log_trace_cache_warnings)))
 
 

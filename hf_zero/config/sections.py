@@ -28,6 +28,8 @@ __all__ = [
     "DataTypesConfig",
     "FP16Config",
     "FlopsProfilerConfig",
+    "LEAF_MODULE_DEFAULT_CLASSES",
+    "LeafModuleConfig",
     "MonitorConfig",
     "OffloadConfig",
     "ParamOffloadConfig",
@@ -147,12 +149,43 @@ class ParamOffloadConfig(OffloadConfig):
             raise ConfigError("ratio", f"value {self.ratio} is not accepted here; ratio applies to offload_optimizer")
 
 
+# DeepSpeed's default ``zero_optimization.leaf_module.classes``: its ZeRO-3 gathers these mixture-of-experts blocks as
+# one unit, and reduces their parameters together (zeros for the experts a rank's tokens did not reach), unless the
+# config names other classes. Same list, so one config means the same on both engines.
+LEAF_MODULE_DEFAULT_CLASSES: tuple[str, ...] = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeafModuleConfig:
+    """``zero_optimization.leaf_module``: the ZeRO-3 leaf modules a config chooses (hf_zero/zero/leaf.py), matched
+    by class (``"Name"`` or ``"package.module.Name"``), by ``named_modules()`` name, or by name suffix. A single
+    string stands for a list of one, as in DeepSpeed."""
+
+    classes: tuple[str, ...] | str = spec(LEAF_MODULE_DEFAULT_CLASSES,
+                                          help="Module classes made leaves (default: DeepSpeed's MoE blocks).")
+    names: tuple[str, ...] | str = spec((), help="Modules made leaves, by their named_modules() name.")
+    name_suffixes: tuple[str, ...] | str = spec((), help="Modules made leaves, by a suffix of their name.")
+
+    def __post_init__(self) -> None:
+        for key in ("classes", "names", "name_suffixes"):
+            value = getattr(self, key)
+            object.__setattr__(self, key, tuple(dict.fromkeys((value,) if isinstance(value, str) else value)))
+
+    @property
+    def customized(self) -> bool:
+        """The config changed DeepSpeed's defaults: what then matches no module is worth a warning."""
+        return self.classes != LEAF_MODULE_DEFAULT_CLASSES or bool(self.names) or bool(self.name_suffixes)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """``zero_optimization``: which states are partitioned across data-parallel ranks, and how they move."""
 
     _unsupported_keys: ClassVar[dict[str, str]] = {
-        "leaf_module": "ZeRO-3 leaf modules",
         "zeropp_loco_param": "LoCo-ZeRO++",
         "pipeline_loading_checkpoint": "Pipeline checkpoint loading",
         "stage3_partition_stream_chunk_size": "Streamed partitioning of huge parameters",
@@ -200,6 +233,9 @@ class ZeroConfig:
     stage3_module_granularity_threshold: int = spec(
         0, help="Stage 3: modules with at most this many parameters per layer (DeepSpeed's measure) are gathered as "
                 "one unit, as leaf modules; 0: off.")
+    leaf_module: LeafModuleConfig = spec(
+        default_factory=LeafModuleConfig, help="Stage 3: modules gathered as one unit, whose gradients are reduced "
+                                               "together when their backward ends (hf_zero/zero/leaf.py).")
     stage3_use_all_reduce_for_fetch_params: bool = spec(False, help="Stage 3: fetch parameters with all-reduce.")
     stage3_allgather_sequential: bool = spec(
         False, help="Stage 3: all-gather parameters one by one, without buckets.")

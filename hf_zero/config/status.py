@@ -264,6 +264,11 @@ STATUS: dict[str, KeyStatus] = {
     "zero_optimization.stage3_divergence_timeout_s": HONOURED,
     # modules at or under it become leaves, chosen by DeepSpeed's measure (hf_zero/zero/leaf.py)
     "zero_optimization.stage3_module_granularity_threshold": HONOURED,
+    # stage 3 makes the matching modules leaves (hf_zero/zero/stage3_groups.py); stages 0-2 gather nothing, on
+    # DeepSpeed too
+    "zero_optimization.leaf_module.classes": HONOURED,
+    "zero_optimization.leaf_module.names": HONOURED,
+    "zero_optimization.leaf_module.name_suffixes": HONOURED,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": _todo("parameters are fetched with all-gather "
                                                                       "(same values)"),
     "zero_optimization.stage3_allgather_sequential": _todo("parameters are all-gathered in buckets (same values)"),

@@ -7,19 +7,27 @@ a data-dependent subset of them (mixture-of-experts routing: ranks would otherwi
 Parameters read through ``module.weight`` inside another module's forward are gathered automatically (see
 ``Stage3Runtime``), leaf or not.
 
+A leaf is also where ranks may use different parameters: its gradients are held and reduced together when its
+backward ends, with zeros for the parameters this rank did not use (stage3/leaf_grads.py, DeepSpeed's rule). Every
+rank must still call the leaf itself. The config key ``zero_optimization.leaf_module`` chooses leaves by class, name
+or name suffix (:func:`apply_leaf_module_config`; by default DeepSpeed's list of MoE blocks).
+
 Same names, arguments and return values as ``deepspeed.utils``; changing leaves after the engine was built takes
 effect at the next forward.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
            "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
-           "module_granularity", "set_z3_leaf_modules_by_granularity", "LEAF_ATTR"]
+           "module_granularity", "set_z3_leaf_modules_by_granularity", "apply_leaf_module_config", "LEAF_ATTR"]
 
 LEAF_ATTR = "_z3_leaf"  # DeepSpeed's attribute name: code that sets it directly keeps working
 
@@ -98,6 +106,34 @@ def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: Sequen
                          f"this")
     _changed()
     return found, missing
+
+
+def apply_leaf_module_config(model: nn.Module, classes: Sequence[str] = (), names: Sequence[str] = (),
+                             name_suffixes: Sequence[str] = (), *, warn_unmatched: bool = False) -> list[nn.Module]:
+    """``zero_optimization.leaf_module``: flag the modules of ``model`` matching one of ``classes``, ``names`` or
+    ``name_suffixes`` (what matches nothing is no error: the default classes are DeepSpeed's MoE blocks, absent from
+    most models). With ``warn_unmatched`` (the config changed the defaults) unmatched names and suffixes, and a
+    configuration that matched nothing, are logged as warnings naming the key, as DeepSpeed does. Returns the
+    flagged modules, each once."""
+    flagged: dict[int, nn.Module] = {}
+    if classes:
+        for m in _set(model, classes, True, raise_if_not_found=False):
+            flagged.setdefault(id(m), m)
+    for what, values, setter in (("names", names, set_z3_leaf_modules_by_name),
+                                 ("name_suffixes", name_suffixes, set_z3_leaf_modules_by_suffix)):
+        if not values:
+            continue
+        found, missing = setter(model, values, raise_if_not_found=False)
+        for m in found:
+            flagged.setdefault(id(m), m)
+        if missing and warn_unmatched:
+            logger.warning("hf_zero ZeRO-3: zero_optimization.leaf_module.%s %s match no module of %s (names are "
+                           "those of model.named_modules(), e.g. %s)", what, missing, type(model).__name__,
+                           _examples(dict(model.named_modules())))
+    if not flagged and warn_unmatched:
+        logger.warning("hf_zero ZeRO-3: zero_optimization.leaf_module matched no module of %s; its modules are "
+                       "gathered one by one as usual", type(model).__name__)
+    return list(flagged.values())
 
 
 # DeepSpeed's measure for ``stage3_module_granularity_threshold``, kept so that one config picks the same leaves on

@@ -164,6 +164,7 @@ def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dty
                         process_group=None, master_dtype: torch.dtype = torch.float32):
     """Partition ``module`` (if zero.Init did not already) and build one Stage3Group per optimizer group."""
     from hf_zero.offload.param_swap import param_swapper_for
+    from hf_zero.zero.leaf import apply_leaf_module_config
     from hf_zero.zero.stage3 import Stage3Runtime
 
     world, rank = comm.get_world_size(process_group), comm.get_rank(process_group)
@@ -171,6 +172,9 @@ def build_stage3_groups(module, plan, zero: ZeroPolicy, compute_dtype: torch.dty
     if isinstance(zero.offload_param, NVMeOffloadPolicy):
         swapper = param_swapper_for(zero.offload_param.nvme_path, rank=rank, aio=zero.offload_param.aio)
     s3 = zero.stage3
+    leaves = s3.leaf_modules
+    apply_leaf_module_config(module, leaves.classes, leaves.names, leaves.name_suffixes,
+                             warn_unmatched=leaves.warn_unmatched)
     if s3.module_granularity_threshold > 0:
         _leaves_by_granularity(module, s3.module_granularity_threshold)
     runtime = Stage3Runtime(

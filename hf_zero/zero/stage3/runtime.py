@@ -17,6 +17,8 @@ Order of a training micro-step, as the engine drives it::
     rt.finish_backward()  flush/wait reduce-scatters, free everything still gathered
     optimizer.step()      (engine) updates the shards in place
     rt.after_step()       re-gather persistent params; drop stale gathered copies
+
+A leaf module's gradients are held instead, and reduced together when its backward ends (leaf_grads.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from hf_zero.zero.leaf import z3_leaf_module
 from hf_zero.zero.local import local_tensor
 
 from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
+from .leaf_grads import LeafGradients
 from .hooks import (install_module_hooks, outside_graph, queue_end_of_backward, register_output_grad_hooks,
                     wrap_inputs_for_post_backward)
 from .param import HoldReason, ParamState, ShardedParam, ZeroParamStatus, sharded_param_of
@@ -154,6 +157,9 @@ class Stage3Runtime:
                                    overlap_comm=overlap_comm, timeout_s_fn=lambda: self.gatherer.timeout_s)
         self._groups: dict[nn.Module, _Group] = {}
         self._groups_of_sp: dict[int, set[int]] = {}  # ds_id -> group ids containing it
+        # leaf modules' gradients: held, then reduced together when the leaf's backward ends (leaf_grads.py); in a
+        # world of one there is nobody to disagree with, and each gradient is reduced as it comes
+        self.leaf_grads = LeafGradients(self.reducer.add, self._grad_accounted) if self.world_size > 1 else None
         self._build_groups()
         self.trace = self._new_trace()
         self.states = TrainingStates()  # forward / recompute / backward of each module call, see states.py
@@ -270,6 +276,7 @@ class Stage3Runtime:
         self._groups.clear()
         self._groups_of_sp.clear()
         leaf_prefixes: list[str] = []
+        leaf_members: dict[nn.Module, list[ShardedParam]] = {}
         for fqn, mod in self.module.named_modules():
             if any(fqn.startswith(prefix) for prefix in leaf_prefixes):
                 continue  # inside a leaf module: gathered with it
@@ -277,6 +284,7 @@ class Stage3Runtime:
             if leaf:
                 leaf_prefixes.append(f"{fqn}." if fqn else "")
                 own = list(mod.parameters()) + [p for m in mod.modules() for p in external_parameters(m)]
+                leaf_members[mod] = [sp for p in mod.parameters() if (sp := sharded_param_of(p)) is not None]
             else:
                 own = list(mod._parameters.values()) + external_parameters(mod)
             members: list[ShardedParam] = []
@@ -294,6 +302,8 @@ class Stage3Runtime:
                 self.gatherer.register_label(members, f"module {g.fqn!r}")
         self._group_by_gid = {g.gid: g for g in self._groups.values()}
         self._external_version = _external_version()
+        if self.leaf_grads is not None and not self.whole:
+            self.leaf_grads.rebuild(leaf_members)
 
     def _install_hooks(self) -> None:
         # Registered after the root's group hooks: the iteration boundary runs before the root's own gather
@@ -420,6 +430,8 @@ class Stage3Runtime:
             self._accumulate_whole()
             return
         self.states.end_backward()
+        if self.leaf_grads is not None:
+            self.leaf_grads.finish_backward()
         self.reducer.finish()
         self._reset_gathered()
         if self.swapper is not None:
@@ -430,11 +442,18 @@ class Stage3Runtime:
         :meth:`reduce_held_gradients` (``engine.coalesce_grad_reduction()``: one reduction for several backward
         passes, at the cost of holding their full gradients meanwhile)."""
         self._held_grads = {}
+        if self.leaf_grads is not None:
+            self.leaf_grads.enabled = False  # everything is held here; leaves are completed with zeros at the end
 
     def reduce_held_gradients(self) -> None:
         """Reduce-scatter what :meth:`hold_gradients` kept, in one pass. Every rank adds the gradients in ds_id
         order (not arrival order, which may differ between ranks), so the buckets -- and the collectives -- match."""
         held, self._held_grads = self._held_grads or {}, None
+        if self.leaf_grads is not None:
+            self.leaf_grads.enabled = True
+            for sp in self.leaf_grads.members():  # a leaf's unused parameters count as zeros, as in its flush
+                if sp.ds_id not in held:
+                    held[sp.ds_id] = (sp, torch.zeros(sp.numel, dtype=sp.dtype, device=sp.data.device))
         for ds_id in sorted(held):
             sp, grad = held.pop(ds_id)
             self.reducer.add(sp, grad)
@@ -444,6 +463,8 @@ class Stage3Runtime:
     def drop_held_gradients(self) -> None:
         """Forget what :meth:`hold_gradients` kept, reducing nothing (the block raised)."""
         self._held_grads = None
+        if self.leaf_grads is not None:
+            self.leaf_grads.enabled = True
 
     def _accumulate_whole(self) -> None:
         """Every parameter is whole (``self.whole``): the gradients autograd left in ``.grad`` go into the grad
@@ -558,6 +579,8 @@ class Stage3Runtime:
         self._publish_handles, self._unpublished = [], []  # gathered below with the rest; nothing left to publish
         self._handles.clear()
         self._module_handles.clear()
+        if self.leaf_grads is not None:
+            self.leaf_grads.remove()
         _unwatch(self.module)
         for mod in self.module.modules():
             mod.__dict__.pop("ds_external_parameters", None)
@@ -690,9 +713,14 @@ class Stage3Runtime:
             held = self._held_grads.get(sp.ds_id)
             self._held_grads[sp.ds_id] = (sp, grad if held is None else held[1].add_(grad))
             del grad, held
-        elif grad is not None:
+        elif grad is not None and not (self.leaf_grads is not None and self.leaf_grads.hold(sp, grad)):
             self.reducer.add(sp, grad)  # held until reduced, then its bytes serve a later gather (reduce.py)
             del grad
+        self._grad_accounted(sp)
+
+    def _grad_accounted(self, sp: ShardedParam) -> None:
+        """``sp``'s gradient for this backward is in (or, in a leaf it did not take part in, counted as zero):
+        nothing keeps it gathered for it any more, and a call waiting for it may be over."""
         if sp.ds_id in self._awaiting_grad:
             self._awaiting_grad.discard(sp.ds_id)
             self._unhold(sp, HoldReason.GRAD_PENDING)
@@ -863,6 +891,8 @@ class Stage3Runtime:
         self._read_holds.clear()
         self._awaiting_grad.clear()
         self._calls_awaiting_grad.clear()
+        if self.leaf_grads is not None:
+            self.leaf_grads.clear()
         self._deferred = set()
         for sp in self._sps:
             if not sp.persistent:
