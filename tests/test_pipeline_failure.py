@@ -111,7 +111,7 @@ def _refusals():
     except ConfigError as exc:
         out["1f1b"] = str(exc)
     try:
-        hf_zero.initialize(model=net, config=ds_config(2, use_reentrant=True))
+        hf_zero.initialize(model=net, config=ds_config(2, use_reentrant="yes"))
     except ConfigError as exc:
         out["reentrant"] = str(exc)
     try:
@@ -142,7 +142,7 @@ def test_refusals_name_the_key_and_a_shape_change_is_refused_naming_dynamic_shap
     ref = _reference_dynamic()
     for out, worked, (kind, msg) in results:
         assert "gradient_accumulation_steps" in out["1f1b"] and "1 micro-batches" in out["1f1b"]
-        assert "pipeline.use_reentrant" in out["reentrant"]
+        assert "pipeline.use_reentrant" in out["reentrant"] and "true or false" in out["reentrant"]
         assert "pipeline.bogus" in out["unknown"]
         assert out["plain_model"].startswith("pipeline: ") and "hf_zero.pipeline.wrap" in out["plain_model"]
         for call in ("forward", "backward", "step"):

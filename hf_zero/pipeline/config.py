@@ -13,6 +13,9 @@ from hf_zero.config.errors import ConfigError
 
 __all__ = ["PipelineConfig", "parse_pipeline_config"]
 
+# schedules whose backward splits input and weight gradients (torch.autograd.grad with inputs=)
+ZERO_BUBBLE = frozenset({"interleaved_zero_bubble"})
+
 _KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
          "grad_partitioned", "use_reentrant", "schedule", "virtual_stages"}
 
@@ -25,6 +28,9 @@ class PipelineConfig:
     stages: int | None = None              # None: "auto"
     partition: str | None = None           # None: DeepSpeed's "best" (the module decides)
     seed_layers: bool | None = None
+    # DeepSpeed's: false checkpoints with non_reentrant_checkpoint, true with the module's function (reentrant by
+    # default); None: the module's own choice (hf_zero's PipelineModule: torch's non-reentrant checkpoint)
+    use_reentrant: bool | None = None
 
 
 def _int(raw: Mapping, key: str) -> int:
@@ -45,10 +51,14 @@ def parse_pipeline_config(raw: Mapping[str, Any] | None, *, model_parallel_size:
         stages = _int(raw, "stages")
     partition = raw.get("partition", "best")
     partition = None if partition in ("best", "auto") else str(partition)
-    if raw.get("use_reentrant") is True:
-        raise ConfigError("pipeline.use_reentrant", "reentrant activation checkpointing cannot run inside a "
-                                                    "pipeline stage (its backward takes explicit inputs); set it "
-                                                    "to false (torch's non-reentrant checkpoint is used)")
+    use_reentrant = raw.get("use_reentrant")
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise ConfigError("pipeline.use_reentrant", f"must be true or false, got {use_reentrant!r}")
+    if use_reentrant and schedule in ZERO_BUBBLE:
+        raise ConfigError("pipeline.use_reentrant", f"true cannot run under pipeline.schedule {schedule!r}: its "
+                                                    "backward computes input and weight gradients separately with "
+                                                    "torch.autograd.grad, which reentrant checkpointing does not "
+                                                    "support; set it to false")
     for key in ("pipe_partitioned", "grad_partitioned"):
         # DeepSpeed: split the boundary activation / gradient across the tensor-parallel group; nothing to split
         # without tensor parallelism (its default true is a no-op there too)
@@ -63,4 +73,4 @@ def parse_pipeline_config(raw: Mapping[str, Any] | None, *, model_parallel_size:
         virtual_stages=_int(raw, "virtual_stages") if "virtual_stages" in raw else None,
         activation_checkpoint_interval=(_int(raw, "activation_checkpoint_interval")
                                         if "activation_checkpoint_interval" in raw else None),
-        stages=stages, partition=partition, seed_layers=seed_layers)
+        stages=stages, partition=partition, seed_layers=seed_layers, use_reentrant=use_reentrant)

@@ -259,8 +259,15 @@ class PipelineModule(nn.Module):
                 continue
             run = functools.partial(self._run_layers_flat, start, end, offset)
             args = x if isinstance(x, tuple) else (x,)
-            if self.activation_checkpoint_func is not None:
-                x = self.activation_checkpoint_func(run, *args)
+            fn = self.activation_checkpoint_func
+            if fn is not None:
+                # DeepSpeed's reentrant checkpoint (its PipelineModule default) runs as its non-reentrant twin here:
+                # same recomputation, same options, same gradients; torch's pipeline stages differentiate with
+                # torch.autograd.grad (shape inference, zero-bubble schedules), which a reentrant region refuses
+                fn = getattr(fn, "in_pipeline_stage", fn)
+                if not getattr(fn, "keeps_graph", False):
+                    args = _attached(args)
+                x = fn(run, *args)
             else:
                 x = _torch_checkpoint(run, *args, use_reentrant=False)
         return x
@@ -369,9 +376,30 @@ class PipelineModule(nn.Module):
 
 
 def _cat(values: list) -> Any:
+    """The micro-batches' inputs or labels as one batch. Labels that are not tensors (DeepSpeed's tests feed a
+    dummy ``0``) pass through unchanged from a single micro-batch, and become one tensor from several numbers."""
     if isinstance(values[0], (tuple, list)):
-        return [torch.cat([v[i] for v in values]) for i in range(len(values[0]))]
-    return torch.cat(values)
+        return [_cat([v[i] for v in values]) for i in range(len(values[0]))]
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return torch.cat(values)
+    if len(values) == 1:
+        return values[0]
+    if all(isinstance(v, (bool, int, float)) for v in values):
+        return torch.tensor(values)
+    raise PipelineError(f"micro-batch values of types {sorted({type(v).__name__ for v in values})} cannot be "
+                        f"joined into one batch; give tensors (or numbers) in the (inputs, labels) pairs")
+
+
+def _attached(args: tuple) -> tuple:
+    """A reentrant checkpoint function (DeepSpeed's ``checkpointing.checkpoint``, the PipelineModule default there)
+    only connects its region to autograd through an input that requires grad; on the first stage none does (the
+    data), and the region's parameters would silently get no gradient. As DeepSpeed does there, the floating-point
+    inputs are made to require grad (their gradient is computed and dropped)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not torch.is_grad_enabled() or any(t.requires_grad for t in tensors):
+        return args
+    return tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
 
 
 def _unleafed(t: Any) -> Any:

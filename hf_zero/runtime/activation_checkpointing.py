@@ -519,3 +519,10 @@ def non_reentrant_checkpoint(function: Callable, *args: Any) -> Any:
         torch.autograd.graph.register_multi_grad_hook(list(leaves.values()), lambda _: backward_boundary.exit())
     forward_boundary.exit()
     return _result(everything)
+
+
+# the region stays part of the caller's graph: a pipeline stage need not make its inputs require grad for it
+# (hf_zero/pipeline/module.py:_attached)
+non_reentrant_checkpoint.keeps_graph = True
+# in a pipeline stage the reentrant checkpoint runs as the non-reentrant one (hf_zero/pipeline/module.py:run_chunk)
+checkpoint.in_pipeline_stage = non_reentrant_checkpoint

@@ -118,8 +118,8 @@ def parallelize(model: nn.Module, layout: RunLayout, tp_cfg: TPConfig,
        data-parallel replicas (the ranks of one TP group are one replica).
     2. The pipeline cut (``mesh["pp"]``): a pipeline model was cut into stages when it was built (its layers per
        stage are fixed before any weights exist); step 1 then shards each stage's modules (3D).
-    3. Activation checkpointing: the config's ``pipeline.activation_checkpoint_interval`` (``pipeline_section``)
-       is set on a PipelineModule's stages, which recompute whole layers whatever step 1 did to them; other models
+    3. Activation checkpointing: the config's ``pipeline.activation_checkpoint_interval`` and ``use_reentrant``
+       (``pipeline_section``) are set on a PipelineModule's stages, which recompute whole layers whatever step 1 did to them; other models
        checkpoint through their own ``gradient_checkpointing_enable()`` (the ``activation_checkpointing`` section
        is DeepSpeed's API for Megatron models: config/status.py).
     4. Data parallelism and ZeRO (``mesh["dp"]``): the engine (:func:`make_engine`) shards optimizer state,
@@ -136,6 +136,13 @@ def parallelize(model: nn.Module, layout: RunLayout, tp_cfg: TPConfig,
                 raise ConfigError("pipeline.activation_checkpoint_interval", "this model type has no layer list to "
                                                                              "checkpoint")
             model.activation_checkpoint_interval = pcfg.activation_checkpoint_interval
+        if pcfg.use_reentrant is not None and hasattr(model, "activation_checkpoint_func"):
+            from hf_zero.runtime.activation_checkpointing import checkpoint, non_reentrant_checkpoint
+
+            if not pcfg.use_reentrant:  # DeepSpeed swaps in its non-reentrant function, whatever the module had
+                model.activation_checkpoint_func = non_reentrant_checkpoint
+            elif model.activation_checkpoint_func is None:  # DeepSpeed's PipelineModule default: reentrant
+                model.activation_checkpoint_func = checkpoint
     return tp  # step 4 is the engine's (make_engine)
 
 
