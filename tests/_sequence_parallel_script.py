@@ -134,6 +134,17 @@ def _hf_zero_checks(mpu) -> dict:
     engine, *_ = deepspeed.initialize(model=make_model(), config={**base, "sequence_parallel_size": 2})
     out["config_key"] = [engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
                          engine.gradient_accumulation_steps()]
+    # DeepSpeed's mesh_param=(data_parallel, sequence_parallel) says the same as the keys
+    engine, *_ = deepspeed.initialize(model=make_model(), config=base, mesh_param=(1, 2))
+    out["mesh_param"] = [engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                         engine.gradient_accumulation_steps()]
+    for name, kwargs in (("mesh_world", {"mesh_param": (2, 2)}), ("mesh_key", {"mesh_param": (1, 2), "config": {
+            **base, "sequence_parallel_size": 1}}), ("no_model", {"model": None})):
+        try:
+            deepspeed.initialize(**{"model": make_model(), "config": base, **kwargs})
+            out[name] = None
+        except (ConfigError, ValueError) as e:
+            out[name] = (str(e), isinstance(e, AssertionError))
     # Ulysses splits the sequence over the data-parallel ranks; a pipeline splits the model over the same ranks
     pipe = deepspeed.pipe.PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2,
                                          loss_fn=torch.nn.MSELoss())

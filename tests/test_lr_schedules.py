@@ -328,7 +328,7 @@ def test_build_lr_scheduler_builds_each_type():
     ("WarmupLR", {"warmup_num_steps": 10.5}, "scheduler.params.warmup_num_steps",
      "expected an integer >= 0, got 10.5"),
     ("WarmupLR", {"warmup_type": "cosine"}, "scheduler.params.warmup_type",
-     "expected 'log' or 'linear', got 'cosine'"),
+     "expected 'log' or 'linear', got 'cosine' \\(str\\) \\(DeepSpeed would warn and warm up with 'log'"),
     ("LRRangeTest", {"lr_range_test_staircase": "yes"}, "scheduler.params.lr_range_test_staircase",
      "expected true or false, got 'yes'"),
     ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_step_size": 0},

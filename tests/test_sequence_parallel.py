@@ -98,6 +98,10 @@ def test_config_key_and_refusals(ranks):
     out = ranks[0]
     # sequence_parallel_size: 2 without an mpu: 2 ranks are one replica, so 1 sample per step is the whole batch
     assert out["config_key"] == [1, 1, 1]
+    assert out["mesh_param"] == [1, 1, 1]  # mesh_param=(1, 2): the same one replica of 2 sequence-parallel ranks
+    assert out["mesh_world"][0] == "hf_zero.initialize: mesh_param (2, 2) covers 4 ranks, and the job has 2"
+    assert out["mesh_key"][0].startswith("sequence_parallel_size: 1, but mesh_param (1, 2) gives 2")
+    assert list(out["no_model"]) == ["hf_zero.initialize: model is required", True]  # DeepSpeed asserts: both types
     assert out["mismatch"].startswith("sequence_parallel_size: 1, but the mpu passed to initialize() has a "
                                       "sequence-parallel size of 2")
     assert out["batch"].startswith("train_batch_size: train_batch_size 2 != train_micro_batch_size_per_gpu 1 * "

@@ -45,6 +45,32 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
+class MissingModelError(ValueError, AssertionError):
+    """``initialize(model=None)``. Also an AssertionError: DeepSpeed asserts there, and scripts catch that type."""
+
+
+def _with_mesh_param(raw: dict, mesh_param) -> dict:
+    """DeepSpeed's ``mesh_param=(data_parallel, sequence_parallel)``: the same as the config keys
+    ``data_parallel_size`` and ``sequence_parallel_size`` (DeepSpeed builds its mesh from either); a key that says
+    otherwise is an error naming both."""
+    if (not isinstance(mesh_param, (tuple, list)) or len(mesh_param) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh_param)):
+        raise ValueError(f"hf_zero.initialize: mesh_param must be (data_parallel_size, sequence_parallel_size), two "
+                         f"positive integers, got {mesh_param!r}")
+    dp, sp = mesh_param
+    world = comm.get_world_size()
+    if dp * sp != world:
+        raise ValueError(f"hf_zero.initialize: mesh_param {tuple(mesh_param)} covers {dp * sp} ranks, and the job "
+                         f"has {world}")
+    raw = dict(raw)
+    for key, value in (("data_parallel_size", dp), ("sequence_parallel_size", sp)):
+        if raw.get(key) not in (None, value):
+            raise ConfigError(key, f"{raw[key]}, but mesh_param {tuple(mesh_param)} gives {value}; make them equal "
+                                   f"or drop one")
+        raw[key] = value
+    return raw
+
+
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
                dist_init_required=None, collate_fn=None, config=None, mesh_param=None, config_params=None):
@@ -55,15 +81,14 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     ``optimizer`` section. ``lr_scheduler`` may be a scheduler or a callable receiving the engine's optimizer.
     """
     if model is None:
-        raise ValueError("hf_zero.initialize: model is required")
-    if mesh_param is not None:
-        raise ValueError("hf_zero.initialize: mesh_param (a device mesh for sequence / data parallelism) is not "
-                         "supported; hf_zero shards over the data-parallel world only, so leave mesh_param unset")
+        raise MissingModelError("hf_zero.initialize: model is required")
     comm.init_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
     align_local_rank(args)
     mpu_groups = read_mpu(mpu) if mpu is not None else None
     _default_logging(comm.get_rank())
     raw = read_config(_config_source(args, config, config_params))
+    if mesh_param is not None:
+        raw = _with_mesh_param(raw, mesh_param)
     tp_cfg = parse_tp_config(raw.get("tensor_parallel"))
     # the run's one device mesh, and every group hf_zero uses from it (runtime/parallelize.py); then the techniques
     # in their fixed order: tensor parallelism first -- it replaces the model's parameters

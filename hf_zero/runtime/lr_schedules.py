@@ -112,7 +112,9 @@ def _check_bool(param: str, value: Any) -> bool:
 
 def _check_warmup_type(value: Any) -> str:
     if value not in _WARMUP_TYPES:
-        raise _ParamError("warmup_type", f"expected 'log' or 'linear', got {_show(value)}")
+        # DeepSpeed logs a warning and warms up with "log" instead: a typo would train on another schedule
+        raise _ParamError("warmup_type", f"expected 'log' or 'linear', got {_show(value)} (DeepSpeed would warn and "
+                                         f"warm up with 'log'; write 'log' for that)")
     return value
 
 
