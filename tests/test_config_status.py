@@ -138,6 +138,8 @@ def test_warnings_only_on_rank_zero():
 @pytest.mark.parametrize("config, key", [
     ({"communication_data_type": "fp16"}, "communication_data_type"),
     ({"bf16": {"enabled": True}, "communication_data_type": "fp32"}, "communication_data_type"),
+    ({"bf16": {"enabled": True}, "sequence_parallel_size": 2, "data_parallel_size": 1,
+      "seq_parallel_communication_data_type": "fp32"}, "seq_parallel_communication_data_type"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
     ({"zero_optimization": {"load_from_fp32_weights": False}}, "zero_optimization.load_from_fp32_weights"),
 ])
@@ -150,6 +152,11 @@ def test_keys_that_would_change_results_silently_are_refused(config, key):
 
 def test_communication_dtype_equal_to_the_reduction_dtype_is_honoured():
     assert ignored_warnings({"bf16": {"enabled": True}, "communication_data_type": "bf16"}) == []
+    # DeepSpeed reads seq_parallel_communication_data_type only with sequence parallelism
+    assert ignored_warnings({"bf16": {"enabled": True}, "seq_parallel_communication_data_type": "fp32"}) == []
+    assert ignored_warnings({"bf16": {"enabled": True}, "sequence_parallel_size": 2, "data_parallel_size": 1,
+                             "data_types": {"grad_accum_dtype": "fp32"},
+                             "seq_parallel_communication_data_type": "fp32"}) == []
     assert ignored_warnings({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
                              "communication_data_type": "fp32"}) == []
 

@@ -56,7 +56,6 @@ class HfZeroConfig:
         "weight_quantization": "Post-training weight quantization for inference",
         "nebula": "Nebula checkpointing service",
         "compile": "DeepCompile",
-        "seq_parallel_communication_data_type": "Sequence-parallel communication dtype",
         "disable_allgather": "Legacy allgather switch",
         "graph_harvesting": "Graph harvesting",
     }
@@ -106,6 +105,9 @@ class HfZeroConfig:
     sequence_parallel_size: int | None = spec(
         None, help="Ulysses sequence parallelism: ranks per sequence-parallel group (hf_zero.sequence_parallel); "
                    "the batch sizes count world / sequence_parallel_size replicas. Must agree with an mpu's.")
+    seq_parallel_communication_data_type: Literal["fp32", "fp16", "bf16"] | None = spec(
+        None, help="With sequence_parallel_size > 1, DeepSpeed's communication_data_type for the gradient reduction; "
+                   "without sequence parallelism it changes nothing (as in DeepSpeed).")
     torch_autocast: TorchAutocastConfig = spec(default_factory=TorchAutocastConfig,
                                                help="torch.autocast forward with fp32 parameters.")
     fp16: FP16Config = spec(default_factory=FP16Config, help="float16 mixed precision with loss scaling.")

@@ -164,6 +164,11 @@ STATUS: dict[str, KeyStatus] = {
     "communication_data_type": _refused(
         "gradients are reduced in the dtype they are accumulated in; set data_types.grad_accum_dtype to choose it",
         active=lambda cfg: cfg.communication_data_type not in (None, _reduce_dtype(cfg))),
+    # DeepSpeed makes it the communication_data_type when sequence_parallel_size > 1, and ignores it otherwise
+    "seq_parallel_communication_data_type": _refused(
+        "gradients are reduced in the dtype they are accumulated in; set data_types.grad_accum_dtype to choose it",
+        active=lambda cfg: (cfg.sequence_parallel_size or 1) > 1
+        and cfg.seq_parallel_communication_data_type not in (None, _reduce_dtype(cfg))),
     "data_parallel_size": HONOURED,  # must equal the world size (checked by the loader)
     "sequence_parallel_size": HONOURED,  # Ulysses groups and batch arithmetic (hf_zero/sequence_parallel/setup.py)
     "torch_autocast.enabled": HONOURED,
