@@ -78,7 +78,13 @@ def _first_region_grads():
         net(x).square().sum().backward()
         first = net.forward_funcs.get(0)  # layer 0 lives on the first stage only
         grads.append(None if first is None or first.weight.grad is None else first.weight.grad.clone())
-    return grads
+    net.set_checkpoint_interval(0)  # DeepSpeed's setter: checkpointing off from the next forward
+    interval = net.activation_checkpoint_interval
+    try:
+        net.set_checkpoint_interval(-1)
+    except ValueError as exc:
+        refused = str(exc)
+    return grads, interval, refused
 
 
 def _eval_with_int_labels():
@@ -119,7 +125,8 @@ def test_use_reentrant_true_with_the_zero_bubble_schedule_is_refused_naming_both
 
 
 def test_a_reentrant_function_of_the_scripts_own_still_reaches_the_first_regions_parameters(results):
-    plain, reentrant = results[0]["first_region_grads"]  # rank 0 holds the first stage
+    (plain, reentrant), interval, refused = results[0]["first_region_grads"]  # rank 0 holds the first stage
+    assert interval == 0 and "set_checkpoint_interval(-1)" in refused
     assert reentrant is not None
     torch.testing.assert_close(reentrant, plain, rtol=1e-6, atol=0)
 

@@ -282,6 +282,12 @@ class PipelineModule(nn.Module):
             x = self.forward_funcs[idx](x)
         return x
 
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """DeepSpeed's setter: checkpoint every ``interval`` layers from the next forward on (0: off)."""
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"set_checkpoint_interval({interval!r}): the interval must be an integer >= 0")
+        self.activation_checkpoint_interval = interval
+
     def _checkpointable(self, start: int, end: int) -> bool:
         funcs = [self.forward_funcs[i] for i in range(start, end)]
         if self.checkpointable_layers is not None:
