@@ -149,6 +149,15 @@ def test_accelerator_answers_as_deepspeeds_cpu_accelerator():
     assert isinstance(builder, builders.CPUAdamBuilder) and builder.is_compatible()
     with pytest.raises(ValueError, match="NotImplementedBuilder"):
         acc.create_op_builder("NoSuchBuilder").load()
+    # DeepSpeed's other builder names import (DeepSpeed's own test files import FusedLambBuilder at module level);
+    # hf_zero builds none of those ops, so they answer as DeepSpeed's NotImplementedBuilder for their op
+    from deepspeed.ops.op_builder import CPULionBuilder, FusedLambBuilder
+
+    assert acc.get_op_builder("FusedLambBuilder") is FusedLambBuilder
+    assert issubclass(FusedLambBuilder, builders.NotImplementedBuilder) and not FusedLambBuilder().is_compatible()
+    assert (FusedLambBuilder().name, CPULionBuilder().name) == ("fused_lamb", "cpu_lion")
+    with pytest.raises(ValueError, match="no op 'fused_lamb'"):
+        FusedLambBuilder().load()
 
 
 def _ds_barrier_signature():

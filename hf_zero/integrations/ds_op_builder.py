@@ -13,7 +13,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-__all__ = ["CPUAdamBuilder", "FusedAdamBuilder", "NotImplementedBuilder"]
+__all__ = ["CPUAdamBuilder", "FusedAdamBuilder", "NotImplementedBuilder", "UNAVAILABLE_OP_NAMES"]
 
 
 class _Builder:
@@ -111,3 +111,22 @@ class FusedAdamBuilder(_Builder):
 
     def load(self, verbose: bool = True) -> types.ModuleType:
         return _FUSED_ADAM_OP
+
+
+# DeepSpeed's other builders (0.19.8, CUDA and CPU accelerators), by class name -> op name. hf_zero builds none of
+# these ops: each is DeepSpeed's answer for an op the accelerator lacks (``is_compatible()`` False, ``load()``
+# raises naming it), so ``from deepspeed.ops.op_builder import FusedLambBuilder`` works and a script or test that
+# gates on ``is_compatible()`` takes its other path, as it would on DeepSpeed without that op.
+UNAVAILABLE_OP_NAMES = {
+    "FusedLambBuilder": "fused_lamb", "FusedLionBuilder": "fused_lion", "CPUAdagradBuilder": "cpu_adagrad",
+    "CPULionBuilder": "cpu_lion", "TransformerBuilder": "transformer", "StochasticTransformerBuilder":
+    "stochastic_transformer", "InferenceBuilder": "transformer_inference", "InferenceCoreBuilder":
+    "inference_core_ops", "InferenceCutlassBuilder": "cutlass_ops", "RaggedOpsBuilder": "ragged_device_ops",
+    "RaggedUtilsBuilder": "ragged_ops", "QuantizerBuilder": "quantizer", "FPQuantizerBuilder": "fp_quantizer",
+    "RandomLTDBuilder": "random_ltd", "SpatialInferenceBuilder": "spatial_inference", "EvoformerAttnBuilder":
+    "evoformer_attn", "GDSBuilder": "gds", "DeepCompileBuilder": "dc", "PinMemoryBuilder": "pin_memory",
+    "UtilsBuilder": "utils", "CCLCommBuilder": "deepspeed_ccl_comm", "ShareMemCommBuilder": "deepspeed_shm_comm",
+}
+globals().update({cls: type(cls, (NotImplementedBuilder,), {"NAME": op, "__module__": __name__,
+                                                           "__doc__": f"DeepSpeed's {op} op: not built by hf_zero."})
+                  for cls, op in UNAVAILABLE_OP_NAMES.items()})
