@@ -104,6 +104,14 @@ out["same_objects"] = {
               is hf_zero.checkpoint.clone.clone_tensors_for_torch_save),
     "DeepSpeedCPUAdam": importlib.import_module("deepspeed.ops.adam").DeepSpeedCPUAdam is hf_zero.ops.adam.CPUAdam,
     "FusedAdam": importlib.import_module("deepspeed.ops.adam").FusedAdam is hf_zero.ops.adam.FusedAdam,
+    # DeepSpeed's top-level exports
+    "OnDevice": deepspeed.OnDevice is deepspeed.utils.OnDevice,
+    "log_dist": deepspeed.log_dist is deepspeed.utils.log_dist,
+    "top_logger": deepspeed.logger is deepspeed.utils.logger,
+    "DeepSpeedDataLoader": deepspeed.DeepSpeedDataLoader is deepspeed.runtime.dataloader.DeepSpeedDataLoader,
+    "DeepSpeedInferenceConfig": deepspeed.DeepSpeedInferenceConfig is importlib.import_module(
+        "hf_zero.runtime.inference_config").DeepSpeedInferenceConfig,
+    "version": deepspeed.version == deepspeed.__version__,
 }
 from deepspeed import comm as dist  # accelerate's state.py
 out["comm_calls"] = [dist.is_initialized(), dist.get_rank(), dist.get_world_size()]

@@ -7,6 +7,7 @@ from hf_zero.integrations.deepspeed_shim._finder import shim_version as _shim_ve
 from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
 __version__ = _shim_version()
+version = __version__  # DeepSpeed's deepspeed.version (git_version_info.version)
 # DeepSpeed's version parts and build info, which scripts (and its own tests) read from the package
 __version_major__, __version_minor__, __version_patch__ = (
     [int(p) for p in __version__.split("+")[0].split(".")[:3] if p.isdigit()] + [0, 0, 0])[:3]
@@ -30,5 +31,11 @@ _forward(__name__, {
     "get_accelerator": "hf_zero.comm.accelerator:get_accelerator",
     # as in DeepSpeed, deepspeed.checkpointing is deepspeed.runtime.activation_checkpointing.checkpointing
     "checkpointing": "deepspeed.runtime.activation_checkpointing.checkpointing",
+    # what DeepSpeed's package also exports at its top (inference scripts: ``with deepspeed.OnDevice(...)``)
+    "OnDevice": "hf_zero.integrations.ds_utils:OnDevice",
+    "log_dist": "hf_zero.integrations.ds_utils:log_dist",
+    "logger": "hf_zero.integrations.compat:logger",
+    "DeepSpeedDataLoader": "hf_zero.runtime.dataloader:DeepSpeedDataLoader",
+    "DeepSpeedInferenceConfig": "hf_zero.runtime.inference_config:DeepSpeedInferenceConfig",
 }, submodules=["accelerator", "checkpoint", "comm", "compression", "elasticity", "inference", "launcher", "moe", "monitor",
                 "ops", "pipe", "profiling", "runtime", "sequence", "utils"])
