@@ -151,11 +151,13 @@ def test_accelerator_answers_as_deepspeeds_cpu_accelerator():
         acc.create_op_builder("NoSuchBuilder").load()
     # DeepSpeed's other builder names import (DeepSpeed's own test files import FusedLambBuilder at module level);
     # hf_zero builds none of those ops, so they answer as DeepSpeed's NotImplementedBuilder for their op
-    from deepspeed.ops.op_builder import CPULionBuilder, FusedLambBuilder
+    import deepspeed.ops
+    from deepspeed.ops.op_builder import FusedLambBuilder, TransformerBuilder
 
     assert acc.get_op_builder("FusedLambBuilder") is FusedLambBuilder
     assert issubclass(FusedLambBuilder, builders.NotImplementedBuilder) and not FusedLambBuilder().is_compatible()
-    assert (FusedLambBuilder().name, CPULionBuilder().name) == ("fused_lamb", "cpu_lion")
+    assert (FusedLambBuilder().name, TransformerBuilder().name) == ("fused_lamb", "transformer")
+    assert deepspeed.ops.__compatible_ops__["fused_lamb"] is False and deepspeed.ops.__compatible_ops__["cpu_adam"]
     with pytest.raises(ValueError, match="no op 'fused_lamb'"):
         FusedLambBuilder().load()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from hf_zero.integrations.ds_op_builder import UNAVAILABLE_OP_NAMES
 from hf_zero.launcher.envfile import DEEPSPEED_ENVIRONMENT_NAME
 
 __all__ = ["logger", "DEEPSPEED_ENVIRONMENT_NAME", "compatible_ops", "initialize"]
@@ -22,14 +23,16 @@ logger = logging.getLogger("hf_zero")
 # (transformers' ``require_deepspeed_aio`` reads ``deepspeed.ops.__compatible_ops__["async_io"]`` at import).
 # hf_zero builds its ops at install and each has a pure-PyTorch/POSIX reference, so every op it offers under a
 # DeepSpeed name runs on any machine: async_io (pread/pwrite pool, no libaio), the CPU optimizers, FusedAdam.
-# DeepSpeed's own CUDA-only kernels (transformer inference, sparse attention, ...) are absent, not False-valued:
-# code that indexes them without a default fails as it would on a DeepSpeed without them built.
+# DeepSpeed's other ops (its CUDA kernels for transformer inference, LAMB, quantizers, ...) are listed False, as
+# DeepSpeed lists an op it cannot build on the machine: its own tests index them at import
+# (``__compatible_ops__[FusedLambBuilder.NAME]``).
 compatible_ops: dict[str, bool] = {
     "async_io": True,
     "cpu_adam": True,
     "cpu_adagrad": True,
     "cpu_lion": True,
     "fused_adam": True,
+    **{op: False for op in UNAVAILABLE_OP_NAMES.values()},
 }
 
 

@@ -118,8 +118,7 @@ class FusedAdamBuilder(_Builder):
 # raises naming it), so ``from deepspeed.ops.op_builder import FusedLambBuilder`` works and a script or test that
 # gates on ``is_compatible()`` takes its other path, as it would on DeepSpeed without that op.
 UNAVAILABLE_OP_NAMES = {
-    "FusedLambBuilder": "fused_lamb", "FusedLionBuilder": "fused_lion", "CPUAdagradBuilder": "cpu_adagrad",
-    "CPULionBuilder": "cpu_lion", "TransformerBuilder": "transformer", "StochasticTransformerBuilder":
+    "FusedLambBuilder": "fused_lamb", "FusedLionBuilder": "fused_lion", "TransformerBuilder": "transformer", "StochasticTransformerBuilder":
     "stochastic_transformer", "InferenceBuilder": "transformer_inference", "InferenceCoreBuilder":
     "inference_core_ops", "InferenceCutlassBuilder": "cutlass_ops", "RaggedOpsBuilder": "ragged_device_ops",
     "RaggedUtilsBuilder": "ragged_ops", "QuantizerBuilder": "quantizer", "FPQuantizerBuilder": "fp_quantizer",
