@@ -669,7 +669,7 @@ ZERO_KEYS = frozenset({
     "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients", "zero_hpz_partition_size",
     "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "mics_shard_size",
     "mics_hierarchical_params_gather", "memory_efficient_linear", "override_module_apply",
-    "log_trace_cache_warnings", "enable_sanity_checks", "zenflow", "leaf_module",
+    "log_trace_cache_warnings", "enable_sanity_checks", "zenflow", "leaf_module", "pipeline_loading_checkpoint",
 })
 OFFLOAD_KEYS = frozenset({"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
                           "fast_init", "pipeline_read", "pipeline_write", "ratio"})

@@ -114,6 +114,13 @@ def test_enable_sanity_checks_keeps_the_per_collective_check_on():
         settings.configure(divergence_check=before)
 
 
+def test_deepspeeds_serial_checkpoint_loading_key_is_accepted_and_says_it_changes_nothing():
+    assert ignored_warnings({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": True}}) == [
+        "hf_zero: config key zero_optimization.pipeline_loading_checkpoint has no effect in hf_zero: the local ranks "
+        "load their checkpoint shards at the same time (same values; DeepSpeed serialises them to bound host memory "
+        "at load)"]
+
+
 def test_no_op_key_warns_with_its_reason_and_is_marked_but_not_listed():
     config = {"zero_optimization": {"stage": 2, "contiguous_gradients": False, "elastic_checkpoint": True}}
     assert ignored_warnings(config) == [

@@ -187,7 +187,6 @@ class ZeroConfig:
 
     _unsupported_keys: ClassVar[dict[str, str]] = {
         "zeropp_loco_param": "LoCo-ZeRO++",
-        "pipeline_loading_checkpoint": "Pipeline checkpoint loading",
         "stage3_partition_stream_chunk_size": "Streamed partitioning of huge parameters",
         "save_muon_momentum_buffer_in_memory": "Muon momentum buffers",
     }
@@ -236,6 +235,8 @@ class ZeroConfig:
     leaf_module: LeafModuleConfig = spec(
         default_factory=LeafModuleConfig, help="Stage 3: modules gathered as one unit, whose gradients are reduced "
                                                "together when their backward ends (hf_zero/zero/leaf.py).")
+    pipeline_loading_checkpoint: bool = spec(
+        False, help="Stage 3: DeepSpeed loads a checkpoint one local rank after another (to bound host memory).")
     stage3_use_all_reduce_for_fetch_params: bool = spec(False, help="Stage 3: fetch parameters with all-reduce.")
     stage3_allgather_sequential: bool = spec(
         False, help="Stage 3: all-gather parameters one by one, without buckets.")

@@ -282,6 +282,9 @@ STATUS: dict[str, KeyStatus] = {
         "DeepSpeed checks for parameters without a gradient only with offload_optimizer at stages 1-2",
         active=lambda cfg: cfg.zero.ignore_unused_parameters is False and not cfg.zero.checks_unused_parameters),
     "zero_optimization.legacy_stage1": _no_op("hf_zero has one stage-1 implementation"),
+    "zero_optimization.pipeline_loading_checkpoint": _no_op(
+        "the local ranks load their checkpoint shards at the same time (same values; DeepSpeed serialises them to "
+        "bound host memory at load)"),
     "zero_optimization.round_robin_gradients": _no_op("gradient copies to the CPU are not spread over ranks (same "
                                                       "values)"),
     # A secondary group (hpZ) or shard group (MiCS) as large as the data-parallel world is the primary partition
