@@ -482,3 +482,52 @@ def test_empty_partition_cache_partitions_what_is_left_gathered():
         assert result["after"] == {"l1.weight": "PARTITIONED", "l1.bias": "PARTITIONED",
                                    "l2.weight": "PARTITIONED", "l2.bias": "AVAILABLE"}
         assert result["after_steps"] < 1e-5
+
+
+# ---- found by DeepSpeed's test_fp16: the untested-optimizer refusal's type, optimizer keys beside params -----------
+class _SignSGD(torch.optim.Optimizer):
+    """Not element-wise as far as hf_zero knows (a client class of the script's own)."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+def test_untested_client_optimizer_is_refused_as_deepspeed_asserts_and_runs_when_allowed():
+    from hf_zero.config.errors import ConfigError
+
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000, "zero_optimization": {"stage": 2}}
+    model = _Net()
+    with pytest.raises(AssertionError) as info:  # DeepSpeed's type (its test_fp16 expects it) ...
+        hf_zero.initialize(model=model, optimizer=_SignSGD(model.parameters()), config=config)
+    assert isinstance(info.value, ConfigError)  # ... and hf_zero's, naming the key
+    assert str(info.value).startswith("zero_allow_untested_optimizer: the client optimizer ")
+    engine, *_ = hf_zero.initialize(model=model, optimizer=_SignSGD(model.parameters(), lr=0.5),
+                                    config={**config, "zero_allow_untested_optimizer": True})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.backward(engine(torch.ones(1, 8)).sum())
+    engine.step()
+    moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters()}
+    assert moved["l1.weight"] == pytest.approx(0.5) and moved["l2.bias"] == pytest.approx(0.5)  # a sign step
+    engine.destroy()
+
+
+def test_optimizer_keys_deepspeed_ignores_beside_params_are_accepted_with_a_warning():
+    import warnings
+
+    from hf_zero.config import load_config
+    from hf_zero.config.status import ConfigKeyIgnored
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config({"train_batch_size": 1, "optimizer": {"type": "Adam", "torch_adam": True,
+                                                                "params": {"lr": 1e-3}}}, world_size=1, log=False)
+    assert dict(cfg.optimizer.params) == {"lr": 1e-3}  # not moved into the params: DeepSpeed ignores it there too
+    assert [str(w.message) for w in caught if issubclass(w.category, ConfigKeyIgnored)] == [
+        "hf_zero: config key optimizer.torch_adam has no effect in hf_zero: DeepSpeed reads torch_adam only inside "
+        "optimizer.params and ignores it here"]

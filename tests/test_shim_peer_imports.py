@@ -75,6 +75,35 @@ def test_single_partition_of_fp32_groups_are_the_fp32_masters():
         assert published, (stage, offload)
 
 
+def test_optimizer_optimizer_is_the_torch_optimizer_over_the_masters_and_refused_under_offload():
+    """DeepSpeed's ZeRO optimizer keeps the torch optimizer doing the math as ``.optimizer`` (DeepSpeed's checkpoint
+    tests save ``engine.optimizer.optimizer.state_dict()``; accelerate's ``train()``/``eval()`` reach through it).
+    hf_zero's is the optimizer over this rank's fp32 masters, sharing param_groups and state; under an optimizer
+    offload its state would miss the moments, so the attribute is refused naming what reads them."""
+    import hf_zero
+
+    out = {}
+    for offload in (False, True):
+        model = torch.nn.Linear(4, 2)
+        zero = {"stage": 2, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+        engine, opt, *_ = hf_zero.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+        engine.backward(engine(torch.ones(1, 4)).sum())
+        engine.step()
+        try:
+            inner = opt.optimizer
+            state = inner.state_dict()["state"][0]
+            out[offload] = (type(inner).__name__, inner.param_groups is opt.param_groups, sorted(state),
+                            state["exp_avg"].numel(), hasattr(opt, "optimizer"))
+        except AttributeError as e:
+            out[offload] = (str(e), hasattr(opt, "optimizer"))
+        engine.destroy()
+    assert out[False] == ("AdamW", True, ["exp_avg", "exp_avg_sq", "step"], 10, True)
+    assert "offload_optimizer" in out[True][0] and "safe_get_full_optimizer_state" in out[True][0]
+    assert out[True][1] is False
+
+
 def test_initialize_logs_deepspeed_info_line_on_deepspeed_logger():
     """transformers' DeepSpeed Trainer tests (``test_basic_training`` and 8 more) capture ``deepspeed.utils.logger``
     around ``trainer.train()`` and assert "DeepSpeed info" is in it: the sign that the DeepSpeed engine was built.

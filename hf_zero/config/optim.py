@@ -203,6 +203,11 @@ class OptimizerConfig:
 
     type: str = spec(help="Optimizer type, any case: Adam, AdamW, SGD, Lamb, Adagrad, Lion, OneBitAdam, ...")
     params: Mapping[str, Any] = spec(default_factory=dict, help="Constructor arguments of that optimizer.")
+    # DeepSpeed reads only type, params and legacy_fusion here; these two, written beside params instead of in it
+    # (DeepSpeed's own fp16 tests do), it ignores -- and so, with a warning, does hf_zero (config/status.py)
+    torch_adam: bool | None = spec(None, help="Ignored here (DeepSpeed reads it from optimizer.params).")
+    adam_w_mode: bool | None = spec(None, help="Ignored here (DeepSpeed reads it from optimizer.params).")
+    legacy_fusion: bool | None = spec(None, help="DeepSpeed's legacy fused fp16 optimizer switch.")
     name: str = spec("", json=False, help="The type lowercased (adam, adamw, sgd, ...), for dispatch.")
 
     def __post_init__(self) -> None:

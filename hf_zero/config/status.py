@@ -200,6 +200,14 @@ STATUS: dict[str, KeyStatus] = {
                             "(DeepSpeed 0.19.8 removed its 1-bit optimizers and refuses the type)",
                             active=_one_bit, label=_optimizer_label),
     "optimizer.params": HONOURED,
+    "optimizer.torch_adam": _no_op("DeepSpeed reads torch_adam only inside optimizer.params and ignores it here",
+                                   active=lambda cfg: cfg.optimizer is not None and cfg.optimizer.torch_adam is not None),
+    "optimizer.adam_w_mode": _no_op("DeepSpeed reads adam_w_mode only inside optimizer.params and ignores it here",
+                                    active=lambda cfg: cfg.optimizer is not None
+                                    and cfg.optimizer.adam_w_mode is not None),
+    "optimizer.legacy_fusion": _no_op("hf_zero has one fp16 optimizer path (DeepSpeed's legacy fused one is not "
+                                      "separate)", active=lambda cfg: cfg.optimizer is not None
+                                      and cfg.optimizer.legacy_fusion is not None),
     "scheduler.type": HONOURED,
     "scheduler.params": HONOURED,
     "zero_optimization.stage": HONOURED,

@@ -25,7 +25,9 @@ def format_config_table(cfg: HfZeroConfig) -> str:
     ignored = {label: entry.status for label, entry in not_honoured(cfg)}
     rows = [(key, _show(value), _mark(key, cfg.sources.get(key), ignored))
             for key, value in current.items()
-            if key in _ALWAYS_SHOWN or key in cfg.sources or defaults.get(key, _MISSING) != value]
+            if key in _ALWAYS_SHOWN or key in cfg.sources
+            or defaults.get(key, _MISSING) not in (value, _MISSING)
+            or (key not in defaults and value is not None)]  # a section off by default: its keys given, not None
     # The value column is capped so one long value (a list, a path) does not push every source mark right.
     width = max(len(key) for key, _, _ in rows)
     value_width = min(max(len(value) for _, value, _ in rows), 14)

@@ -16,11 +16,16 @@ import torch
 
 from hf_zero.config.errors import ConfigError
 
-__all__ = ["OptimizerPlan", "plan_from_config", "plan_from_client", "adopt_client_groups"]
+__all__ = ["OptimizerPlan", "UntestedOptimizerError", "plan_from_config", "plan_from_client", "adopt_client_groups"]
 
 # torch's own keys in param_groups that are not hyperparameters to carry over
 _TORCH_GROUP_KEYS = {"params", "foreach", "maximize", "capturable", "differentiable", "fused", "initial_lr",
                      "decoupled_weight_decay"}
+
+
+class UntestedOptimizerError(ConfigError, AssertionError):
+    """A client optimizer ZeRO does not know to be element-wise, without ``zero_allow_untested_optimizer``. Also an
+    AssertionError: DeepSpeed asserts there, and scripts (DeepSpeed's own tests among them) catch that type."""
 
 
 @dataclass
@@ -124,10 +129,10 @@ def plan_from_client(optimizer: torch.optim.Optimizer, *, allow_untested: bool) 
     # hf_zero's CPUAdagrad / CPULion (DeepSpeedCPUAdagrad / DeepSpeedCPULion) declare themselves element-wise
     elementwise = issubclass(cls, known_elementwise) or getattr(cls, "hf_zero_elementwise", False)
     if not elementwise and not allow_untested:
-        raise ConfigError("zero_allow_untested_optimizer",
-                          f"the client optimizer {cls.__module__}.{cls.__name__} is not known to give the same result "
-                          "on a shard as on the full tensor; set \"zero_allow_untested_optimizer\": true to use it "
-                          "anyway")
+        raise UntestedOptimizerError(
+            "zero_allow_untested_optimizer", f"the client optimizer {cls.__module__}.{cls.__name__} is not known to give "
+            "the same result on a shard as on the full tensor; set \"zero_allow_untested_optimizer\": true to use it "
+            "anyway")
     defaults.pop("fused", None)
     return OptimizerPlan(cls, defaults, False, groups, client=optimizer)
 

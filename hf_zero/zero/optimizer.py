@@ -146,6 +146,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.backend if self.backend.offloaded else None
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """DeepSpeed's ZeRO optimizer attribute: the torch optimizer over this rank's fp32 master partitions (its
+        ``param_groups`` are this optimizer's, its ``state`` the moments). Under an optimizer offload the moments
+        live in the offload, not there, so a ``state_dict()`` of it would silently miss them: refused, naming what
+        reads them."""
+        if self.offload is not None:
+            raise AttributeError("hf_zero: optimizer.optimizer (the inner torch optimizer) is not offered with "
+                                 "zero_optimization.offload_optimizer: the moments live in the offload, so its "
+                                 "state would be incomplete; save with engine.save_checkpoint() or read states with "
+                                 "deepspeed.utils.safe_get_full_optimizer_state / safe_get_local_optimizer_state")
+        return self.inner
+
+    @property
     def cur_scale(self) -> float:
         """DeepSpeed's ZeRO optimizer attribute (also ``loss_scale``): the current fp16 loss scale; 1.0 without
         loss scaling (bf16, fp32), as DeepSpeed's static scaler reads there. Setting it sets the scale the next
