@@ -656,6 +656,7 @@ TOP_LEVEL_KEYS = frozenset({
     "autotuning", "data_efficiency", "curriculum_learning", "comms_timeout_s", "comms_divergence_check",
     "data_parallel_size", "sequence_parallel_size", "torch_autocast", "dataloader_drop_last",
     "use_data_before_expert_parallelism", "timers", "hybrid_engine", "seq_parallel_communication_data_type",
+    "progressive_layer_drop",
 })
 ZERO_KEYS = frozenset({
     "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",

@@ -25,6 +25,7 @@ from .sections import (
     CometConfig,
     CommsLoggerConfig,
     CurriculumLearningConfig,
+    ProgressiveLayerDropConfig,
     DataTypesConfig,
     FlopsProfilerConfig,
     FP16Config,
@@ -51,7 +52,6 @@ class HfZeroConfig:
     _unsupported_keys: ClassVar[dict[str, str]] = {
         "sparse_attention": "Sparse attention kernels",
         "eigenvalue": "Eigenvalue-based layer-wise learning rates",
-        "progressive_layer_drop": "Progressive layer dropping",
         "quantize_training": "MoQ quantize-aware training (use compression_training)",
         "weight_quantization": "Post-training weight quantization for inference",
         "nebula": "Nebula checkpointing service",
@@ -141,6 +141,9 @@ class HfZeroConfig:
                    "size; parsed by hf_zero.config.elasticity.")
     autotuning: Mapping[str, Any] | None = spec(None, help="DeepSpeed autotuner. " + _RAW_SECTION)
     data_efficiency: Mapping[str, Any] | None = spec(None, help="Data sampling and routing. " + _RAW_SECTION)
+    progressive_layer_drop: ProgressiveLayerDropConfig = spec(
+        default_factory=ProgressiveLayerDropConfig,
+        help="DeepSpeed's progressive layer dropping: the model's forward gets progressive_layer_drop= and pld_theta=.")
     curriculum_learning: CurriculumLearningConfig = spec(
         default_factory=CurriculumLearningConfig,
         help="DeepSpeed's legacy curriculum (Megatron-DeepSpeed's): the model's forward gets curriculum_seqlen=.")

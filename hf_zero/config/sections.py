@@ -31,6 +31,7 @@ __all__ = [
     "LEAF_MODULE_DEFAULT_CLASSES",
     "LeafModuleConfig",
     "MonitorConfig",
+    "ProgressiveLayerDropConfig",
     "OffloadConfig",
     "ParamOffloadConfig",
     "ThroughputTimerConfig",
@@ -476,6 +477,23 @@ class CurriculumScheduleConfig:
     difficulty: tuple[int, ...] | None = spec(None, help="fixed_discrete: the difficulties, in order.")
     max_step: tuple[int, ...] | None = spec(
         None, help="fixed_discrete: the last step of each difficulty but the last (one entry fewer).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressiveLayerDropConfig:
+    """``progressive_layer_drop``: DeepSpeed's PLD (arXiv 2010.13369). While training, every forward gets
+    ``progressive_layer_drop=True, pld_theta=theta`` (the model decides what to drop), ``theta`` moving from 1 towards
+    ``theta`` at each optimizer step: ``(1 - theta) * exp(-gamma * step) + theta`` (hf_zero/runtime/pld.py)."""
+
+    enabled: bool = spec(False, help="Pass the keep-probability schedule to the model's forward.")
+    theta: float = spec(1.0, help="The keep probability the schedule converges to (1: nothing dropped).")
+    gamma: float = spec(0.001, help="How fast the keep probability falls towards theta.")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.theta <= 1.0:
+            raise ConfigError("theta", f"{self.theta} is not a probability (0 <= theta <= 1)")
+        if self.gamma < 0:
+            raise ConfigError("gamma", f"must be >= 0, got {self.gamma}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -372,6 +372,7 @@ STATUS: dict[str, KeyStatus] = {
     # data_sampling.dynamic_batching: runtime/variable_batch.py; data_routing.random_ltd: runtime/random_ltd.py
     "data_efficiency": _todo("its curriculum data sampling is not run (data_sampling.dynamic_batching and "
                              "data_routing.random_ltd are)", active=_data_efficiency_beyond_batching),
+    "progressive_layer_drop": HONOURED,  # the model's forward gets the keep probability (hf_zero/runtime/pld.py)
     "curriculum_learning": HONOURED,  # DeepSpeed's legacy curriculum (hf_zero/runtime/curriculum.py)
     # hf_zero/runtime/hybrid_engine.py. DeepSpeed also swaps in its inference kernels for the model families it has
     # policies for; the other keys size or tune those kernels. hf_zero generates with the model's own forward (so

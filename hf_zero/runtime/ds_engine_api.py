@@ -86,6 +86,27 @@ class DeepSpeedEngineAPI:
         params.pop("enabled", None)
         return params
 
+    def pld_enabled(self) -> bool:
+        return self._config.progressive_layer_drop.enabled
+
+    def pld_params(self) -> dict | bool:
+        """The ``progressive_layer_drop`` section without ``enabled``, False without it (DeepSpeed's getter)."""
+        section = self._config.raw.get("progressive_layer_drop")
+        if section is None:
+            return False
+        pld = self._config.progressive_layer_drop
+        return {**{k: v for k, v in section.items() if k != "enabled"}, "theta": pld.theta, "gamma": pld.gamma}
+
+    def pld_theta(self) -> float:
+        return self._config.progressive_layer_drop.theta
+
+    def pld_gamma(self) -> float:
+        return self._config.progressive_layer_drop.gamma
+
+    def get_pld_theta(self) -> float | None:
+        """The keep probability the next training forward gets; None without PLD."""
+        return self.progressive_layer_drop.get_theta() if self.progressive_layer_drop is not None else None
+
     def random_ltd_enabled(self) -> bool:
         return self.random_ltd_scheduler is not None
 

@@ -34,6 +34,7 @@ from hf_zero.runtime.curriculum import CurriculumScheduler
 from hf_zero.runtime.ds_engine_api import DeepSpeedEngineAPI
 from hf_zero.runtime.hybrid_engine import HybridGeneration
 from hf_zero.runtime.input_cast import cast_inputs_half
+from hf_zero.runtime.pld import ProgressiveLayerDrop
 from hf_zero.runtime.monitor import MonitorMaster, boundary_events
 from hf_zero.runtime.optimizers import OptimizerPlan, adopt_client_groups
 from hf_zero.tensor_parallel import tp_info
@@ -110,6 +111,11 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         ltd = random_ltd_policy(config.data_efficiency)
         self.random_ltd_scheduler = (RandomLTDScheduler(ltd, int(config.train_batch_size or 0))
                                      if ltd is not None else None)
+        # progressive_layer_drop: each training forward gets the keep probability; each step moves it
+        # (runtime/pld.py)
+        self.progressive_layer_drop = (ProgressiveLayerDrop(config.progressive_layer_drop.theta,
+                                                            config.progressive_layer_drop.gamma)
+                                       if config.progressive_layer_drop.enabled else None)
         # torch_autocast: the forward runs under torch.autocast, parameters stay fp32; float16 gets loss scaling
         # with the fp16 section's settings (DeepSpeed uses a GradScaler there)
         self._autocast = config.torch_autocast if config.torch_autocast.enabled else None
@@ -400,6 +406,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                 kwargs = {**kwargs, "curriculum_seqlen": difficulty}
         if self.random_ltd_scheduler is not None and self.module.training:
             self.random_ltd_scheduler.update_seq(self.global_steps)
+        if self.progressive_layer_drop is not None and self.module.training:
+            kwargs = {**kwargs, **self.progressive_layer_drop.get_state()}
         if self._config.fp16.auto_cast:  # positional inputs only, as DeepSpeed (runtime/input_cast.py)
             args = cast_inputs_half(args)
         self.step_time.forward(args, kwargs)
@@ -500,6 +508,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                 self.zenflow.before_offloaded_step(self.micro_steps)
             # ZenFlow at stage 3 writes its selected columns back after the step: the persistent parameters are
             # re-gathered once, after both writers
+            if self.progressive_layer_drop is not None:  # DeepSpeed: with the count before this step's increment
+                self.progressive_layer_drop.update_state(self.global_steps)
             coalesce = (self.stage3.coalesced_shard_changes() if self.stage3 is not None and self.zenflow is not None
                         else contextlib.nullcontext())
             with coalesce:
