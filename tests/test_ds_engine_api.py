@@ -85,8 +85,14 @@ def test_optimizer_cur_scale_reads_and_sets_the_fp16_loss_scale():
     engine.backward(engine(torch.ones(2, 8).half()).float().sum() * float("inf"))
     engine.step()  # an overflow halves the scale that was set (hysteresis 1), not the initial one
     assert engine.skipped_steps == 1 and engine.optimizer.cur_scale == engine.get_loss_scale() == 2.0
+    # DeepSpeed's other names for it (its test_fp16 reads them): the scaler's loss_scale, the dynamic flag
+    assert engine.optimizer.loss_scaler.loss_scale == engine.optimizer.loss_scaler.cur_scale == 2.0
+    assert engine.optimizer.dynamic_loss_scale is True
+    static = _engine(stage=1, fp16={"enabled": True, "loss_scale": 138}, gradient_accumulation_steps=1,
+                     train_batch_size=2)
+    assert static.optimizer.dynamic_loss_scale is False and static.optimizer.loss_scaler.loss_scale == 138.0
     plain = _engine(stage=1)
-    assert plain.optimizer.cur_scale == plain.optimizer.loss_scale == 1.0
+    assert plain.optimizer.cur_scale == plain.optimizer.loss_scale == 1.0 and plain.optimizer.dynamic_loss_scale is False
     plain.optimizer.cur_scale = 1.0
     with pytest.raises(ValueError, match=r"optimizer.cur_scale = 2.0: this run has no loss scaling"):
         plain.optimizer.cur_scale = 2.0

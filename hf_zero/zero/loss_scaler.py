@@ -40,6 +40,13 @@ class LossScaler:
     good_steps: int = 0       # clean steps since the last overflow (or the start), before the current one
     hysteresis_left: int = 2  # overflows still absorbed before the scale drops; 1: the next overflow drops it
 
+    @property
+    def loss_scale(self) -> float:
+        """DeepSpeed's loss scaler attribute name for the current scale (also ``cur_scale``)."""
+        return self.scale
+
+    cur_scale = loss_scale
+
     @classmethod
     def from_policy(cls, policy: LossScalePolicy) -> "LossScaler":
         if policy.static_scale > 0:

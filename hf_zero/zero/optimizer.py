@@ -177,6 +177,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     loss_scale = cur_scale
 
     @property
+    def dynamic_loss_scale(self) -> bool:
+        """DeepSpeed's ZeRO optimizer attribute: whether the fp16 loss scale adapts (False without fp16)."""
+        return self.loss_scaler is not None and self.loss_scaler.dynamic
+
+    @property
     def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
         """DeepSpeed's ZeRO-1/2 optimizer attribute: this rank's fp32 master partition of each group (transformers'
         DeepSpeed tests read it to check the masters stay fp32 under bf16). Under an optimizer offload, read back
