@@ -198,3 +198,14 @@ def test_bf16_check_grad_overflow_skips_the_step():
     # The infinite gradient of step 2 is skipped with the flag (weights stay finite) and applied without it.
     assert run_distributed(_bf16_poisoned, 1, args=(True,)) == [(1, 4, True)]
     assert run_distributed(_bf16_poisoned, 1, args=(False,)) == [(0, 4, False)]
+
+
+def test_unknown_keys_warn_where_deepspeed_ignores_them_and_fail_where_it_refuses_them():
+    """DeepSpeed reads flops_profiler and activation_checkpointing key by key (its own test_flops_profiler writes
+    ``"step": 1``, no such key) and refuses extra keys in its pydantic sections (zero_optimization, ...)."""
+    assert ignored_warnings({"flops_profiler": {"enabled": True, "step": 1}}) == [
+        "hf_zero: config key 'flops_profiler.step' is unknown; accepted keys: detailed, enabled, module_depth, "
+        "output_file, profile_step, recompute_fwd_factor, top_modules; ignored, as DeepSpeed ignores unknown keys in "
+        "this section"]
+    with pytest.raises(ConfigError, match=r"zero_optimization.stagee: unknown key; did you mean 'stage'\?"):
+        load({"zero_optimization": {"stagee": 2}})

@@ -344,9 +344,14 @@ def test_mpu_is_kept_until_another_is_given():
     assert ckpt._STATE.mpu is mpu
 
 
-def test_configure_refuses_a_misspelt_key_and_deepspeeds_contradictions():
-    with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpoint"):
+def test_configure_warns_of_a_misspelt_key_and_refuses_deepspeeds_contradictions():
+    # DeepSpeed reads this section key by key and ignores a misspelt one; hf_zero too, saying so and what was meant
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         ckpt.configure(None, deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}})
+    messages = [str(w.message) for w in caught if issubclass(w.category, ConfigKeyIgnored)]
+    assert messages == ["hf_zero: config key 'activation_checkpointing.cpu_checkpoint' is unknown; did you mean "
+                        "'cpu_checkpointing'?; ignored, as DeepSpeed ignores unknown keys in this section"]
     with pytest.raises(ConfigError, match="needs partition_activations"):
         ckpt.configure(None, contiguous_checkpointing=True)
     with pytest.raises(ConfigError, match="needs activation_checkpointing.number_checkpoints"):

@@ -130,6 +130,12 @@ def parse(cls: type, value: Any, path: str = "") -> Any:
                 warnings.warn(f"hf_zero: config key '{key}' is unknown{hint}; ignored, as DeepSpeed ignores unknown "
                               "top-level keys", ConfigKeyIgnored, stacklevel=2)
                 continue
+            if getattr(cls, "_ignores_unknown_keys", False):
+                # a section DeepSpeed still reads key by key (its DeepSpeedConfigObject ones: flops_profiler,
+                # activation_checkpointing), where an unknown key is ignored rather than refused
+                warnings.warn(f"hf_zero: config key '{key_path}' is unknown{hint}; ignored, as DeepSpeed ignores "
+                              f"unknown keys in this section", ConfigKeyIgnored, stacklevel=2)
+                continue
             raise ConfigError(key_path, f"unknown key{hint}")
         if f.name in kwargs:
             raise ConfigError(key_path, f"given twice (as '{json_key(f)}' and one of its aliases); keep one")

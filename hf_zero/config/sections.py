@@ -324,6 +324,9 @@ class AioConfig:
 class ActivationCheckpointingConfig:
     """``activation_checkpointing``: options of DeepSpeed's activation checkpointing API."""
 
+    # DeepSpeed parses this section key by key and ignores the rest: unknown keys warn instead of failing
+    _ignores_unknown_keys: ClassVar[bool] = True
+
     partition_activations: bool = spec(False, help="Partition checkpointed activations across model-parallel ranks.")
     contiguous_memory_optimization: bool = spec(False, help="Copy checkpoints into one contiguous buffer.")
     cpu_checkpointing: bool = spec(False, help="Move checkpointed activations to CPU memory.")
@@ -339,6 +342,9 @@ class ActivationCheckpointingConfig:
 @dataclass(frozen=True, kw_only=True)
 class FlopsProfilerConfig:
     """``flops_profiler``: DeepSpeed's FLOPs profiler."""
+
+    # DeepSpeed parses this section key by key and ignores the rest: unknown keys warn instead of failing
+    _ignores_unknown_keys: ClassVar[bool] = True
 
     enabled: bool = spec(False, help="Profile FLOPs, parameters and latency of one step.")
     recompute_fwd_factor: float = spec(0.0, help="Extra forward passes from activation recomputation.")
