@@ -114,7 +114,8 @@ def _report(engine) -> dict:
     mesh = engine.parallel_layout.mesh
     return {"shape": tuple(mesh.shape), "dims": tuple(mesh.mesh_dim_names),
             "mesh": {dim: _ranks(g) for dim, g in _mesh_groups(mesh).items()},
-            "used": {use: (_of_mesh(g, mesh), _ranks(g)) for use, g in _engine_groups(engine).items()}}
+            "used": {use: (_of_mesh(g, mesh), _ranks(g)) for use, g in _engine_groups(engine).items()},
+            "mp": (engine.mp_world_size, engine.checkpoint_mp_rank)}  # DeepSpeed's checkpoint names use the latter
 
 
 def _train_step(engine) -> float:
@@ -289,6 +290,7 @@ def test_data_parallel_groups_are_the_meshs():
             _check_all_of_mesh(report, rank)
             assert report["shape"] == (1, 2, 1)
             assert report["mesh"] == {"pp": [rank], "dp": [0, 1], "tp": [rank]}
+            assert report["mp"] == (1, 0)
             assert report["used"]["zero_dp"] == ("dp", [0, 1]) and report["used"]["optimizer_dp"] == ("dp", [0, 1])
             assert 4.0 < out[f"loss{stage}"] < 6.0  # ln(128) = 4.85: an untrained model's cross entropy
         assert report["used"]["stage3"] == ("dp", [0, 1])
@@ -325,6 +327,7 @@ def test_dp_by_tp_groups_are_the_meshs():
                                       "tp": [rank // 2 * 2, rank // 2 * 2 + 1]}, (rank, report["mesh"])
             assert report["used"]["zero_dp"] == ("dp", [rank % 2, rank % 2 + 2])
             assert report["used"]["tp_dtensor"][0] == report["used"]["norm_model_parallel"][0] == "tp"
+            assert report["mp"] == (2, rank % 2)  # the tensor-parallel rank, as DeepSpeed's mp_rank_XX
         assert out["same_mesh"] is True and out["pre_same_mesh"] is True
         assert 4.0 < out["loss"] < 6.0 and 4.0 < out["pre_loss"] < 6.0
 

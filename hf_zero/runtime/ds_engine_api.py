@@ -192,6 +192,13 @@ class DeepSpeedEngineAPI:
         return torch.distributed.get_world_size(group) if group is not None else 1
 
     @property
+    def checkpoint_mp_rank(self) -> int:
+        """DeepSpeed's: the model-parallel rank its checkpoint file names carry (``mp_rank_XX``); 0 without model
+        parallelism (an mpu of sequence parallelism alone included)."""
+        group = self.model_parallel_group
+        return torch.distributed.get_rank(group) if group is not None and self.mp_world_size > 1 else 0
+
+    @property
     def data_parallel_group(self):
         return self.process_group if self.process_group is not None else torch.distributed.group.WORLD
 
