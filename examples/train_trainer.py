@@ -127,6 +127,11 @@ def main(argv=None) -> None:
 
     if args.metrics_out:
         write_metrics(trainer, eval_loss, args.metrics_out, at_load)
+    # The Trainer leaves the process group up; every rank tears it down together, so no rank exits while another
+    # still uses it (a gloo rank exiting that way was once aborted by the C++ runtime, "terminate called ...")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def write_metrics(trainer, eval_loss: float, path: str, at_load: dict) -> None:
