@@ -24,22 +24,29 @@ import torch.nn as nn
 from .hooks import outside_graph, wrap_inputs_for_post_backward
 from .param import ShardedParam
 
-__all__ = ["LeafGradients"]
+__all__ = ["LeafGradients", "unused_gradient"]
+
+
+def unused_gradient(sp: ShardedParam) -> torch.Tensor:
+    """The gradient a leaf's parameter counts with on a rank whose forward did not use it: zeros, in the dtype and
+    on the device a real one would have, so every rank packs the same buckets."""
+    return torch.zeros(sp.numel, dtype=sp.dtype, device=sp.data.device)
 
 
 class LeafGradients:
     """Owns, for each leaf module, its trainable parameters and the gradients held for them until the flush."""
 
     def __init__(self, reduce: Callable[[ShardedParam, torch.Tensor], None],
-                 done: Callable[[ShardedParam], None]) -> None:
+                 done: Callable[[ShardedParam], None], active: Callable[[], bool]) -> None:
         self._reduce = reduce  # hands one full gradient to the reducer
         self._done = done      # a parameter's gradient is accounted for (the runtime's bookkeeping after a grad)
+        # False while the runtime holds every gradient itself (coalesce_grad_reduction), leaves included
+        self._active = active
         self._leaf_of: dict[int, nn.Module] = {}           # ds_id -> its leaf module
         self._members: dict[nn.Module, list[ShardedParam]] = {}  # leaf -> trainable params, in ds_id order
         self._held: dict[nn.Module, dict[int, torch.Tensor]] = {}
         self._at_end: dict[nn.Module, None] = {}           # leaves flushed at the end of the backward pass
         self._handles: list = []
-        self.enabled = True  # off while the runtime holds every gradient itself (coalesce_grad_reduction)
 
     def rebuild(self, leaves: dict[nn.Module, list[ShardedParam]]) -> None:
         """The current leaves and their parameters (after the leaf flags changed): hooks on exactly those."""
@@ -47,9 +54,9 @@ class LeafGradients:
             h.remove()
         self._handles = []
         self.clear()
-        self._members = {leaf: sorted((sp for sp in sps if sp.requires_grad), key=lambda sp: sp.ds_id)
-                         for leaf, sps in leaves.items()}
-        self._members = {leaf: sps for leaf, sps in self._members.items() if sps}
+        trainable = {leaf: sorted((sp for sp in sps if sp.requires_grad), key=lambda sp: sp.ds_id)
+                     for leaf, sps in leaves.items()}
+        self._members = {leaf: sps for leaf, sps in trainable.items() if sps}
         self._leaf_of = {sp.ds_id: leaf for leaf, sps in self._members.items() for sp in sps}
         for leaf in self._members:
             self._handles.append(leaf.register_forward_pre_hook(outside_graph(self._pre_forward), with_kwargs=True))
@@ -59,7 +66,7 @@ class LeafGradients:
 
     def hold(self, sp: ShardedParam, grad: torch.Tensor) -> bool:
         """Keep ``grad`` until its leaf's flush; False when ``sp`` is in no leaf (reduce it now)."""
-        leaf = self._leaf_of.get(sp.ds_id) if self.enabled else None
+        leaf = self._leaf_of.get(sp.ds_id)
         if leaf is None:
             return False
         held = self._held.setdefault(leaf, {})
@@ -85,7 +92,7 @@ class LeafGradients:
 
     # ---------------------------------------------------------------- hooks
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        if not (self.enabled and torch.is_grad_enabled() and module in self._members):
+        if not (self._active() and torch.is_grad_enabled() and module in self._members):
             return None
         wrapped = wrap_inputs_for_post_backward(args, kwargs, self._on_post_backward, module)
         if wrapped is None:
@@ -100,7 +107,7 @@ class LeafGradients:
         for sp in self._members.get(leaf, ()):
             grad = held.pop(sp.ds_id, None)
             if grad is None:  # not used by this rank's forward: its share of the average is zero
-                grad = torch.zeros(sp.numel, dtype=sp.dtype, device=sp.data.device)
+                grad = unused_gradient(sp)
                 self._done(sp)
             self._reduce(sp, grad)
             del grad

@@ -42,7 +42,7 @@ from hf_zero.zero.leaf import z3_leaf_module
 from hf_zero.zero.local import local_tensor
 
 from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
-from .leaf_grads import LeafGradients
+from .leaf_grads import LeafGradients, unused_gradient
 from .hooks import (install_module_hooks, outside_graph, queue_end_of_backward, register_output_grad_hooks,
                     wrap_inputs_for_post_backward)
 from .param import HoldReason, ParamState, ShardedParam, ZeroParamStatus, sharded_param_of
@@ -159,7 +159,9 @@ class Stage3Runtime:
         self._groups_of_sp: dict[int, set[int]] = {}  # ds_id -> group ids containing it
         # leaf modules' gradients: held, then reduced together when the leaf's backward ends (leaf_grads.py); in a
         # world of one there is nobody to disagree with, and each gradient is reduced as it comes
-        self.leaf_grads = LeafGradients(self.reducer.add, self._grad_accounted) if self.world_size > 1 else None
+        self.leaf_grads = (LeafGradients(self.reducer.add, self._grad_accounted,
+                                         active=lambda: self._held_grads is None)
+                           if self.world_size > 1 else None)
         self._build_groups()
         self.trace = self._new_trace()
         self.states = TrainingStates()  # forward / recompute / backward of each module call, see states.py
@@ -441,19 +443,16 @@ class Stage3Runtime:
         """From here on backward passes sum each gradient on this rank instead of reduce-scattering it, until
         :meth:`reduce_held_gradients` (``engine.coalesce_grad_reduction()``: one reduction for several backward
         passes, at the cost of holding their full gradients meanwhile)."""
-        self._held_grads = {}
-        if self.leaf_grads is not None:
-            self.leaf_grads.enabled = False  # everything is held here; leaves are completed with zeros at the end
+        self._held_grads = {}  # leaves' gradients too: they are completed with zeros at the end
 
     def reduce_held_gradients(self) -> None:
         """Reduce-scatter what :meth:`hold_gradients` kept, in one pass. Every rank adds the gradients in ds_id
         order (not arrival order, which may differ between ranks), so the buckets -- and the collectives -- match."""
         held, self._held_grads = self._held_grads or {}, None
         if self.leaf_grads is not None:
-            self.leaf_grads.enabled = True
             for sp in self.leaf_grads.members():  # a leaf's unused parameters count as zeros, as in its flush
                 if sp.ds_id not in held:
-                    held[sp.ds_id] = (sp, torch.zeros(sp.numel, dtype=sp.dtype, device=sp.data.device))
+                    held[sp.ds_id] = (sp, unused_gradient(sp))
         for ds_id in sorted(held):
             sp, grad = held.pop(ds_id)
             self.reducer.add(sp, grad)
@@ -463,8 +462,6 @@ class Stage3Runtime:
     def drop_held_gradients(self) -> None:
         """Forget what :meth:`hold_gradients` kept, reducing nothing (the block raised)."""
         self._held_grads = None
-        if self.leaf_grads is not None:
-            self.leaf_grads.enabled = True
 
     def _accumulate_whole(self) -> None:
         """Every parameter is whole (``self.whole``): the gradients autograd left in ``.grad`` go into the grad
