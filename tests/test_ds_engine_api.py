@@ -92,7 +92,8 @@ def test_optimizer_cur_scale_reads_and_sets_the_fp16_loss_scale():
                      train_batch_size=2)
     assert static.optimizer.dynamic_loss_scale is False and static.optimizer.loss_scaler.loss_scale == 138.0
     plain = _engine(stage=1)
-    assert plain.optimizer.cur_scale == plain.optimizer.loss_scale == 1.0 and plain.optimizer.dynamic_loss_scale is False
+    assert plain.optimizer.cur_scale == plain.optimizer.loss_scale == 1.0
+    assert plain.optimizer.dynamic_loss_scale is False
     plain.optimizer.cur_scale = 1.0
     with pytest.raises(ValueError, match=r"optimizer.cur_scale = 2.0: this run has no loss scaling"):
         plain.optimizer.cur_scale = 2.0

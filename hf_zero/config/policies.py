@@ -28,8 +28,7 @@ if TYPE_CHECKING:
     from .sections import AioConfig, FP16Config, OffloadConfig
 
 __all__ = ["AioParams", "OffloadPolicy", "CPUOffloadPolicy", "NVMeOffloadPolicy", "LeafModulePolicy", "Stage3Policy",
-           "ZeroPolicy",
-           "LossScalePolicy", "PrecisionPolicy", "zero_policy", "precision_policy", "loss_scale_policy",
+           "ZeroPolicy", "LossScalePolicy", "PrecisionPolicy", "zero_policy", "precision_policy", "loss_scale_policy",
            "param_offload_policy", "param_offload_device", "InitPrecision", "init_precision", "ZenFlowPolicy",
            "zenflow_policy"]
 

@@ -117,6 +117,11 @@ def _one_bit(cfg: "HfZeroConfig") -> bool:
     return cfg.optimizer is not None and cfg.optimizer.name in ONE_BIT_OPTIMIZERS
 
 
+def _optimizer_key_given(name: str) -> Callable[["HfZeroConfig"], bool]:
+    """A key of the optional ``optimizer`` section that defaults to None: set when the section is and the key given."""
+    return lambda cfg: cfg.optimizer is not None and getattr(cfg.optimizer, name) is not None
+
+
 def _optimizer_label(cfg: "HfZeroConfig") -> str:
     from .optim import OPTIMIZER_TYPES
 
@@ -129,6 +134,9 @@ def _reduce_dtype(cfg: "HfZeroConfig") -> str:
         return cfg.data_types.grad_accum_dtype
     return "bf16" if cfg.bf16.enabled is True else "fp16" if cfg.fp16.enabled is True else "fp32"
 
+
+_REDUCE_DTYPE = ("gradients are reduced in the dtype they are accumulated in; set data_types.grad_accum_dtype to "
+                 "choose it")
 
 _OFFLOAD_POOL = ("hf_zero's swap needs no buffer pool: optimizer tiles use two sets of sub_group_size buffers, and "
                  "parameter reads go straight into the all-gather buffer")
@@ -162,12 +170,10 @@ STATUS: dict[str, KeyStatus] = {
     "zero_force_ds_cpu_optimizer": _no_op("with optimizer offload hf_zero always runs its own CPU Adam (a client "
                                           "Adam/AdamW is re-applied as it; other optimizers are refused)"),
     "communication_data_type": _refused(
-        "gradients are reduced in the dtype they are accumulated in; set data_types.grad_accum_dtype to choose it",
-        active=lambda cfg: cfg.communication_data_type not in (None, _reduce_dtype(cfg))),
+        _REDUCE_DTYPE, active=lambda cfg: cfg.communication_data_type not in (None, _reduce_dtype(cfg))),
     # DeepSpeed makes it the communication_data_type when sequence_parallel_size > 1, and ignores it otherwise
     "seq_parallel_communication_data_type": _refused(
-        "gradients are reduced in the dtype they are accumulated in; set data_types.grad_accum_dtype to choose it",
-        active=lambda cfg: (cfg.sequence_parallel_size or 1) > 1
+        _REDUCE_DTYPE, active=lambda cfg: (cfg.sequence_parallel_size or 1) > 1
         and cfg.seq_parallel_communication_data_type not in (None, _reduce_dtype(cfg))),
     "data_parallel_size": HONOURED,  # must equal the world size (checked by the loader)
     "sequence_parallel_size": HONOURED,  # Ulysses groups and batch arithmetic (hf_zero/sequence_parallel/setup.py)
@@ -201,13 +207,11 @@ STATUS: dict[str, KeyStatus] = {
                             active=_one_bit, label=_optimizer_label),
     "optimizer.params": HONOURED,
     "optimizer.torch_adam": _no_op("DeepSpeed reads torch_adam only inside optimizer.params and ignores it here",
-                                   active=lambda cfg: cfg.optimizer is not None and cfg.optimizer.torch_adam is not None),
+                                   active=_optimizer_key_given("torch_adam")),
     "optimizer.adam_w_mode": _no_op("DeepSpeed reads adam_w_mode only inside optimizer.params and ignores it here",
-                                    active=lambda cfg: cfg.optimizer is not None
-                                    and cfg.optimizer.adam_w_mode is not None),
+                                    active=_optimizer_key_given("adam_w_mode")),
     "optimizer.legacy_fusion": _no_op("hf_zero has one fp16 optimizer path (DeepSpeed's legacy fused one is not "
-                                      "separate)", active=lambda cfg: cfg.optimizer is not None
-                                      and cfg.optimizer.legacy_fusion is not None),
+                                      "separate)", active=_optimizer_key_given("legacy_fusion")),
     "scheduler.type": HONOURED,
     "scheduler.params": HONOURED,
     "zero_optimization.stage": HONOURED,

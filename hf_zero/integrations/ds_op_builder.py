@@ -118,13 +118,15 @@ class FusedAdamBuilder(_Builder):
 # raises naming it), so ``from deepspeed.ops.op_builder import FusedLambBuilder`` works and a script or test that
 # gates on ``is_compatible()`` takes its other path, as it would on DeepSpeed without that op.
 UNAVAILABLE_OP_NAMES = {
-    "FusedLambBuilder": "fused_lamb", "FusedLionBuilder": "fused_lion", "TransformerBuilder": "transformer", "StochasticTransformerBuilder":
-    "stochastic_transformer", "InferenceBuilder": "transformer_inference", "InferenceCoreBuilder":
-    "inference_core_ops", "InferenceCutlassBuilder": "cutlass_ops", "RaggedOpsBuilder": "ragged_device_ops",
+    "FusedLambBuilder": "fused_lamb", "FusedLionBuilder": "fused_lion",
+    "TransformerBuilder": "transformer", "StochasticTransformerBuilder": "stochastic_transformer",
+    "InferenceBuilder": "transformer_inference", "InferenceCoreBuilder": "inference_core_ops",
+    "InferenceCutlassBuilder": "cutlass_ops", "RaggedOpsBuilder": "ragged_device_ops",
     "RaggedUtilsBuilder": "ragged_ops", "QuantizerBuilder": "quantizer", "FPQuantizerBuilder": "fp_quantizer",
-    "RandomLTDBuilder": "random_ltd", "SpatialInferenceBuilder": "spatial_inference", "EvoformerAttnBuilder":
-    "evoformer_attn", "GDSBuilder": "gds", "DeepCompileBuilder": "dc", "PinMemoryBuilder": "pin_memory",
-    "UtilsBuilder": "utils", "CCLCommBuilder": "deepspeed_ccl_comm", "ShareMemCommBuilder": "deepspeed_shm_comm",
+    "RandomLTDBuilder": "random_ltd", "SpatialInferenceBuilder": "spatial_inference",
+    "EvoformerAttnBuilder": "evoformer_attn", "GDSBuilder": "gds", "DeepCompileBuilder": "dc",
+    "PinMemoryBuilder": "pin_memory", "UtilsBuilder": "utils",
+    "CCLCommBuilder": "deepspeed_ccl_comm", "ShareMemCommBuilder": "deepspeed_shm_comm",
 }
 globals().update({cls: type(cls, (NotImplementedBuilder,), {"NAME": op, "__module__": __name__,
                                                            "__doc__": f"DeepSpeed's {op} op: not built by hf_zero."})

@@ -400,9 +400,8 @@ def _attached(args: tuple) -> tuple:
     """A reentrant checkpoint function (DeepSpeed's ``checkpointing.checkpoint``, the PipelineModule default there)
     only connects its region to autograd through an input that requires grad; on the first stage none does (the
     data), and the region's parameters would silently get no gradient. As DeepSpeed does there, the floating-point
-    inputs are made to require grad (their gradient is computed and dropped)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if not torch.is_grad_enabled() or any(t.requires_grad for t in tensors):
+    inputs are made to require grad (their gradient is computed and dropped). Called in grad mode only."""
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return args
     return tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                  for a in args)

@@ -34,9 +34,9 @@ from hf_zero.runtime.curriculum import CurriculumScheduler
 from hf_zero.runtime.ds_engine_api import DeepSpeedEngineAPI
 from hf_zero.runtime.hybrid_engine import HybridGeneration
 from hf_zero.runtime.input_cast import cast_inputs_half
-from hf_zero.runtime.pld import ProgressiveLayerDrop
 from hf_zero.runtime.monitor import MonitorMaster, boundary_events
 from hf_zero.runtime.optimizers import OptimizerPlan, adopt_client_groups
+from hf_zero.runtime.pld import ProgressiveLayerDrop
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.buffer_dtypes import cast_module_buffers, unusable_norms
 from hf_zero.zero.grad_reducer import GroupGradReducer, ReduceMode
@@ -506,10 +506,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                 self._check_every_gradient()
             if self.zenflow is not None:  # overlap_step: this window's Adam moments
                 self.zenflow.before_offloaded_step(self.micro_steps)
-            # ZenFlow at stage 3 writes its selected columns back after the step: the persistent parameters are
-            # re-gathered once, after both writers
             if self.progressive_layer_drop is not None:  # DeepSpeed: with the count before this step's increment
                 self.progressive_layer_drop.update_state(self.global_steps)
+            # ZenFlow at stage 3 writes its selected columns back after the step: the persistent parameters are
+            # re-gathered once, after both writers
             coalesce = (self.stage3.coalesced_shard_changes() if self.stage3 is not None and self.zenflow is not None
                         else contextlib.nullcontext())
             with coalesce:

@@ -130,9 +130,9 @@ def plan_from_client(optimizer: torch.optim.Optimizer, *, allow_untested: bool) 
     elementwise = issubclass(cls, known_elementwise) or getattr(cls, "hf_zero_elementwise", False)
     if not elementwise and not allow_untested:
         raise UntestedOptimizerError(
-            "zero_allow_untested_optimizer", f"the client optimizer {cls.__module__}.{cls.__name__} is not known to give "
-            "the same result on a shard as on the full tensor; set \"zero_allow_untested_optimizer\": true to use it "
-            "anyway")
+            "zero_allow_untested_optimizer", f"the client optimizer {cls.__module__}.{cls.__name__} is not known to "
+            "give the same result on a shard as on the full tensor; set \"zero_allow_untested_optimizer\": true to "
+            "use it anyway")
     defaults.pop("fused", None)
     return OptimizerPlan(cls, defaults, False, groups, client=optimizer)
 

@@ -119,9 +119,9 @@ def parallelize(model: nn.Module, layout: RunLayout, tp_cfg: TPConfig,
     2. The pipeline cut (``mesh["pp"]``): a pipeline model was cut into stages when it was built (its layers per
        stage are fixed before any weights exist); step 1 then shards each stage's modules (3D).
     3. Activation checkpointing: the config's ``pipeline.activation_checkpoint_interval`` and ``use_reentrant``
-       (``pipeline_section``) are set on a PipelineModule's stages, which recompute whole layers whatever step 1 did to them; other models
-       checkpoint through their own ``gradient_checkpointing_enable()`` (the ``activation_checkpointing`` section
-       is DeepSpeed's API for Megatron models: config/status.py).
+       (``pipeline_section``) are set on a PipelineModule's stages, which recompute whole layers whatever step 1
+       did to them; other models checkpoint through their own ``gradient_checkpointing_enable()`` (the
+       ``activation_checkpointing`` section is DeepSpeed's API for Megatron models: config/status.py).
     4. Data parallelism and ZeRO (``mesh["dp"]``): the engine (:func:`make_engine`) shards optimizer state,
        gradients and, at stage 3, parameters over the data-parallel group -- last, over what steps 1-3 left.
 
