@@ -76,11 +76,12 @@ def set_z3_leaf_modules_by_name(model: nn.Module, module_names: Sequence[str], f
         else:
             setattr(module, LEAF_ATTR, bool(flag))
             found.append(module)
+    if found:
+        _changed()
     if missing and raise_if_not_found:
         raise ValueError(f"hf_zero: no module named {missing} in {type(model).__name__} (names are those of "
                          f"model.named_modules(), e.g. {_examples(by_name)}); pass raise_if_not_found=False to allow "
                          f"this")
-    _changed()
     return found, missing
 
 
@@ -100,11 +101,12 @@ def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: Sequen
             if id(module) not in seen:
                 seen.add(id(module))
                 found.append(module)
+    if found:
+        _changed()
     if missing and raise_if_not_found:
         raise ValueError(f"hf_zero: no module name of {type(model).__name__} ends with {missing} (names are those of "
                          f"model.named_modules(), e.g. {_examples(by_name)}); pass raise_if_not_found=False to allow "
                          f"this")
-    _changed()
     return found, missing
 
 
@@ -232,12 +234,15 @@ def _set(model: nn.Module, classes: Sequence[type | str], flag: bool, raise_if_n
                          f"names (pass raise_if_not_found=False to allow this)")
     for m in found:
         setattr(m, LEAF_ATTR, flag)
-    _changed()
+    if found:
+        _changed()
     return found
 
 
 def _changed() -> None:
-    """A running ZeRO-3 engine rebuilds its gather groups at its next forward."""
+    """A running ZeRO-3 engine rebuilds its gather groups at its next forward. Called only when a flag was set:
+    building an engine applies the config's leaf classes to its model, and a call that matched nothing must not make
+    every other live engine (TRL's reference model, say) rebuild its groups and re-record its trace."""
     from hf_zero.zero.stage3.runtime import bump_external_version
 
     bump_external_version()
