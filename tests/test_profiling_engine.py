@@ -1,5 +1,6 @@
 """The ``flops_profiler`` config section and DeepSpeed's profiler API (FlopsProfiler, get_model_profile)."""
 
+import os
 import re
 
 import pytest
@@ -106,6 +107,7 @@ def test_flops_profiler_section_reports_at_profile_step_and_changes_nothing(tmp_
     expected = results[0][2][1]["analytic"]
     assert "Profile Summary at step 1:" in text
     assert re.search(r"world size:\s+2", text) and re.search(r"batch size per GPU:\s+2", text)
+    assert re.search(rf"micro-batches in this step \(every figure below covers them all\):\s+{GAS} *\n", text)
     fwd = GAS * expected.forward
     assert re.search(rf"fwd flops per GPU:\s+{round(fwd / 1e6, 2):g} M", text), text
     assert "params of model (true sizes, every ZeRO stage):" in text
@@ -158,6 +160,9 @@ def test_flops_profiler_counts_forward_only_like_deepspeed():
     prof.stop_profile()
     expected = analytic_flops(cfg, B, S)
     assert prof.get_total_flops() == expected.forward
+    prof.print_model_profile(output_file=os.devnull)  # DeepSpeed's profiler keeps the printed figures
+    assert (prof.flops, prof.macs) == (expected.forward, expected.forward // 2)
+    assert prof.params == sum(p.numel() for p in model.parameters())
     assert prof.report.model == expected.training
     assert prof.get_total_duration() > 0
     prof.end_profile()
@@ -175,3 +180,53 @@ def test_deepspeed_names_reach_hf_zero_profiler():
     flops, _, params = ds_get_model_profile(model, input_shape=None, args=[torch.randint(0, 128, (B, S))],
                                             print_profile=False, as_string=False)
     assert flops == analytic_flops(cfg, B, S).forward
+
+
+def _engine_flops_profiler(section: dict | None):
+    """DeepSpeed's test_flops_profiler, with two micro-batches of different sizes per step: Linear(10, 10)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 10))
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    if section is not None:
+        ds["flops_profiler"] = section
+    engine, *_ = hf_zero.initialize(model=model, config=ds)
+    out = {"getters": (engine.flops_profiler_enabled(), engine.flops_profiler_profile_step(),
+                       engine.flops_profiler_module_depth(), engine.flops_profiler_top_modules()),
+           "has": hasattr(engine, "flops_profiler")}
+    if section is None:
+        try:
+            engine.flops_profiler
+        except AttributeError as missing:
+            out["missing"] = str(missing)
+        return out
+    for step in range(3):
+        if step == 1:  # nothing profiled yet: a clear error, not a None in arithmetic
+            with pytest.raises(RuntimeError, match="no step profiled yet .*profile_step is 1"):
+                engine.flops_profiler.get_total_flops()
+        for rows in (4, 2):  # the last micro-batch of each step has 2 rows
+            x = torch.randn(rows, 10)
+            loss = nn.functional.cross_entropy(engine(x), torch.zeros(rows, dtype=torch.long))
+            engine.backward(loss)
+            engine.step()
+    prof = engine.flops_profiler
+    out.update(flops=prof.flops, macs=prof.macs, params=prof.params, total=prof.get_total_flops(),
+               text=prof.get_total_flops(as_string=True), params_text=prof.get_total_params(as_string=True),
+               step_flops=prof.report.forward, duration=prof.get_total_duration())
+    return out
+
+
+def test_engine_flops_profiler_holds_deepspeeds_figures_of_the_profiled_step(tmp_path):
+    section = {"enabled": True, "profile_step": 1, "module_depth": -1, "top_modules": 3,
+               "output_file": str(tmp_path / "p.txt")}
+    on = run_distributed(_engine_flops_profiler, 1, args=(section,), timeout_s=120)[0]
+    assert on["getters"] == (True, 1, -1, 3) and on["has"]
+    # DeepSpeed restarts its count at every forward: flops is the last micro-batch's (2 rows x 2 x 10 x 10)
+    assert (on["flops"], on["macs"], on["total"]) == (400, 200, 400)
+    assert on["step_flops"] == 1200  # the report covers the step: 4 rows + 2 rows
+    assert on["params"] == 110 and on["params_text"] == "110"
+    assert on["text"] == "400 " and on["duration"] > 0  # DeepSpeed's format, trailing space included
+    off = run_distributed(_engine_flops_profiler, 1, args=(None,), timeout_s=120)[0]
+    assert off["getters"] == (False, 1, -1, 1) and not off["has"]  # absent when disabled, as in DeepSpeed
+    assert off["missing"] == "engine.flops_profiler exists when the config's flops_profiler.enabled is true (as in " \
+                             "DeepSpeed)"

@@ -100,6 +100,8 @@ class FlopsProfiler:
         if not self.started:
             return
         counts = count_params(self.model)
+        # the figures DeepSpeed's profiler keeps after printing (scripts read prof.flops after the print)
+        self.flops, self.macs, self.params = self.get_total_flops(), self.get_total_macs(), counts.total
         engine = self.ds_engine
         figures = StepFigures(profile_step=profile_step, params_total=counts.total,
                               params_resident=counts.resident_numel, params_resident_bytes=counts.resident_bytes,

@@ -58,6 +58,7 @@ class StepFigures:
     world_size: int = 1
     dp_size: int = 1
     micro_batch: int | None = None
+    micro_steps: int | None = None   # forwards counted in the profiled step (gradient accumulation); None: one call
     params_total: int = 0
     params_resident: int = 0
     params_resident_bytes: int = 0
@@ -111,6 +112,9 @@ def format_profile(root: nn.Module, report: FlopReport, figures: StepFigures, *,
     line("data parallel size: ", figures.dp_size)
     if figures.micro_batch is not None:
         line("batch size per GPU: ", figures.micro_batch)
+    if figures.micro_steps is not None:
+        # DeepSpeed's figures are of the step's last micro-batch; these cover every micro-batch of the step
+        line("micro-batches in this step (every figure below covers them all): ", figures.micro_steps)
     line("params of model (true sizes, every ZeRO stage): ", params_to_string(figures.params_total))
     line("params per GPU (resident at rest on this rank): ",
          f"{params_to_string(figures.params_resident)} "

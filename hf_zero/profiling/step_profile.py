@@ -5,6 +5,11 @@ engine's count of completed steps) is profiled on every rank, every micro-step o
 counted at the dispatcher, forward / backward / step latencies, tokens from the attention mask. At the end of that
 step rank 0 prints the report (stdout, or ``output_file``). Every other step costs one integer comparison.
 
+After that step the profiler also holds DeepSpeed's read-outs of it (``engine.flops_profiler.flops`` / ``.macs`` /
+``.params``, the figures DeepSpeed's profiler keeps after printing): the forward FLOPs and MACs of the step's last
+micro-batch -- DeepSpeed restarts its count at every forward, so that is what its ``flops`` holds -- and the model's
+parameter count (true sizes; DeepSpeed's is the local shard under ZeRO-3).
+
 Counting changes no numerics and leaves nothing behind: the counter's dispatch mode and module hooks exist only
 inside the profiled calls. No collective is issued, so ranks cannot diverge over profiling.
 """
@@ -23,7 +28,8 @@ from hf_zero.profiling.flops import FlopCounter
 from hf_zero.profiling.hardware import device_name, peak_tflops
 from hf_zero.profiling.params import count_params
 from hf_zero.profiling.profiler import write_profile
-from hf_zero.profiling.report import StepFigures, format_profile
+from hf_zero.profiling.report import (StepFigures, duration_to_string, format_profile, macs_to_string,
+                                     number_to_string, params_to_string)
 
 __all__ = ["StepProfiler", "batch_tokens"]
 
@@ -71,10 +77,16 @@ class StepProfiler:
         self.compute_dtype, self.device = compute_dtype, device
         self._counter: FlopCounter | None = None
         self._seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self._samples = self._tokens = 0
+        self._samples = self._tokens = self._forwards = 0
         self.report = None                   # the FlopReport of the profiled step, on every rank
         self.figures: StepFigures | None = None
         self.last_report: str | None = None  # the text printed on rank 0
+        # DeepSpeed's read-outs of the profiled step (see the module docstring); None until it ran
+        self.flops: int | None = None
+        self.macs: int | None = None
+        self.params: int | None = None
+        self.duration: float | None = None   # forward seconds of that last micro-batch
+        self._last_forward = (0, 0.0)        # (FLOPs, seconds) of the latest forward window
 
     def active(self, global_steps: int) -> bool:
         return self.enabled and global_steps == self.profile_step
@@ -84,16 +96,21 @@ class StepProfiler:
         if self._counter is None:
             self._counter = FlopCounter(self.module, time_modules=True)
         _sync()
+        before = self._counter.report.forward
         start = time.perf_counter()
         with self._counter.window(window) if window else nullcontext():
             yield
             _sync()
-        self._seconds[phase] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self._seconds[phase] += seconds
+        if phase == "forward":
+            self._last_forward = (self._counter.report.forward - before, seconds)
 
     def forward(self, global_steps: int, args: tuple, kwargs: dict):
         if not self.active(global_steps):
             return nullcontext()
         samples, tokens = batch_tokens(args, kwargs)
+        self._forwards += 1
         self._samples += samples
         self._tokens += tokens
         return self._timed("forward", "forward")
@@ -113,12 +130,14 @@ class StepProfiler:
         dtype = _DTYPE_NAMES.get(self.compute_dtype, str(self.compute_dtype))
         figures = StepFigures(
             profile_step=self.profile_step, world_size=self.world_size, dp_size=self.world_size,
-            micro_batch=self.micro_batch, params_total=counts.total, params_resident=counts.resident_numel,
-            params_resident_bytes=counts.resident_bytes, fwd_s=self._seconds["forward"],
-            bwd_s=self._seconds["backward"], step_s=self._seconds["step"], samples=self._samples,
+            micro_batch=self.micro_batch, micro_steps=self._forwards, params_total=counts.total,
+            params_resident=counts.resident_numel, params_resident_bytes=counts.resident_bytes,
+            fwd_s=self._seconds["forward"], bwd_s=self._seconds["backward"], step_s=self._seconds["step"], samples=self._samples,
             tokens=self._tokens, peak_tflops=peak_tflops(self.device, self.compute_dtype),
             device=device_name(self.device), dtype=dtype, recompute_fwd_factor=self.recompute_fwd_factor)
         self.report, self.figures = report, figures
+        self.flops, self.duration = self._last_forward
+        self.macs, self.params = self.flops // 2, counts.total
         if self.rank == 0:
             text, warnings = format_profile(self.module, report, figures, module_depth=self.module_depth,
                                             top_modules=self.top_modules, detailed=self.detailed)
@@ -127,7 +146,26 @@ class StepProfiler:
             write_profile(text, self.output_file)
             self.last_report = text
         self._seconds = dict.fromkeys(self._seconds, 0.0)
-        self._samples = self._tokens = 0
+        self._samples = self._tokens = self._forwards = 0
+
+    # ---- DeepSpeed's FlopsProfiler getters, answered from the profiled step ------------------------------------
+    def _figure(self, value, to_string, as_string: bool):
+        if value is None:
+            raise RuntimeError(f"flops_profiler: no step profiled yet (flops_profiler.profile_step is "
+                               f"{self.profile_step}; its figures are read after that optimizer step)")
+        return to_string(value) if as_string else value
+
+    def get_total_flops(self, as_string: bool = False):
+        return self._figure(self.flops, number_to_string, as_string)
+
+    def get_total_macs(self, as_string: bool = False):
+        return self._figure(self.macs, macs_to_string, as_string)
+
+    def get_total_params(self, as_string: bool = False):
+        return self._figure(self.params, params_to_string, as_string)
+
+    def get_total_duration(self, as_string: bool = False):
+        return self._figure(self.duration, duration_to_string, as_string)
 
     def __repr__(self) -> str:
         return f"StepProfiler(enabled={self.enabled}, profile_step={self.profile_step})"

@@ -34,6 +34,11 @@ class DeepSpeedEngineAPI:
     def __getattr__(self, name: str) -> Any:
         # nn.Module's lookup first (parameters, buffers, submodules -- ``module`` itself is one), then the wrapped
         # model's, as DeepSpeed's engine does: scripts call engine.generate(), engine.get_input_embeddings(), ...
+        # Python calls this when one of the engine's properties raised AttributeError: that error is the answer
+        # (e.g. flops_profiler's, naming the config key), not the wrapped model's lack of the name.
+        prop = getattr(type(self), name, None)
+        if isinstance(prop, property):
+            return prop.fget(self)
         try:
             return super().__getattr__(name)
         except AttributeError as missing:
@@ -106,6 +111,39 @@ class DeepSpeedEngineAPI:
     def get_pld_theta(self) -> float | None:
         """The keep probability the next training forward gets; None without PLD."""
         return self.progressive_layer_drop.get_theta() if self.progressive_layer_drop is not None else None
+
+    # ---- flops_profiler (hf_zero/profiling/step_profile.py) -------------------------------------------------------
+    @property
+    def flops_profiler(self):
+        """DeepSpeed's ``engine.flops_profiler``: with the section enabled, the profiler of the profiled step, whose
+        ``flops`` / ``macs`` / ``params`` and ``get_total_*()`` are read after that step; absent otherwise, as in
+        DeepSpeed (an AttributeError naming the key)."""
+        profiler = self.__dict__.get("step_profiler")
+        if profiler is None or not profiler.enabled:
+            raise AttributeError("engine.flops_profiler exists when the config's flops_profiler.enabled is true "
+                                 "(as in DeepSpeed)")
+        return profiler
+
+    def flops_profiler_enabled(self) -> bool:
+        return bool(self._config.flops_profiler.enabled)
+
+    def flops_profiler_profile_step(self) -> int:
+        return int(self._config.flops_profiler.profile_step)
+
+    def flops_profiler_module_depth(self) -> int:
+        return int(self._config.flops_profiler.module_depth)
+
+    def flops_profiler_top_modules(self) -> int:
+        return int(self._config.flops_profiler.top_modules)
+
+    def flops_profiler_detailed(self) -> bool:
+        return bool(self._config.flops_profiler.detailed)
+
+    def flops_profiler_output_file(self) -> str | None:
+        return self._config.flops_profiler.output_file
+
+    def flops_profiler_recompute_fwd_factor(self) -> float:
+        return float(self._config.flops_profiler.recompute_fwd_factor)
 
     def random_ltd_enabled(self) -> bool:
         return self.random_ltd_scheduler is not None
