@@ -132,8 +132,8 @@ class StepProfiler:
             profile_step=self.profile_step, world_size=self.world_size, dp_size=self.world_size,
             micro_batch=self.micro_batch, micro_steps=self._forwards, params_total=counts.total,
             params_resident=counts.resident_numel, params_resident_bytes=counts.resident_bytes,
-            fwd_s=self._seconds["forward"], bwd_s=self._seconds["backward"], step_s=self._seconds["step"], samples=self._samples,
-            tokens=self._tokens, peak_tflops=peak_tflops(self.device, self.compute_dtype),
+            fwd_s=self._seconds["forward"], bwd_s=self._seconds["backward"], step_s=self._seconds["step"],
+            samples=self._samples, tokens=self._tokens, peak_tflops=peak_tflops(self.device, self.compute_dtype),
             device=device_name(self.device), dtype=dtype, recompute_fwd_factor=self.recompute_fwd_factor)
         self.report, self.figures = report, figures
         self.flops, self.duration = self._last_forward
