@@ -67,6 +67,10 @@ class HfZeroConfig:
         None, auto=True, help="Samples per rank per forward/backward.")
     gradient_accumulation_steps: int | None | Auto = spec(
         None, auto=True, help="Micro batches accumulated before each optimizer step.")
+    managed_gradient_accumulation: bool = spec(
+        True, help="false: the caller's engine.step() is the accumulation boundary (DeepSpeed's unmanaged mode): "
+                   "backward passes sum gradients until step() reduces and applies them, whatever their number; "
+                   "backward still divides by gradient_accumulation_steps (scale_wrt_gas).")
     # 1.0 when absent, as DeepSpeed (GRADIENT_CLIPPING_DEFAULT, runtime/constants.py): a DeepSpeed config without
     # the key clips there, so it must clip here too (load_config logs it once).
     gradient_clipping: float | Auto = spec(
@@ -184,6 +188,10 @@ class HfZeroConfig:
         if op == "sum" and self.zero.zenflow is not None:
             raise ConfigError("gradient_allreduce_op", "'sum' is not supported with zero_optimization.zenflow "
                                                        "(DeepSpeed refuses it too); use 'mean'")
+        if not self.managed_gradient_accumulation and self.zero.zenflow is not None:
+            raise ConfigError("managed_gradient_accumulation", "false is not supported with zero_optimization.zenflow, "
+                                                               "whose update and select boundaries count micro-steps; "
+                                                               "remove one of the two")
         if self.gradient_predivide_factor <= 0:
             raise ConfigError("gradient_predivide_factor", f"must be > 0, got {self.gradient_predivide_factor}")
         if self.steps_per_print is not None and self.steps_per_print < 1:

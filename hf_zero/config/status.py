@@ -150,6 +150,7 @@ STATUS: dict[str, KeyStatus] = {
     "gradient_accumulation_steps": HONOURED,
     "gradient_clipping": HONOURED,
     "steps_per_print": HONOURED,
+    "managed_gradient_accumulation": HONOURED,  # runtime/engine.py: step() as the boundary when false
     "wall_clock_breakdown": HONOURED,
     "timers": HONOURED,  # timers.throughput drives engine.tput_timer (hf_zero/profiling/throughput_timer.py)
     "memory_breakdown": HONOURED,  # the engine prints memory at each stage of a step (profiling/memory_usage.py)

@@ -67,6 +67,9 @@ class DeepSpeedEngineAPI:
     def scheduler_params(self) -> dict | None:
         return (self._config.raw.get("scheduler") or {}).get("params") if self._config.scheduler is not None else None
 
+    def managed_gradient_accumulation(self) -> bool:
+        return bool(self._config.managed_gradient_accumulation)
+
     def steps_per_print(self) -> int | None:
         return self._config.steps_per_print
 
@@ -296,6 +299,12 @@ class DeepSpeedEngineAPI:
         dropped with the exception."""
         if self.optimizer is None:
             self._no_optimizer()
+        if not self._managed_gas:
+            from hf_zero.runtime.engine import ManagedAccumulationError
+
+            raise ManagedAccumulationError(
+                "hf_zero: engine.coalesce_grad_reduction() with managed_gradient_accumulation false: step() reduces "
+                "the gradients of every backward since the last step already (DeepSpeed refuses the pair too)")
         if self._inside_no_sync or self._coalescing:
             raise RuntimeError("hf_zero: engine.coalesce_grad_reduction() nested inside engine.no_sync() or another "
                                "coalesce_grad_reduction(); use one block per optimizer step")
@@ -315,10 +324,7 @@ class DeepSpeedEngineAPI:
         if self.stage3 is not None:
             self.stage3.reduce_held_gradients()
         else:
-            self.reducer.begin(True)  # the gradients the block's passes left in param.grad, in one pass
-            self.reducer.finish()
-            if self.stage == 0:
-                self.reducer.expose_grads()
+            self._reduce_held_gradients()  # the gradients the block's passes left in param.grad
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """A new global batch with the same micro-batch: the accumulation steps change (DeepSpeed's rule)."""

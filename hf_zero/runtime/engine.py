@@ -6,6 +6,9 @@
         engine.backward(loss)           # scaled backward; gradients reduced into shards as they appear
         engine.step()                   # optimizer + scheduler, only at the gradient-accumulation boundary
 
+The boundary is every ``gradient_accumulation_steps``-th micro-step (or where ``set_gradient_accumulation_boundary``
+puts it); with ``managed_gradient_accumulation: false`` every ``step()`` is one, after any number of backwards.
+
 The engine owns *when* things happen (micro-steps, boundaries, loss scaling, logging, checkpoints); the ZeRO
 objects own *how* state is sharded: :class:`ShardedGroup` (the shards), :class:`GroupGradReducer` (stages 0-2
 gradient hooks), the stage-3 runtime (parameter gather/release), :class:`ZeroOptimizer` (the update).
@@ -46,7 +49,7 @@ from hf_zero.zero.placement import place_module
 from hf_zero.zero.local import local_tensor
 from hf_zero.zero.sharded_group import ShardedGroup
 
-__all__ = ["HfZeroEngine", "UnusedParametersError"]
+__all__ = ["HfZeroEngine", "ManagedAccumulationError", "UnusedParametersError"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -54,6 +57,11 @@ logger = logging.getLogger("hf_zero")
 class UnusedParametersError(RuntimeError, AssertionError):
     """Trainable parameters got no gradient with ``zero_optimization.ignore_unused_parameters: false``. Also an
     AssertionError: DeepSpeed asserts there, and scripts (DeepSpeed's own tests among them) catch that type."""
+
+
+class ManagedAccumulationError(RuntimeError, AssertionError):
+    """A call that sets the accumulation boundary while ``managed_gradient_accumulation`` is false (the caller's
+    step() is the boundary). Also DeepSpeed's AssertionError."""
 
 
 class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
@@ -99,6 +107,11 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._boundary_override: bool | None = None
+        # managed_gradient_accumulation false: the caller's step() is the boundary; True only while it runs, and
+        # the backward passes since the last step() (global_samples counts them, DeepSpeed's rule)
+        self._managed_gas = bool(config.managed_gradient_accumulation)
+        self._in_caller_step = False
+        self._backwards_since_step = 0
         self.zenflow = None  # zero_optimization.zenflow: set below once the optimizer exists (zero/zenflow.py)
         see_memory_usage("Engine before configure distributed model", force=self.memory_breakdown())
         # curriculum_learning (DeepSpeed's legacy one): each training forward moves it to step global_steps + 1
@@ -428,6 +441,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if not self._managed_gas:  # the caller owns the boundary: it is the step() now running, if any
+            return self._in_caller_step
         if self._boundary_override is not None:
             return self._boundary_override
         if self.zenflow is not None:  # warm-up, update_interval and select boundaries (zero/zenflow.py)
@@ -436,6 +451,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Let the caller (accelerate) decide where accumulation ends, instead of counting micro-steps."""
+        if not self._managed_gas:
+            raise ManagedAccumulationError(
+                "hf_zero: set_gradient_accumulation_boundary() with managed_gradient_accumulation false: each "
+                "engine.step() is the boundary already (DeepSpeed refuses the call too); drop the call or the key")
         self._boundary_override = bool(is_boundary)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
@@ -466,6 +485,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
     def _begin_backward(self) -> None:
         """Prologue of every backward pass (engine.backward or a direct one): does this micro-step reduce?"""
         see_memory_usage("Engine before backward", force=self.memory_breakdown())
+        self._backwards_since_step += 1
         if self.reducer is not None:
             self.reducer.begin((self.stage == 2 or self.is_gradient_accumulation_boundary())
                                and not self._inside_no_sync and not self._coalescing)
@@ -497,6 +517,29 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             raise RuntimeError(f"hf_zero: engine.step() inside engine.{block}(): the gradients of the backward passes "
                                "inside are reduced only after the block; call step() after the with-block")
         see_memory_usage("Engine before step", force=self.memory_breakdown())
+        if not self._managed_gas:
+            # managed_gradient_accumulation false: this call is the boundary. Stages 0/1 reduce here what the
+            # backward passes since the last step summed on this rank; stages 2/3 reduced in each backward already
+            self._in_caller_step = True
+            try:
+                if self.reducer is not None and self.stage < 2:
+                    self._reduce_held_gradients()
+                self._step(lr_kwargs)
+            finally:
+                self._in_caller_step = False
+        else:
+            self._step(lr_kwargs)
+        see_memory_usage("Engine after step", force=self.memory_breakdown())
+
+    def _reduce_held_gradients(self) -> None:
+        """Reduce, in one pass, the gradients backward passes left summed in ``param.grad`` without reducing them
+        (stages 0-2: the end of coalesce_grad_reduction, and step() with managed_gradient_accumulation false)."""
+        self.reducer.begin(True)
+        self.reducer.finish()
+        if self.stage == 0:
+            self.reducer.expose_grads()
+
+    def _step(self, lr_kwargs: dict | None) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         if self.zenflow is not None:  # DeepSpeed: the selective lr is synced, the Adam step count is the micro-step's
             self.zenflow.sync_lr()
@@ -525,7 +568,11 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             if self.device.type == "cpu":
                 host_cache.trim()  # blocks idle for a whole step go back to the kernel
             self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            # DeepSpeed's count: the global batch, or with the caller owning the boundary, its micro-batches
+            self.global_samples += (self.train_batch_size() if self._managed_gas else
+                                    self._backwards_since_step * self.train_batch_size()
+                                    // self.gradient_accumulation_steps())
+            self._backwards_since_step = 0
             self.step_time.boundary()
             if self.monitor.enabled:
                 timed = self._config.wall_clock_breakdown and self._monitors_phase_times
@@ -540,7 +587,6 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             self.hybrid.after_step()
         self.micro_steps += 1
         self._boundary_override = None
-        see_memory_usage("Engine after step", force=self.memory_breakdown())
 
     @property
     def step_time_model(self):

@@ -82,6 +82,11 @@ class PipelineEngine(HfZeroEngine):
         # refused before anything is built or communicated
         check_schedule(pcfg.schedule, num_microbatches=int(config.gradient_accumulation_steps),
                        num_stages=grid.pipe_parallel_size, virtual_stages=module.virtual_stages)
+        if not config.managed_gradient_accumulation:
+            raise ConfigError("managed_gradient_accumulation", "false is not supported with pipeline parallelism: "
+                                                               "train_batch() runs gradient_accumulation_steps "
+                                                               "micro-batches and steps itself (DeepSpeed refuses "
+                                                               "it too)")
         if int(config.zero.stage) == 3 and module.virtual_stages > 1:
             raise ConfigError("pipeline.virtual_stages", "ZeRO-3 with several virtual stages per rank is not "
                                                         "supported; use ZeRO 0-2 or virtual_stages 1")
