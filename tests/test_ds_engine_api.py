@@ -76,6 +76,18 @@ def test_was_step_applied_is_false_after_an_fp16_overflow():
     assert engine.was_step_applied() is False and engine.skipped_steps == 1
 
 
+def test_was_step_applied_is_false_between_accumulation_boundaries():
+    """DeepSpeed's answer: whether the latest step() updated the parameters (its test_zero_user_backward)."""
+    engine = _engine(stage=1, gradient_accumulation_steps=2, train_batch_size=4)
+    assert engine.was_step_applied() is False  # no step yet
+    applied = []
+    for _ in range(4):
+        engine.backward(engine(torch.ones(2, 8)).sum())
+        engine.step()
+        applied.append(engine.was_step_applied())
+    assert applied == [False, True, False, True] and engine.global_steps == 2
+
+
 def test_optimizer_cur_scale_reads_and_sets_the_fp16_loss_scale():
     engine = _engine(stage=1, fp16={"enabled": True, "initial_scale_power": 4, "hysteresis": 1},
                      gradient_accumulation_steps=1, train_batch_size=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Iterable
 
-__all__ = ["ConfigError", "check_keys", "closest", "unknown_key"]
+__all__ = ["ConfigError", "ManagedAccumulationError", "check_keys", "closest", "unknown_key"]
 
 
 class ConfigError(ValueError):
@@ -24,6 +24,14 @@ class ConfigError(ValueError):
         # rebuilt from both arguments: an exception pickles as cls(*args), and args holds only the joined message
         # -- a worker pool handing this error back to its parent (multiprocessing) would otherwise hang there
         return (type(self), (self.key_path, self.detail), self.__dict__)
+
+
+class ManagedAccumulationError(ConfigError, AssertionError):
+    """``managed_gradient_accumulation: false`` with what moves or owns the boundary itself (a boundary setter, a
+    coalescing block, the pipeline's train_batch). Also an AssertionError: DeepSpeed asserts there."""
+
+    def __init__(self, key_path: str = "managed_gradient_accumulation", message: str = ""):
+        super().__init__(key_path, message)
 
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hf_zero.config.errors import ConfigError
+from hf_zero.config.errors import ConfigError, ManagedAccumulationError
 
 __all__ = ["DeepSpeedEngineAPI"]
 
@@ -159,7 +159,6 @@ class DeepSpeedEngineAPI:
         """Hand the schedule to the configured layers among those convert_to_random_ltd wrapped: the i-th id of
         ``random_ltd_layer_id`` (sorted) goes to the first wrapper, in module order, whose name contains it after
         the previous one -- DeepSpeed's matching -- and they must all be found."""
-        from hf_zero.config.errors import ConfigError
         from hf_zero.runtime.random_ltd import RandomLayerTokenDrop
 
         if self.random_ltd_scheduler is None:
@@ -250,8 +249,9 @@ class DeepSpeedEngineAPI:
 
     # ---- the step -------------------------------------------------------------------------------------------------
     def was_step_applied(self) -> bool:
-        """Whether the last optimizer step changed the parameters: False when an fp16 overflow skipped it."""
-        return self.optimizer is not None and not self.optimizer.overflow
+        """Whether the latest ``step()`` updated the parameters (DeepSpeed's): False before any, for a step()
+        between accumulation boundaries, and for one an fp16 overflow skipped."""
+        return self._step_applied
 
     def get_mom(self) -> list:
         """Each group's momentum: Adam's ``betas``, SGD's ``momentum`` (DeepSpeed's getter)."""
@@ -300,11 +300,9 @@ class DeepSpeedEngineAPI:
         if self.optimizer is None:
             self._no_optimizer()
         if not self._managed_gas:
-            from hf_zero.runtime.engine import ManagedAccumulationError
-
-            raise ManagedAccumulationError(
-                "hf_zero: engine.coalesce_grad_reduction() with managed_gradient_accumulation false: step() reduces "
-                "the gradients of every backward since the last step already (DeepSpeed refuses the pair too)")
+            raise ManagedAccumulationError(message="false, and coalesce_grad_reduction() was entered: step() "
+                                                   "reduces the gradients of every backward since the last step "
+                                                   "already (DeepSpeed refuses the pair too)")
         if self._inside_no_sync or self._coalescing:
             raise RuntimeError("hf_zero: engine.coalesce_grad_reduction() nested inside engine.no_sync() or another "
                                "coalesce_grad_reduction(); use one block per optimizer step")

@@ -25,7 +25,7 @@ from torch import nn
 
 from hf_zero import comm
 from hf_zero.config import HfZeroConfig, loss_scale_policy, precision_policy, zero_policy
-from hf_zero.config.errors import ConfigError
+from hf_zero.config.errors import ConfigError, ManagedAccumulationError
 from hf_zero.ops import host_cache
 from hf_zero.profiling.memory_usage import see_memory_usage
 from hf_zero.profiling.step_calibration import StepTimeCalibrator
@@ -49,7 +49,7 @@ from hf_zero.zero.placement import place_module
 from hf_zero.zero.local import local_tensor
 from hf_zero.zero.sharded_group import ShardedGroup
 
-__all__ = ["HfZeroEngine", "ManagedAccumulationError", "UnusedParametersError"]
+__all__ = ["HfZeroEngine", "UnusedParametersError"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -57,11 +57,6 @@ logger = logging.getLogger("hf_zero")
 class UnusedParametersError(RuntimeError, AssertionError):
     """Trainable parameters got no gradient with ``zero_optimization.ignore_unused_parameters: false``. Also an
     AssertionError: DeepSpeed asserts there, and scripts (DeepSpeed's own tests among them) catch that type."""
-
-
-class ManagedAccumulationError(RuntimeError, AssertionError):
-    """A call that sets the accumulation boundary while ``managed_gradient_accumulation`` is false (the caller's
-    step() is the boundary). Also DeepSpeed's AssertionError."""
 
 
 class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
@@ -112,6 +107,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self._managed_gas = bool(config.managed_gradient_accumulation)
         self._in_caller_step = False
         self._backwards_since_step = 0
+        self._step_applied = False  # did the latest step() update the parameters (was_step_applied)
         self.zenflow = None  # zero_optimization.zenflow: set below once the optimizer exists (zero/zenflow.py)
         see_memory_usage("Engine before configure distributed model", force=self.memory_breakdown())
         # curriculum_learning (DeepSpeed's legacy one): each training forward moves it to step global_steps + 1
@@ -452,9 +448,9 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Let the caller (accelerate) decide where accumulation ends, instead of counting micro-steps."""
         if not self._managed_gas:
-            raise ManagedAccumulationError(
-                "hf_zero: set_gradient_accumulation_boundary() with managed_gradient_accumulation false: each "
-                "engine.step() is the boundary already (DeepSpeed refuses the call too); drop the call or the key")
+            raise ManagedAccumulationError(message="false, and set_gradient_accumulation_boundary() was called: "
+                                                   "each engine.step() is the boundary already (DeepSpeed refuses "
+                                                   "the call too); drop the call or the key")
         self._boundary_override = bool(is_boundary)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
@@ -540,6 +536,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             self.reducer.expose_grads()
 
     def _step(self, lr_kwargs: dict | None) -> None:
+        self._step_applied = False  # a step() between boundaries, or one an fp16 overflow skipped, applies nothing
         boundary = self.is_gradient_accumulation_boundary()
         if self.zenflow is not None:  # DeepSpeed: the selective lr is synced, the Adam step count is the micro-step's
             self.zenflow.sync_lr()
@@ -558,6 +555,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             with coalesce:
                 with self.timers.phase("step"), self.step_profiler.step(self.global_steps):
                     self.optimizer.step()
+                self._step_applied = not self.optimizer.overflow
                 if self.zenflow is not None:
                     self.zenflow.after_offloaded_step()
             if self.reducer is not None:
