@@ -61,6 +61,12 @@ def test_direct_backward_identical_to_engine_backward_stages_0_to_3():
 
 def _fp16_paths_and_bypass():
     out = {"scaled": _train(1, "scaled", "fp16"), "engine": _train(1, "engine", "fp16")}
+    needs = []
+    for precision in ({"fp16": {"enabled": True}}, {"bf16": {"enabled": True}}):
+        engine, optimizer, *_ = hf_zero.initialize(model=make_model(), config=base_config(1, **precision))
+        needs.append(optimizer.needs_scaler())
+        engine.destroy()
+    out["needs_scaler"] = tuple(needs)
     try:
         _train(1, "direct", "fp16")
     except RuntimeError as e:
@@ -97,6 +103,8 @@ def test_fp16_needs_engine_scale_and_a_backward_the_engine_did_not_run():
     for r in results:
         assert r["scaled"][0] == r["engine"][0]
         assert "engine.scale(loss).backward()" in r["direct_error"]
+        assert r["direct_error"].startswith("hf_zero: Loss scaling is required")  # DeepSpeed's words
+        assert r["needs_scaler"] == (True, False)
         for stage in (0, 2):
             seen = r[f"bypass_{stage}"]
             assert f"bypass_error_{stage}" not in r and seen["kept"], (stage, r)
@@ -106,3 +114,31 @@ def test_fp16_needs_engine_scale_and_a_backward_the_engine_did_not_run():
         assert "engine.module(...)" in msg and "engine.backward(loss)" in msg, msg
     for name, t in results[0]["engine"][1].items():
         assert torch.equal(results[0]["scaled"][1][name], t), name
+
+
+def _bad_losses():
+    engine, *_ = hf_zero.initialize(model=make_model(), config=base_config(1))
+    out = engine(torch.randn(2, 13))  # (2, 7): not a loss
+    errors = {}
+    for name, call in (("scale", lambda: engine.scale(out)), ("backward", lambda: engine.backward(out)),
+                       ("scale_nograd", lambda: engine.scale(out.detach().sum()))):
+        try:
+            call()
+        except AssertionError as err:  # DeepSpeed's type (and a RuntimeError)
+            errors[name] = (isinstance(err, RuntimeError), str(err))
+    loss = engine(torch.randn(2, 13)).pow(2).mean()
+    engine.backward(loss)  # the engine still trains after the refusals
+    engine.step()
+    applied = engine.was_step_applied()
+    engine.destroy()
+    return errors, applied
+
+
+def test_a_non_scalar_or_graphless_loss_is_refused_as_deepspeed_asserts():
+    errors, applied = run_distributed(_bad_losses, 1)[0]
+    assert errors["scale"] == (True, "hf_zero: engine.scale(loss) needs a scalar tensor loss, got a tensor of shape "
+                                     "(2, 7); for a non-scalar output call output.backward(grad) on the engine's "
+                                     "output (DeepSpeed asserts the same)")
+    assert errors["backward"][1].startswith("hf_zero: engine.backward(loss) needs a scalar tensor loss")
+    assert "does not require grad" in errors["scale_nograd"][1]
+    assert applied is False  # base_config accumulates 2 micro-steps: the first step() applies nothing

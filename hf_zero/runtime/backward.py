@@ -103,8 +103,9 @@ class BackwardSessions:
             scale = self._loss_scale()
             if scale is not None and not self._user_scaled:
                 raise RuntimeError(
-                    "hf_zero: fp16 training needs loss scaling, and backward() was called on the engine's output "
-                    "without it. Call engine.backward(loss), or engine.scale(loss).backward() (as in DeepSpeed)")
+                    "hf_zero: Loss scaling is required: fp16 training scales the loss, and backward() was called "
+                    "on the engine's output without it. Call engine.backward(loss), or "
+                    "engine.scale(loss).backward() (as in DeepSpeed, whose error starts the same)")
             self._user_scaled = False
             tensor = ref()
             if tensor is not None and tensor.numel() == 1:

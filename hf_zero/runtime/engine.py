@@ -49,7 +49,7 @@ from hf_zero.zero.placement import place_module
 from hf_zero.zero.local import local_tensor
 from hf_zero.zero.sharded_group import ShardedGroup
 
-__all__ = ["HfZeroEngine", "UnusedParametersError"]
+__all__ = ["HfZeroEngine", "LossError", "UnusedParametersError"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -57,6 +57,21 @@ logger = logging.getLogger("hf_zero")
 class UnusedParametersError(RuntimeError, AssertionError):
     """Trainable parameters got no gradient with ``zero_optimization.ignore_unused_parameters: false``. Also an
     AssertionError: DeepSpeed asserts there, and scripts (DeepSpeed's own tests among them) catch that type."""
+
+
+class LossError(RuntimeError, AssertionError):
+    """``engine.backward(loss)`` / ``engine.scale(loss)`` given something that is not a scalar loss with a graph.
+    Also an AssertionError: DeepSpeed asserts there."""
+
+
+def _check_loss(loss: Any, call: str) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise LossError(f"hf_zero: engine.{call}(loss) needs a scalar tensor loss, got {got}; for a non-scalar "
+                        f"output call output.backward(grad) on the engine's output (DeepSpeed asserts the same)")
+    if not loss.requires_grad:
+        raise LossError(f"hf_zero: engine.{call}(loss) got a loss that does not require grad; was the forward run "
+                        f"under torch.no_grad(), or are all parameters frozen?")
 
 
 class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
@@ -460,9 +475,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         DeepSpeed's does."""
         if self.optimizer is None:
             self._no_optimizer()
-        if not loss.requires_grad:
-            raise RuntimeError("hf_zero: engine.backward(loss) got a loss that does not require grad; was the "
-                               "forward run under torch.no_grad(), or are all parameters frozen?")
+        _check_loss(loss, "backward")
         self._backward.last_loss = loss
         self._backward.scale_wrt_gas = scale_wrt_gas
         gas_scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
@@ -475,6 +488,9 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the fp16 loss scale, for ``engine.scale(loss).backward()`` (DeepSpeed's manual backward);
         the accumulation-steps division is applied on the engine's outputs as for any direct backward."""
+        if self.optimizer is None:
+            self._no_optimizer()
+        _check_loss(loss, "scale")
         self._backward.mark_user_scaled()
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
 

@@ -176,6 +176,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     loss_scale = cur_scale
 
+    def needs_scaler(self) -> bool:
+        """DeepSpeed's: whether a backward the script runs itself must go through ``engine.scale(loss)`` -- with
+        fp16's loss scaling (hf_zero refuses an unscaled one then); bf16 and fp32 need none."""
+        return self.loss_scaler is not None
+
     @property
     def dynamic_loss_scale(self) -> bool:
         """DeepSpeed's ZeRO optimizer attribute: whether the fp16 loss scale adapts (False without fp16)."""
