@@ -809,7 +809,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                 self.timers.reset()
             return
         norm = self.optimizer.global_grad_norm
-        msg = (f"step={self.global_steps} loss={self._backward.last_loss if self._backward.last_loss is not None else float('nan'):.4f} "
+        loss = self._backward.last_loss if self._backward.last_loss is not None else float("nan")
+        msg = (f"step={self.global_steps} loss={loss:.4f} "
                f"lr={','.join(f'{lr:.3g}' for lr in self.get_lr())} grad_norm={norm if norm is not None else 0:.4g} "
                f"loss_scale={self.get_loss_scale():g} skipped={self.skipped_steps}")
         if self._config.wall_clock_breakdown:
