@@ -115,6 +115,7 @@ def _misuse(stage):
                 call()
             except RuntimeError as err:
                 errors[name] = str(err)
+                errors[f"{name}_is_assertion"] = isinstance(err, AssertionError)  # DeepSpeed asserts there
     engine.step()  # after the block: applies the held gradients
     applied = engine.was_step_applied()
     # a block that raises reduces nothing and drops what it held: the next step starts from zero gradients
@@ -136,6 +137,7 @@ def test_misuse_is_refused_and_a_raising_block_drops_its_gradients(stage):
     errors, applied, moved = run_distributed(_misuse, 2, args=(stage,))[0]
     assert "step() inside engine.coalesce_grad_reduction()" in errors["step"]
     assert "nested" in errors["nested"] and "no_sync() inside" in errors["no_sync"]
+    assert errors["step_is_assertion"] and errors["nested_is_assertion"] and errors["no_sync_is_assertion"]
     assert applied
     # the 1e6-scaled gradient was dropped: Adam's update per element is at most ~lr (1e-2) for one normal step
     assert 0 < max(moved.values()) < 2e-2, moved

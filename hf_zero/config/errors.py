@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Iterable
 
-__all__ = ["ConfigError", "ManagedAccumulationError", "check_keys", "closest", "unknown_key"]
+__all__ = ["ConfigAssertionError", "ConfigError", "check_keys", "closest", "unknown_key"]
 
 
 class ConfigError(ValueError):
@@ -26,12 +26,9 @@ class ConfigError(ValueError):
         return (type(self), (self.key_path, self.detail), self.__dict__)
 
 
-class ManagedAccumulationError(ConfigError, AssertionError):
-    """``managed_gradient_accumulation: false`` with what moves or owns the boundary itself (a boundary setter, a
-    coalescing block, the pipeline's train_batch). Also an AssertionError: DeepSpeed asserts there."""
-
-    def __init__(self, key_path: str = "managed_gradient_accumulation", message: str = ""):
-        super().__init__(key_path, message)
+class ConfigAssertionError(ConfigError, AssertionError):
+    """A ConfigError where DeepSpeed asserts (a setting that forbids a call or a combination): scripts written for
+    DeepSpeed catch AssertionError there."""
 
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:

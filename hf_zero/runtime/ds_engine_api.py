@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from hf_zero.config.errors import ConfigError, ManagedAccumulationError
+from hf_zero.config.errors import ConfigAssertionError, ConfigError
+from hf_zero.runtime.errors import UsageError
 
 __all__ = ["DeepSpeedEngineAPI"]
 
@@ -276,12 +277,13 @@ class DeepSpeedEngineAPI:
         """Backward passes inside reduce no gradients: they accumulate on this rank until a backward outside (as
         DDP's ``no_sync``, and DeepSpeed's, which refuses it where gradients are partitioned: stages 2 and 3)."""
         if self._coalescing:
-            raise RuntimeError("hf_zero: engine.no_sync() inside engine.coalesce_grad_reduction(): the block already "
-                               "holds every gradient back until it ends; use one of the two")
+            raise UsageError("hf_zero: engine.no_sync() inside engine.coalesce_grad_reduction(): the block already "
+                             "holds every gradient back until it ends; use one of the two")
         if self.stage >= 2:
-            raise ConfigError("zero_optimization.stage", f"{self.stage}: engine.no_sync() keeps unreduced gradients "
-                                                         "on each rank, which ZeRO stages 2 and 3 partition as they "
-                                                         "arrive (DeepSpeed refuses it too); use stage 0 or 1")
+            raise ConfigAssertionError("zero_optimization.stage",
+                                       f"{self.stage}: engine.no_sync() keeps unreduced gradients on each rank, which "
+                                       "ZeRO stages 2 and 3 partition as they arrive (DeepSpeed refuses it too); use "
+                                       "stage 0 or 1")
         previous, self._inside_no_sync = self._inside_no_sync, True
         try:
             yield
@@ -300,12 +302,13 @@ class DeepSpeedEngineAPI:
         if self.optimizer is None:
             self._no_optimizer()
         if not self._managed_gas:
-            raise ManagedAccumulationError(message="false, and coalesce_grad_reduction() was entered: step() "
-                                                   "reduces the gradients of every backward since the last step "
-                                                   "already (DeepSpeed refuses the pair too)")
+            raise ConfigAssertionError("managed_gradient_accumulation",
+                                       "false, and coalesce_grad_reduction() was entered: step() reduces the "
+                                       "gradients of every backward since the last step already (DeepSpeed refuses "
+                                       "the pair too)")
         if self._inside_no_sync or self._coalescing:
-            raise RuntimeError("hf_zero: engine.coalesce_grad_reduction() nested inside engine.no_sync() or another "
-                               "coalesce_grad_reduction(); use one block per optimizer step")
+            raise UsageError("hf_zero: engine.coalesce_grad_reduction() nested inside engine.no_sync() or another "
+                             "coalesce_grad_reduction(); use one block per optimizer step")
         self._coalescing = True
         if self.stage3 is not None:
             self.stage3.hold_gradients()

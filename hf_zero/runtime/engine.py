@@ -25,7 +25,7 @@ from torch import nn
 
 from hf_zero import comm
 from hf_zero.config import HfZeroConfig, loss_scale_policy, precision_policy, zero_policy
-from hf_zero.config.errors import ConfigError, ManagedAccumulationError
+from hf_zero.config.errors import ConfigAssertionError, ConfigError
 from hf_zero.ops import host_cache
 from hf_zero.profiling.memory_usage import see_memory_usage
 from hf_zero.profiling.step_calibration import StepTimeCalibrator
@@ -35,6 +35,7 @@ from hf_zero.profiling.timers import PhaseTimers, TotalingTimers
 from hf_zero.runtime.backward import BackwardSessions
 from hf_zero.runtime.curriculum import CurriculumScheduler
 from hf_zero.runtime.ds_engine_api import DeepSpeedEngineAPI
+from hf_zero.runtime.errors import UsageError
 from hf_zero.runtime.hybrid_engine import HybridGeneration
 from hf_zero.runtime.input_cast import cast_inputs_half
 from hf_zero.runtime.monitor import MonitorMaster, boundary_events
@@ -49,7 +50,7 @@ from hf_zero.zero.placement import place_module
 from hf_zero.zero.local import local_tensor
 from hf_zero.zero.sharded_group import ShardedGroup
 
-__all__ = ["HfZeroEngine", "LossError", "UnusedParametersError"]
+__all__ = ["HfZeroEngine", "UnusedParametersError"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -59,18 +60,13 @@ class UnusedParametersError(RuntimeError, AssertionError):
     AssertionError: DeepSpeed asserts there, and scripts (DeepSpeed's own tests among them) catch that type."""
 
 
-class LossError(RuntimeError, AssertionError):
-    """``engine.backward(loss)`` / ``engine.scale(loss)`` given something that is not a scalar loss with a graph.
-    Also an AssertionError: DeepSpeed asserts there."""
-
-
 def _check_loss(loss: Any, call: str) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise LossError(f"hf_zero: engine.{call}(loss) needs a scalar tensor loss, got {got}; for a non-scalar "
+        raise UsageError(f"hf_zero: engine.{call}(loss) needs a scalar tensor loss, got {got}; for a non-scalar "
                         f"output call output.backward(grad) on the engine's output (DeepSpeed asserts the same)")
     if not loss.requires_grad:
-        raise LossError(f"hf_zero: engine.{call}(loss) got a loss that does not require grad; was the forward run "
+        raise UsageError(f"hf_zero: engine.{call}(loss) got a loss that does not require grad; was the forward run "
                         f"under torch.no_grad(), or are all parameters frozen?")
 
 
@@ -463,9 +459,10 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Let the caller (accelerate) decide where accumulation ends, instead of counting micro-steps."""
         if not self._managed_gas:
-            raise ManagedAccumulationError(message="false, and set_gradient_accumulation_boundary() was called: "
-                                                   "each engine.step() is the boundary already (DeepSpeed refuses "
-                                                   "the call too); drop the call or the key")
+            raise ConfigAssertionError("managed_gradient_accumulation",
+                                       "false, and set_gradient_accumulation_boundary() was called: each "
+                                       "engine.step() is the boundary already (DeepSpeed refuses the call too); drop "
+                                       "the call or the key")
         self._boundary_override = bool(is_boundary)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
@@ -526,8 +523,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             block = "coalesce_grad_reduction" if self._coalescing else "no_sync"
             # the block's gradients are not reduced yet: a step now would apply this rank's alone (DeepSpeed
             # refuses it too: "It is illegal to call Engine.step() inside no_sync context manager")
-            raise RuntimeError(f"hf_zero: engine.step() inside engine.{block}(): the gradients of the backward passes "
-                               "inside are reduced only after the block; call step() after the with-block")
+            raise UsageError(f"hf_zero: engine.step() inside engine.{block}(): the gradients of the backward passes "
+                             "inside are reduced only after the block; call step() after the with-block")
         see_memory_usage("Engine before step", force=self.memory_breakdown())
         if not self._managed_gas:
             # managed_gradient_accumulation false: this call is the boundary. Stages 0/1 reduce here what the

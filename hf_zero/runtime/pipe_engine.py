@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from hf_zero import comm
 from hf_zero.config import HfZeroConfig
-from hf_zero.config.errors import ConfigError, ManagedAccumulationError
+from hf_zero.config.errors import ConfigAssertionError, ConfigError
 from hf_zero.pipeline.config import parse_pipeline_config
 from hf_zero.pipeline.failure import StageFailureGuard
 from hf_zero.pipeline.module import PipelineError
@@ -81,9 +81,10 @@ class PipelineEngine(HfZeroEngine):
         self._check_against_module(pcfg, module)
         # refused before anything is built or communicated
         if not config.managed_gradient_accumulation:
-            raise ManagedAccumulationError(message="false is not supported with pipeline parallelism: train_batch() "
-                                                   "runs gradient_accumulation_steps micro-batches and steps itself "
-                                                   "(DeepSpeed refuses it too)")
+            raise ConfigAssertionError("managed_gradient_accumulation",
+                                       "false is not supported with pipeline parallelism: train_batch() runs "
+                                       "gradient_accumulation_steps micro-batches and steps itself (DeepSpeed "
+                                       "refuses it too)")
         check_schedule(pcfg.schedule, num_microbatches=int(config.gradient_accumulation_steps),
                        num_stages=grid.pipe_parallel_size, virtual_stages=module.virtual_stages)
         if int(config.zero.stage) == 3 and module.virtual_stages > 1:
