@@ -298,3 +298,32 @@ def test_tput_timer_counts_global_steps_reports_and_follows_the_timers_section()
     assert off.tput_timer.micro_step_count == 0 and off.tput_timer.avg_samples_per_sec() == float("-inf")
     with pytest.raises(ConfigError, match="timers.throughput.enable"):
         _engine(0, timers={"throughput": {"enable": True}})
+
+
+def test_log_level_sets_the_logger_deepspeed_scripts_see():
+    """DeepSpeed 0.19.8's ``log_level``: the level of its logger (hf_zero's, behind ``deepspeed.utils.logger``) and
+    its handlers, set before the config table; unset leaves the level alone; a bad name is refused by key."""
+    import logging
+
+    from deepspeed.utils import logger as ds_logger
+
+    logger = logging.getLogger("hf_zero")
+    assert ds_logger is logger
+    saved = logger.level
+    handler = logging.Handler()
+    seen: list[str] = []
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        logger.setLevel(logging.INFO)
+        engine = _engine(log_level="ERROR")
+        assert engine.log_level() == "ERROR"
+        assert logger.level == logging.ERROR and handler.level == logging.ERROR
+        assert not any("hf_zero config:" in m for m in seen)  # the INFO config table was not logged
+        logger.setLevel(logging.WARNING)
+        assert _engine().log_level() is None and logger.level == logging.WARNING
+        with pytest.raises(ConfigError, match="log_level: 'loud' is not a logging level; use one of debug, info"):
+            _engine(log_level="loud")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved)

@@ -40,7 +40,7 @@ from .sections import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HfZeroConfig", "not_implemented"]
+__all__ = ["HfZeroConfig", "log_level_number", "not_implemented"]
 
 _RAW_SECTION = "Accepted and kept as given; hf_zero does not run it yet (listed in the startup table)."
 
@@ -78,6 +78,10 @@ class HfZeroConfig:
     steps_per_print: int | None = spec(10, help="Log progress every this many steps; null or Infinity never.")
     wall_clock_breakdown: bool = spec(False, help="Time forward, backward and step, and log the breakdown.")
     memory_breakdown: bool = spec(False, help="Log accelerator memory at each stage of a step.")
+    log_level: str | None = spec(
+        None, help="The level of hf_zero's logger (DeepSpeed's logger under `import deepspeed`): debug, info, "
+                   "warning, error or critical, any case; set at initialize(), before the config table. None: "
+                   "leave it as it is.")
     dump_state: bool = spec(False, help="Print the engine state after initialisation.")
     prescale_gradients: bool = spec(False, help="Divide gradients by the world size before reducing them.")
     gradient_allreduce_op: str = spec(
@@ -192,6 +196,7 @@ class HfZeroConfig:
             raise ConfigError("managed_gradient_accumulation", "false is not supported with zero_optimization.zenflow, "
                                                                "whose update and select boundaries count micro-steps; "
                                                                "remove one of the two")
+        log_level_number(self.log_level)  # refuses an unknown level, naming the key
         if self.gradient_predivide_factor <= 0:
             raise ConfigError("gradient_predivide_factor", f"must be > 0, got {self.gradient_predivide_factor}")
         if self.steps_per_print is not None and self.steps_per_print < 1:
@@ -218,6 +223,19 @@ class HfZeroConfig:
         if self.fp16.enabled is True:
             return torch.float16
         return torch.float32
+
+
+_LOG_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}  # logging's numbers
+
+
+def log_level_number(value: Any) -> int | None:
+    """``log_level`` as a ``logging`` level (DeepSpeed's names, any case); None when unset."""
+    if value is None:
+        return None
+    level = _LOG_LEVELS.get(value.lower()) if isinstance(value, str) else None
+    if level is None:
+        raise ConfigError("log_level", f"{value!r} is not a logging level; use one of {', '.join(_LOG_LEVELS)}")
+    return level
 
 
 def not_implemented(cfg: HfZeroConfig) -> tuple[str, ...]:

@@ -153,6 +153,7 @@ STATUS: dict[str, KeyStatus] = {
     "managed_gradient_accumulation": HONOURED,  # runtime/engine.py: step() as the boundary when false
     "wall_clock_breakdown": HONOURED,
     "timers": HONOURED,  # timers.throughput drives engine.tput_timer (hf_zero/profiling/throughput_timer.py)
+    "log_level": HONOURED,  # runtime/initialize.py sets hf_zero's (DeepSpeed's) logger level
     "memory_breakdown": HONOURED,  # the engine prints memory at each stage of a step (profiling/memory_usage.py)
     "dump_state": HONOURED,  # initialize() logs the resolved config and engine state (runtime/state_dump.py)
     "prescale_gradients": _no_op("hf_zero always divides gradients by the world size before reducing them, as "

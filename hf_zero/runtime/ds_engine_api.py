@@ -71,6 +71,10 @@ class DeepSpeedEngineAPI:
     def managed_gradient_accumulation(self) -> bool:
         return bool(self._config.managed_gradient_accumulation)
 
+    def log_level(self) -> str | None:
+        """The config's ``log_level`` as written (None: unset), as DeepSpeed's getter."""
+        return self._config.log_level
+
     def steps_per_print(self) -> int | None:
         return self._config.steps_per_print
 

@@ -12,6 +12,7 @@ from torch import nn
 from hf_zero import comm
 from hf_zero.config import load_config
 from hf_zero.config.loader import read_config
+from hf_zero.config.hf_zero_config import log_level_number
 from hf_zero.config.errors import ConfigError
 from hf_zero.runtime.arguments import align_local_rank, config_from_args
 from hf_zero.config.status import ConfigKeyIgnored
@@ -87,6 +88,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     mpu_groups = read_mpu(mpu) if mpu is not None else None
     _default_logging(comm.get_rank())
     raw = read_config(_config_source(args, config, config_params))
+    _apply_log_level(raw.get("log_level"))
     if mesh_param is not None:
         raw = _with_mesh_param(raw, mesh_param)
     tp_cfg = parse_tp_config(raw.get("tensor_parallel"))
@@ -182,6 +184,17 @@ def _default_logging(rank: int) -> None:
         handler.setFormatter(logging.Formatter("[hf_zero] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+
+
+def _apply_log_level(value) -> None:
+    """``log_level``: hf_zero's logger (DeepSpeed's, under ``import deepspeed``) and its handlers, set before the
+    config table is logged, as DeepSpeed sets its logger's early in the engine's construction."""
+    level = log_level_number(value)
+    if level is None:
+        return
+    logger.setLevel(level)
+    for handler in logger.handlers:
+        handler.setLevel(level)
 
 
 def _check_tp_params(model: nn.Module, model_parameters, optimizer, cfg, raw: dict) -> None:
