@@ -647,6 +647,7 @@ def test_table_is_logged_on_rank_zero_only(caplog):
 # Frozen on purpose (torchtitan's test_no_new_cli_options): a new key must be added here, visibly.
 TOP_LEVEL_KEYS = frozenset({
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "log_level",
+    "disable_python_gc", "expert_parallel",
     "managed_gradient_accumulation", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
     "memory_breakdown", "dump_state", "prescale_gradients",
     "gradient_predivide_factor", "gradient_allreduce_op", "sparse_gradients", "zero_allow_untested_optimizer",

@@ -171,6 +171,11 @@ def test_communication_dtype_equal_to_the_reduction_dtype_is_honoured():
 def test_sections_count_as_set_when_enabled():
     assert load({"autotuning": {"enabled": False, "fast": True}}).not_implemented == ()
     assert load({"autotuning": {"enabled": True}}).not_implemented == ("autotuning",)
+    # DeepSpeed 0.19's AutoEP: a warning saying what happens instead, not "unknown key" (nor "did you mean
+    # tensor_parallel?", which the typo guess offered before the key was known)
+    assert load({"expert_parallel": {"enabled": False, "autoep_size": 2}}).not_implemented == ()
+    assert load({"expert_parallel": {"enabled": True, "autoep_size": 2}}).not_implemented == ("expert_parallel",)
+    assert [w for w in ignored_warnings({"expert_parallel": {"enabled": True}}) if "every rank holds every expert" in w]
     assert load({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}).not_implemented == (
         "optimizer.type OneBitAdam",)
     assert load({"tensor_parallel": {"autotp_size": 1}}).not_implemented == ()

@@ -327,3 +327,38 @@ def test_log_level_sets_the_logger_deepspeed_scripts_see():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(saved)
+
+
+def test_disable_python_gc_holds_automatic_collection_off_while_engines_live():
+    """DeepSpeed 0.19.8's ``disable_python_gc``: the first engine collects and turns cyclic GC off, the last
+    destroyed turns it back on; engines without the key leave it alone; collect_python_gc() collects on demand."""
+    import gc
+    import os
+
+    from hf_zero.runtime.python_gc import python_gc
+
+    assert gc.isenabled() and python_gc.holders == 0
+    first = _engine(disable_python_gc=True)
+    assert not gc.isenabled() and python_gc.holders == 1
+    second = _engine(disable_python_gc=True)
+    plain = _engine()
+    assert python_gc.holders == 2 and not gc.isenabled()
+
+    class Cycle:
+        pass
+
+    a, b = Cycle(), Cycle()
+    a.other, b.other = b, a
+    del a, b  # unreachable, only a cyclic collection frees them
+    assert first.collect_python_gc() >= 2
+    pid = os.fork()  # a data-loader worker: starts with collection as it was before the engines, and no holders
+    if pid == 0:
+        os._exit(0 if gc.isenabled() and python_gc.holders == 0 else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert not gc.isenabled()  # collecting on demand does not turn automatic collection back on
+    first.destroy()
+    first.destroy()  # a second destroy releases nothing more
+    assert python_gc.holders == 1 and not gc.isenabled()
+    plain.destroy()
+    second.destroy()
+    assert python_gc.holders == 0 and gc.isenabled()

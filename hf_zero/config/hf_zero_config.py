@@ -78,6 +78,9 @@ class HfZeroConfig:
     steps_per_print: int | None = spec(10, help="Log progress every this many steps; null or Infinity never.")
     wall_clock_breakdown: bool = spec(False, help="Time forward, backward and step, and log the breakdown.")
     memory_breakdown: bool = spec(False, help="Log accelerator memory at each stage of a step.")
+    disable_python_gc: bool = spec(
+        False, help="Turn Python's automatic cyclic garbage collector off while the engine lives (its pauses land "
+                    "at arbitrary points of a step); engine.collect_python_gc() collects where the script chooses.")
     log_level: str | None = spec(
         None, help="The level of hf_zero's logger (DeepSpeed's logger under `import deepspeed`): debug, info, "
                    "warning, error or critical, any case; set at initialize(), before the config table. None: "
@@ -148,6 +151,8 @@ class HfZeroConfig:
         None, help="Elastic batch sizes: when enabled, the batch keys come from DeepSpeed's elastic plan for the world "
                    "size; parsed by hf_zero.config.elasticity.")
     autotuning: Mapping[str, Any] | None = spec(None, help="DeepSpeed autotuner. " + _RAW_SECTION)
+    expert_parallel: Mapping[str, Any] | None = spec(
+        None, help="DeepSpeed's AutoEP (Hugging Face MoE blocks converted to expert-parallel layers). " + _RAW_SECTION)
     data_efficiency: Mapping[str, Any] | None = spec(None, help="Data sampling and routing. " + _RAW_SECTION)
     progressive_layer_drop: ProgressiveLayerDropConfig = spec(
         default_factory=ProgressiveLayerDropConfig,

@@ -153,6 +153,7 @@ STATUS: dict[str, KeyStatus] = {
     "managed_gradient_accumulation": HONOURED,  # runtime/engine.py: step() as the boundary when false
     "wall_clock_breakdown": HONOURED,
     "timers": HONOURED,  # timers.throughput drives engine.tput_timer (hf_zero/profiling/throughput_timer.py)
+    "disable_python_gc": HONOURED,  # runtime/python_gc.py, held by the engine until destroy()
     "log_level": HONOURED,  # runtime/initialize.py sets hf_zero's (DeepSpeed's) logger level
     "memory_breakdown": HONOURED,  # the engine prints memory at each stage of a step (profiling/memory_usage.py)
     "dump_state": HONOURED,  # initialize() logs the resolved config and engine state (runtime/state_dump.py)
@@ -373,6 +374,10 @@ STATUS: dict[str, KeyStatus] = {
     # the elastic plan sets the three batch keys for the world size (hf_zero/config/elasticity.py, via load_config)
     "elasticity": HONOURED,
     "autotuning": _todo("nothing is tuned", active=_switched_on("autotuning")),
+    "expert_parallel": _todo("the model's MoE blocks are not converted: every rank holds every expert (the same "
+                             "results, more memory); for expert parallelism build the blocks with "
+                             "deepspeed.moe.layer.MoE(ep_size=...) (hf_zero.moe)",
+                             active=_switched_on("expert_parallel")),
     # dynamic batching (data_sampling.dynamic_batching) is honoured by the data loader a script builds with
     # get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed (runtime/variable_batch.py)
     # data_sampling.dynamic_batching: runtime/variable_batch.py; data_routing.random_ltd: runtime/random_ltd.py

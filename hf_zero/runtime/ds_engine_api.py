@@ -71,6 +71,13 @@ class DeepSpeedEngineAPI:
     def managed_gradient_accumulation(self) -> bool:
         return bool(self._config.managed_gradient_accumulation)
 
+    def collect_python_gc(self) -> int:
+        """DeepSpeed's: one full cyclic garbage collection now (for ``disable_python_gc`` runs, at a point the
+        script chooses); returns the number of unreachable objects found."""
+        from hf_zero.runtime.python_gc import python_gc
+
+        return python_gc.collect()
+
     def log_level(self) -> str | None:
         """The config's ``log_level`` as written (None: unset), as DeepSpeed's getter."""
         return self._config.log_level

@@ -41,6 +41,7 @@ from hf_zero.runtime.input_cast import cast_inputs_half
 from hf_zero.runtime.monitor import MonitorMaster, boundary_events
 from hf_zero.runtime.optimizers import OptimizerPlan, adopt_client_groups
 from hf_zero.runtime.pld import ProgressiveLayerDrop
+from hf_zero.runtime.python_gc import python_gc
 from hf_zero.tensor_parallel import tp_info
 from hf_zero.zero.buffer_dtypes import cast_module_buffers, unusable_norms
 from hf_zero.zero.grad_reducer import GroupGradReducer, ReduceMode
@@ -119,6 +120,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self._in_caller_step = False
         self._backwards_since_step = 0
         self._step_applied = False  # did the latest step() update the parameters (was_step_applied)
+        self._gc_token: int | None = None  # disable_python_gc's hold, taken last in _finish_init
         self.zenflow = None  # zero_optimization.zenflow: set below once the optimizer exists (zero/zenflow.py)
         see_memory_usage("Engine before configure distributed model", force=self.memory_breakdown())
         # curriculum_learning (DeepSpeed's legacy one): each training forward moves it to step global_steps + 1
@@ -314,6 +316,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
                                           steps_per_output=config.steps_per_print)
         # hybrid_engine: module.generate gathers a ZeRO-3 model once per call; eval() logs the round's breakdown
         self.hybrid = HybridGeneration(self, config.hybrid_engine) if config.hybrid_engine.enabled else None
+        if config.disable_python_gc:  # automatic cyclic GC off while this engine lives (runtime/python_gc.py)
+            self._gc_token = python_gc.hold()
         see_memory_usage("Engine after configure distributed model", force=self.memory_breakdown())
 
     def _no_optimizer(self, what: str = "") -> None:
@@ -839,6 +843,9 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         if backend is not None:  # an offload back-end waits for swap I/O, deletes this rank's NVMe swap files
             backend.close()
         self.monitor.close()
+        if self._gc_token is not None:
+            python_gc.release(self._gc_token)
+            self._gc_token = None
 
     # ---- Hugging Face integration surface (owned by the HF integration) ----
     def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule=None,
