@@ -673,6 +673,10 @@ ZERO_KEYS = frozenset({
     "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "mics_shard_size",
     "mics_hierarchical_params_gather", "memory_efficient_linear", "override_module_apply",
     "log_trace_cache_warnings", "enable_sanity_checks", "zenflow", "leaf_module", "pipeline_loading_checkpoint",
+    # DeepSpeed's field names without "stage3_" (aliases), compute_grad_norm, parameter_alignment (DeepSpeed 0.19.8)
+    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+    "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params", "allgather_sequential", "compute_grad_norm", "parameter_alignment",
 })
 OFFLOAD_KEYS = frozenset({"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
                           "fast_init", "pipeline_read", "pipeline_write", "ratio"})

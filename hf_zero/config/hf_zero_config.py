@@ -202,6 +202,15 @@ class HfZeroConfig:
                                                                "whose update and select boundaries count micro-steps; "
                                                                "remove one of the two")
         log_level_number(self.log_level)  # refuses an unknown level, naming the key
+        if not self.zero.compute_grad_norm:
+            if not isinstance(self.gradient_clipping, Auto) and self.gradient_clipping > 0:
+                raise ConfigError("zero_optimization.compute_grad_norm",
+                                  f"false needs gradient_clipping 0: clipping at {self.gradient_clipping:g} needs the "
+                                  f"norm (DeepSpeed refuses the pair too; gradient_clipping is 1.0 when absent)")
+            if self.zero.zenflow is not None:
+                raise ConfigError("zero_optimization.compute_grad_norm", "false is not supported with "
+                                                                         "zero_optimization.zenflow (DeepSpeed "
+                                                                         "refuses it too)")
         if self.gradient_predivide_factor <= 0:
             raise ConfigError("gradient_predivide_factor", f"must be > 0, got {self.gradient_predivide_factor}")
         if self.steps_per_print is not None and self.steps_per_print < 1:

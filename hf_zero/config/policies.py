@@ -214,7 +214,10 @@ STAGE3_REUSE_DISTANCE_DEFAULT = 0
 
 
 def _stage3_reuse_distance(cfg: "HfZeroConfig") -> int:
-    if "stage3_max_reuse_distance" in (cfg.raw.get("zero_optimization") or {}):
+    from .schema import primary_keys
+    from .sections import ZeroConfig  # sections imports this module
+
+    if "stage3_max_reuse_distance" in primary_keys(ZeroConfig, cfg.raw.get("zero_optimization")):
         return int(cfg.zero.stage3_max_reuse_distance)
     return STAGE3_REUSE_DISTANCE_DEFAULT
 

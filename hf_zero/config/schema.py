@@ -82,6 +82,13 @@ def known_keys(cls: type) -> list[str]:
     return keys
 
 
+def primary_keys(cls: type, section: Any) -> dict[str, Any]:
+    """A raw section of ``cls`` with each alias renamed to the key it stands for (other keys kept as they are): for
+    code that reads ``cfg.raw`` or a config file by key."""
+    primary = {alias: json_key(f) for f in json_fields(cls) for alias in f.metadata.get("aliases", ())}
+    return {primary.get(k, k): v for k, v in (section or {}).items()} if isinstance(section, Mapping) else {}
+
+
 def doc(cls: type) -> dict[str, str]:
     """key -> help text, for documentation and ``hf-zero doctor``."""
     return {json_key(f): f.metadata.get("help", "") for f in json_fields(cls)}

@@ -214,34 +214,47 @@ class ZeroConfig:
     cpu_offload: bool | None = spec(None, help="Legacy: true means offload_optimizer.device 'cpu'.")
     cpu_offload_param: bool | None = spec(None, help="Legacy: true means offload_param.device 'cpu'.")
     cpu_offload_use_pin_memory: bool | None = spec(None, help="Legacy: pin_memory of the legacy cpu offloads.")
+    # DeepSpeed's field names (without "stage3_") are accepted as aliases, as its config model accepts them
     stage3_prefetch_bucket_size: int | Auto = spec(
-        50_000_000, auto=True, help="Stage 3: parameter elements fetched ahead of use.")
+        50_000_000, auto=True, aliases=("prefetch_bucket_size",),
+        help="Stage 3: parameter elements fetched ahead of use.")
     stage3_param_persistence_threshold: int | Auto = spec(
-        100_000, auto=True, help="Stage 3: parameters with fewer elements are not partitioned.")
+        100_000, auto=True, aliases=("param_persistence_threshold",),
+        help="Stage 3: parameters with fewer elements are not partitioned.")
     stage3_model_persistence_threshold: int = spec(
-        NO_PERSISTENCE_CAP, help="Stage 3: upper bound on the elements kept unpartitioned by the persistence threshold.")
-    stage3_max_live_parameters: int = spec(1_000_000_000, help="Stage 3: parameter elements resident per rank.")
+        NO_PERSISTENCE_CAP, aliases=("model_persistence_threshold",),
+        help="Stage 3: upper bound on the elements kept unpartitioned by the persistence threshold.")
+    stage3_max_live_parameters: int = spec(1_000_000_000, aliases=("max_live_parameters",),
+                                           help="Stage 3: parameter elements resident per rank.")
     stage3_max_reuse_distance: int = spec(
-        1_000_000_000, help="Stage 3: keep a parameter gathered if it is used again within this many elements. "
-                            "Left out of the config, hf_zero uses 0 (re-gather for backward; docs/zero_memory.md).")
+        1_000_000_000, aliases=("max_reuse_distance",),
+        help="Stage 3: keep a parameter gathered if it is used again within this many elements. Left out of the "
+             "config, hf_zero uses 0 (re-gather for backward; docs/zero_memory.md).")
     stage3_gather_16bit_weights_on_model_save: bool | Auto = spec(
-        False, auto=True, aliases=("stage3_gather_fp16_weights_on_model_save",),
+        False, auto=True, aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"),
         help="Stage 3: gather full 16-bit weights when saving the model (save_16bit_model, Trainer.save_model).")
     stage3_divergence_timeout_s: float = spec(
         300.0, help="Stage 3 (hf_zero): seconds a parameter gather may wait for the other ranks before the job "
                     "fails with an error naming the module and the ranks that diverged, instead of hanging.")
     stage3_module_granularity_threshold: int = spec(
-        0, help="Stage 3: modules with at most this many parameters per layer (DeepSpeed's measure) are gathered as "
-                "one unit, as leaf modules; 0: off.")
+        0, aliases=("module_granularity_threshold",),
+        help="Stage 3: modules with at most this many parameters per layer (DeepSpeed's measure) are gathered as one "
+             "unit, as leaf modules; 0: off.")
     leaf_module: LeafModuleConfig = spec(
         default_factory=LeafModuleConfig, help="Stage 3: modules gathered as one unit, whose gradients are reduced "
                                                "together when their backward ends (hf_zero/zero/leaf.py).")
     pipeline_loading_checkpoint: bool = spec(
         False, help="Stage 3: DeepSpeed loads a checkpoint one local rank after another (to bound host memory).")
-    stage3_use_all_reduce_for_fetch_params: bool = spec(False, help="Stage 3: fetch parameters with all-reduce.")
+    stage3_use_all_reduce_for_fetch_params: bool = spec(False, aliases=("use_all_reduce_for_fetch_params",),
+                                                        help="Stage 3: fetch parameters with all-reduce.")
     stage3_allgather_sequential: bool = spec(
-        False, help="Stage 3: all-gather parameters one by one, without buckets.")
+        False, aliases=("allgather_sequential",), help="Stage 3: all-gather parameters one by one, without buckets.")
     ignore_unused_parameters: bool = spec(True, help="Tolerate parameters that receive no gradient.")
+    compute_grad_norm: bool = spec(
+        True, help="false: the optimizer step computes no global gradient norm (one reduction fewer per step; "
+                   "engine.get_global_grad_norm() is None). Needs gradient_clipping 0, as in DeepSpeed.")
+    parameter_alignment: bool = spec(
+        False, help="DeepSpeed stages 1/2: start each parameter at a 16-byte boundary of its flat buffer.")
     legacy_stage1: bool = spec(False, help="Legacy DeepSpeed stage 1 implementation; same as stage 1 here.")
     round_robin_gradients: bool = spec(False, help="Stage 1/2 with CPU offload: spread gradient copies over ranks.")
     zero_hpz_partition_size: int = spec(1, help="ZeRO++ hierarchical partitioning: ranks in the secondary group.")

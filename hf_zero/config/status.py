@@ -297,6 +297,10 @@ STATUS: dict[str, KeyStatus] = {
         "DeepSpeed checks for parameters without a gradient only with offload_optimizer at stages 1-2",
         active=lambda cfg: cfg.zero.ignore_unused_parameters is False and not cfg.zero.checks_unused_parameters),
     "zero_optimization.legacy_stage1": _no_op("hf_zero has one stage-1 implementation"),
+    "zero_optimization.compute_grad_norm": HONOURED,  # zero/optimizer.py: no norm reduction when false
+    "zero_optimization.parameter_alignment": _no_op("hf_zero keeps each parameter's shard on its own, not in "
+                                                    "DeepSpeed's flat buffer whose parameter starts the option "
+                                                    "aligns; the results are the same"),
     "zero_optimization.pipeline_loading_checkpoint": _no_op(
         "the local ranks load their checkpoint shards at the same time (same values; DeepSpeed serialises them to "
         "bound host memory at load)"),

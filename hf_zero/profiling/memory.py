@@ -45,6 +45,8 @@ import torch
 from torch import nn
 
 from hf_zero.config.policies import NO_PERSISTENCE_CAP, persistent_parameters
+from hf_zero.config.schema import primary_keys
+from hf_zero.config.sections import ZeroConfig
 from hf_zero.profiling.activations import ActivationProfile
 
 __all__ = ["Component", "MemoryEstimate", "ParamLayout", "estimate_memory", "model_state_bytes", "build_meta_model",
@@ -481,7 +483,7 @@ def estimate_memory(model_or_config: Any, ds_config: Any = None, *, world_size: 
     it is).
     """
     ds = read_ds_config(ds_config)
-    zero = dict(ds.get("zero_optimization") or {})
+    zero = primary_keys(ZeroConfig, ds.get("zero_optimization"))  # DeepSpeed's unprefixed stage-3 names too
     stage = _int(zero.get("stage"), 0)
     compute = compute_dtype(ds)
     grad_name = (ds.get("data_types") or {}).get("grad_accum_dtype")

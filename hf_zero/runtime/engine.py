@@ -210,6 +210,7 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             inner_cls=plan.inner_cls, inner_defaults=plan.defaults,
             fused_adam=plan.fused_adam, loss_scaler=self.loss_scaler, clip_norm=float(config.gradient_clipping),
             publish_bucket_numel=zero.allgather_bucket_numel, check_overflow=self._checks_overflow(config),
+            compute_norm=bool(config.zero.compute_grad_norm),
             process_group=process_group, model_parallel_group=model_parallel_group, publisher=publisher,
             offload=offload, state_dtype=self._state_dtype, zero_stage=self.stage)
         if plan.client is not None:  # the script's optimizer: its param_groups are these (DeepSpeed's contract)

@@ -49,7 +49,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  param_group_of: Sequence[int] | None = None, inner_cls: type[torch.optim.Optimizer],
                  inner_defaults: dict, fused_adam: bool,
                  loss_scaler: LossScaler | None, clip_norm: float, publish_bucket_numel: int,
-                 check_overflow: bool, process_group=None, model_parallel_group=None,
+                 check_overflow: bool, process_group=None, model_parallel_group=None, compute_norm: bool = True,
                  publisher: Callable[[], None] | None = None, offload=None,
                  state_dtype: torch.dtype = torch.float32, zero_stage: int = 0):
         self.groups = list(groups)
@@ -79,6 +79,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.clip_norm = clip_norm
         self.publish_bucket_numel = publish_bucket_numel
         self.check_overflow = check_overflow
+        self.compute_norm = compute_norm
         self.process_group = process_group
         # other parts of the same replica (pipeline stages, tensor-parallel shards): their squared norms are added,
         # so clipping and the overflow decision are those of the unsplit model
@@ -113,8 +114,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         for g in self.groups:
             g.ensure_grad()  # a step without any backward sees zero gradients
-        norm = self._global_norm() / scale
-        self.global_grad_norm = norm
+        # zero_optimization.compute_grad_norm false: no norm unless fp16's overflow check (or the pipeline's loss,
+        # which rides the norm's reduction) needs the reduction anyway; clipping is off then (config check)
+        needed = self.compute_norm or self.check_overflow or self.model_parallel_sum is not None
+        norm = self._global_norm() / scale if needed else 0.0
+        self.global_grad_norm = norm if self.compute_norm else None
         self.overflow = self.check_overflow and not math.isfinite(norm)
         if self.overflow:
             self.skipped_steps += 1
