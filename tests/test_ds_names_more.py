@@ -78,6 +78,12 @@ def test_deepspeed_config_attributes_from_dict_path_and_base64(tmp_path):
         assert c.config["train_micro_batch_size_per_gpu"] == 4
     assert user == _CONFIG  # the caller's dict is not modified
     assert DeepSpeedConfig({"train_micro_batch_size_per_gpu": 3}).train_batch_size == 3
+    # DeepSpeed 0.19's newer top-level keys, as its config object answers them
+    newer = DeepSpeedConfig({"train_batch_size": 2, "gradient_allreduce_op": "SUM", "log_level": "error",
+                             "managed_gradient_accumulation": False, "disable_python_gc": True})
+    assert (newer.gradient_allreduce_op, newer.log_level) == ("sum", "error")
+    assert newer.managed_gradient_accumulation is False and newer.disable_python_gc is True
+    assert c.gradient_allreduce_op == "mean" and c.managed_gradient_accumulation is True and c.log_level is None
 
 
 def test_deepspeed_config_refuses_what_the_engine_refuses():

@@ -58,6 +58,10 @@ class DeepSpeedConfig:
         self.train_batch_size = cfg.train_batch_size
         self.train_micro_batch_size_per_gpu = cfg.train_micro_batch_size_per_gpu
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.managed_gradient_accumulation = cfg.managed_gradient_accumulation  # DeepSpeed 0.19's newer keys
+        self.gradient_allreduce_op = cfg.gradient_allreduce_op.lower()
+        self.log_level = cfg.log_level
+        self.disable_python_gc = cfg.disable_python_gc
         self.steps_per_print = cfg.steps_per_print
         self.dump_state = cfg.dump_state
         self.gradient_clipping = _plain(cfg.gradient_clipping)
