@@ -191,8 +191,10 @@ def test_world_size_must_be_positive():
      "zero_optimization.stag: unknown key; did you mean 'stage'?"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memroy": True}}},
      "zero_optimization.offload_optimizer.pin_memroy: unknown key; did you mean 'pin_memory'?"),
-    ({"zero_optimization": {"overlap_comm": "yes"}},
-     "zero_optimization.overlap_comm: expected true or false, got 'yes' (str)"),
+    ({"zero_optimization": {"overlap_comm": "maybe"}},  # 'yes', 1 are booleans to DeepSpeed's config models too
+     "zero_optimization.overlap_comm: expected true or false, got 'maybe' (str)"),
+    ({"zero_optimization": {"overlap_comm": 2}},
+     "zero_optimization.overlap_comm: expected true or false, got 2 (int)"),
     ({"train_micro_batch_size_per_gpu": 2.5},
      "train_micro_batch_size_per_gpu: expected an integer, got 2.5 (float)"),
     ({"fp16": "yes"},
@@ -720,3 +722,14 @@ def test_config_error_survives_pickling():
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and str(back) == str(err)
         assert (back.key_path, back.detail) == (err.key_path, err.detail)
+
+
+def test_booleans_take_what_deepspeeds_config_models_take():
+    """DeepSpeed's pydantic sections (and its top-level getters) accept 0 / 1 and the usual words for a boolean:
+    DeepSpeed's own tests write "zero_allow_untested_optimizer": 1."""
+    for raw, value in ((1, True), (0, False), (1.0, True), ("yes", True), ("Off", False), ("t", True), ("0", False)):
+        cfg = load({"zero_allow_untested_optimizer": raw, "zero_optimization": {"overlap_comm": raw}})
+        assert cfg.zero_allow_untested_optimizer is value and cfg.zero.overlap_comm is value, raw
+    # the raw sections read without parsing count "enabled": 1 as on, as the parsed ones do
+    assert load({"autotuning": {"enabled": 1}}).not_implemented == ("autotuning",)
+    assert load({"autotuning": {"enabled": "no"}}).not_implemented == ()

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, Union
 
+from .boolean import as_bool, truthy
 from .errors import ConfigError, closest
 from .status import ConfigKeyIgnored
 
@@ -97,11 +98,11 @@ def doc(cls: type) -> dict[str, str]:
 def _switched_off(raw: Any) -> bool:
     """An option section that asks for nothing: false/null, or every on-switch in it false (``enabled``,
     ``deepcompile``). An empty section is not off: it asks for the feature with its defaults."""
-    if raw is None or raw is False:
+    if raw is None or as_bool(raw) is False:
         return True
     if isinstance(raw, Mapping):
         switches = [raw[k] for k in ("enabled", "deepcompile") if k in raw]
-        return bool(switches) and not any(switches)
+        return bool(switches) and not any(truthy(s) for s in switches)
     return False
 
 
@@ -225,10 +226,9 @@ def _convert(tp: Any, raw: Any, key_path: str) -> Any:
     if tp is Any:
         return raw
     if tp is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "false"):
-            return raw.lower() == "true"
+        value = as_bool(raw)  # what DeepSpeed's config models also take for a boolean: 0 / 1 and the usual words
+        if value is not None:
+            return value
         raise ConfigError(key_path, f"expected true or false, got {_show(raw)}")
     if tp is int:
         if isinstance(raw, bool):

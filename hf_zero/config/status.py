@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from .boolean import truthy
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ def _switched_on(path: str) -> Callable[["HfZeroConfig"], bool]:
 
 def _any_enabled(section: Any) -> bool:
     if isinstance(section, Mapping):
-        return section.get("enabled") is True or any(_any_enabled(v) for v in section.values())
+        return truthy(section.get("enabled")) or any(_any_enabled(v) for v in section.values())
     if isinstance(section, (list, tuple)):
         return any(_any_enabled(v) for v in section)
     return False

@@ -60,6 +60,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from hf_zero.config.boolean import truthy
+
 __all__ = ["HfZeroCallback", "write_model_card", "peak_memory_mb", "time_shares", "CARD_BEGIN", "CARD_END",
            "DETAIL_ENV"]
 
@@ -303,9 +305,9 @@ def write_model_card(directory, source: Any, state=None) -> Path:
     zero = config.get("zero_optimization", {})
     zero_run = bool(config)
     stage = int(zero.get("stage", 0))
-    if config.get("fp16", {}).get("enabled") is True:
+    if truthy(config.get("fp16", {}).get("enabled")):
         precision = "fp16 mixed precision (fp32 master weights)"
-    elif config.get("bf16", config.get("bfloat16", {})).get("enabled") is True:
+    elif truthy(config.get("bf16", config.get("bfloat16", {})).get("enabled")):
         precision = "bf16 mixed precision (fp32 master weights)"
     else:
         precision = "fp32"

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_zero.config.boolean import truthy
 from hf_zero.config.policies import NO_PERSISTENCE_CAP, persistent_parameters
 from hf_zero.config.schema import primary_keys
 from hf_zero.config.sections import ZeroConfig
@@ -448,9 +449,9 @@ def read_ds_config(ds_config: Any) -> dict:
 
 
 def compute_dtype(ds: dict) -> torch.dtype:
-    if (ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled") is True:
+    if truthy((ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled")):
         return torch.bfloat16
-    if (ds.get("fp16") or {}).get("enabled") is True:
+    if truthy((ds.get("fp16") or {}).get("enabled")):
         return torch.float16
     return torch.float32
 

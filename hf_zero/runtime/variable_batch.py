@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from hf_zero.config.boolean import truthy
 from hf_zero.config.errors import ConfigError
 from hf_zero.runtime.sample_metrics import metric_files_exist, read_sample_metric, write_sample_metric
 
@@ -69,7 +70,7 @@ def parse_dynamic_batching(data_efficiency: Mapping[str, Any] | None) -> Dynamic
     """The run's dynamic batching; a ConfigError names the key when it is off or a value is wrong."""
     sampling = (data_efficiency or {}).get("data_sampling") or {}
     section = sampling.get("dynamic_batching") or {}
-    if section.get("enabled") is not True:
+    if not truthy(section.get("enabled")):
         raise ConfigError(f"{_KEY}.enabled", "must be true to build a variable-batch-size data loader (the script "
                                              "calls get_dataloader_and_lr_scheduler_for_variable_batch_size_"
                                              "deepspeed)")
