@@ -114,3 +114,60 @@ def test_nested_init_partitions_what_it_built_when_it_closes():
         # the engine trained it: SGD's step -lr * 2 on every element (the gradient averaged over the two ranks)
         for delta in out["step"]:
             assert torch.allclose(torch.tensor(delta), torch.full_like(torch.tensor(delta), -0.2)), delta
+
+
+class _Sub(torch.nn.Module):
+    def __init__(self, n: int, device=None) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(n, n, device=device)
+        self.module_list = torch.nn.ModuleList([torch.nn.Linear(n, n, device=device)])
+
+    def forward(self, x):
+        return self.module_list[0](self.linear(x))
+
+
+class _SkipInitNet(torch.nn.Module):
+    """``torch.nn.utils.skip_init`` (ChatGLM's ``empty_init``; DeepSpeed's TestParamPartitioningSkipInit): modules
+    built on the meta device, their children too, then given empty storage; the weights are written afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.nn.utils import skip_init
+
+        self.l1 = skip_init(_Sub, 6)
+        self.l2 = skip_init(torch.nn.Linear, 6, 4)
+        self.l3 = torch.nn.Linear(4, 4)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: torch.nn.Module) -> None:
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.constant_(module.weight, 0.25)
+            torch.nn.init.constant_(module.bias, -0.5)
+
+    def forward(self, x):
+        return self.l3(self.l2(self.l1(x)))
+
+
+def _skip_init_under_zero_init():
+    import hf_zero
+    from hf_zero.zero.stage3.param import sharded_param_of
+
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    with hf_zero.zero.Init(config_dict_or_path=config):
+        net = _SkipInitNet()
+    shards = {n: (sharded_param_of(p) is not None, p.numel(), tuple(p.ds_shape)) for n, p in net.named_parameters()}
+    engine, *_ = hf_zero.initialize(model=net, config=config)
+    x = torch.arange(12, dtype=torch.float32).reshape(2, 6) / 10
+    return shards, engine(x).detach()
+
+
+def test_skip_init_modules_under_zero_init_are_partitioned_once_they_have_storage():
+    reference = _SkipInitNet()
+    x = torch.arange(12, dtype=torch.float32).reshape(2, 6) / 10
+    expected = reference(x).detach()
+    for shards, out in run_distributed(_skip_init_under_zero_init, world_size=2):
+        for name, p in reference.named_parameters():
+            assert shards[name] == (True, 0, tuple(p.shape)), name  # every one cut, none left whole or meta
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)

@@ -271,6 +271,7 @@ class Init:
         self._remote_device = remote_device
         self.swapper = None  # set when enabled, once the rank is known (see _param_swapper)
         self._pending: dict[int, tuple[nn.Module, set[str]]] = {}
+        self._on_meta: dict[int, tuple[nn.Module, set[str]]] = {}  # noted parameters still on the meta device
         self._handles: list = []
         self._owner = False
         self._noted_before: set[int] = set()  # nested: the modules the outermost context had noted at __enter__
@@ -340,6 +341,11 @@ class Init:
             pending, self._pending = self._pending, {}
             for mod, names in pending.values():
                 self._partition_noted(mod, names)
+            on_meta, self._on_meta = self._on_meta, {}
+            for mod, names in on_meta.values():  # materialized since their adoption, or still meta: left as built
+                self._on_meta[id(mod)] = (mod, names)
+                self._partition_materialized(mod)
+            self._on_meta = {}
             roots, self._roots = self._roots, {}
             for mod in roots.values():  # the outermost modules, which no parent adopted: the model itself
                 self._keep_in_fp32(mod)
@@ -377,6 +383,8 @@ class Init:
         entry = self._pending.pop(id(child), None)
         if entry is not None:
             self._partition_noted(*entry)
+        if self._on_meta:
+            self._partition_materialized(child)
         self._roots.pop(id(child), None)
         self._roots.setdefault(id(parent), parent)
         self._gathering_apply(parent)
@@ -389,6 +397,23 @@ class Init:
 
     def _partition_noted(self, mod: nn.Module, names: set[str]) -> None:
         # Registration order, never set order: ds_ids must be assigned identically on every rank.
+        meta = set()
         for name in [n for n in mod._parameters if n in names]:
+            p = mod._parameters[name]
+            if p is not None and p.is_meta:
+                meta.add(name)  # no values to cut yet (see _partition_materialized)
+                continue
             _partition_one(mod, name, "", self._rank, self._world, self.group, self.dtype, self.pin_memory,
                            self.swapper, self._device)
+        if meta:
+            self._on_meta[id(mod)] = (mod, meta)
+
+    def _partition_materialized(self, root: nn.Module) -> None:
+        """Parameters built on the meta device (``torch.nn.utils.skip_init``: a module built with device="meta",
+        then ``to_empty()``) have no values to cut when their module is adopted; they are cut once the module
+        under ``root`` holding them has real storage -- by the adoption of ``root``, or at the context's exit."""
+        for m in root.modules():
+            entry = self._on_meta.get(id(m))
+            if entry is not None and not any(p is not None and p.is_meta for n, p in m._parameters.items()
+                                             if n in entry[1]):
+                self._partition_noted(*self._on_meta.pop(id(m)))
