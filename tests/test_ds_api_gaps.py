@@ -468,20 +468,24 @@ def _empty_partition_cache() -> dict:
     out["before"] = {n: sp.state.name for n, sp in sps.items()}
     engine.empty_partition_cache()
     out["after"] = {n: sp.state.name for n, sp in sps.items()}
+    out["numel_after"] = sum(p.numel() for p in engine.module.parameters())
     out["after_steps"] = _two_more_steps(engine, ref, opt, rank)
+    out["persistent_again"] = sps["l2.bias"].persistent  # the next forward gathered it again, as at start-up
     engine.destroy()
     return out
 
 
 def test_empty_partition_cache_partitions_what_is_left_gathered():
     """DeepSpeed's ``engine.empty_partition_cache()`` (its checkpoint tests call it before saving): ZeRO-3
-    parameters left gathered go back to their shards, persistent ones (l2.bias, under the threshold) stay whole,
-    training goes on as the reference's; at stage 2 it does nothing."""
+    parameters left gathered go back to their shards, the persistent ones (l2.bias, under the threshold) too, as
+    DeepSpeed releases all (DeepSpeed's TestZeroPartitionCache: every numel 0 after it); the next forward gathers
+    the persistent ones again and training goes on as the reference's; at stage 2 it does nothing."""
     for result in run_distributed(_empty_partition_cache, 2):
         assert result["before"]["l1.weight"] == "AVAILABLE" and result["before"]["l2.bias"] == "AVAILABLE"
         assert result["after"] == {"l1.weight": "PARTITIONED", "l1.bias": "PARTITIONED",
-                                   "l2.weight": "PARTITIONED", "l2.bias": "AVAILABLE"}
-        assert result["after_steps"] < 1e-5
+                                   "l2.weight": "PARTITIONED", "l2.bias": "PARTITIONED"}
+        assert result["numel_after"] == 0
+        assert result["after_steps"] < 1e-5 and result["persistent_again"]
 
 
 # ---- found by DeepSpeed's test_fp16: the untested-optimizer refusal's type, optimizer keys beside params -----------

@@ -272,9 +272,10 @@ class DeepSpeedEngineAPI:
         return [list(g["betas"]) if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
 
     def empty_partition_cache(self) -> None:
-        """DeepSpeed's: between steps, give back the memory of ZeRO-3 parameters still gathered (a forward under
-        ``no_grad`` that was not followed by a backward, a prefetch); persistent parameters stay whole. Nothing to
-        do at stages 0-2. Not inside a forward or backward."""
+        """DeepSpeed's: between steps, give back the memory of every gathered ZeRO-3 parameter (a forward under
+        ``no_grad`` that was not followed by a backward, a prefetch, and the persistent ones, gathered again by the
+        next forward), as before an inference engine loads. Nothing to do at stages 0-2. Not inside a forward or
+        backward."""
         stage3 = getattr(self, "stage3", None)
         if stage3 is None:
             return

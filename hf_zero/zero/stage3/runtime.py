@@ -875,9 +875,21 @@ class Stage3Runtime:
                 self.gatherer.release(sp, park=park)
 
     def release_gathered(self) -> None:
-        """Partition every parameter that is gathered and not persistent (``empty_partition_cache``): between
-        iterations, the same as the next iteration's start does."""
+        """``empty_partition_cache``: partition every gathered parameter, the persistent ones too (DeepSpeed's
+        release-all: the memory goes back, e.g. before an inference engine loads); the next forward gathers the
+        persistent ones again, as at start-up. One rank alone holding whole parameters as its shards frees
+        nothing by partitioning, so keeps them."""
         self._reset_gathered()
+        if self.whole:
+            return
+        persistent = [sp for sp in self._sps if sp.persistent]
+        for sp in persistent:  # as shards_changed lets them go
+            sp.release_persistence()
+            sp.to_partitioned()
+            self.gatherer.count_live(sp, -1)
+        if persistent:
+            self._unpublished = persistent + self._unpublished
+            self._install_publish_hooks()
 
     def _reset_gathered(self) -> None:
         """Between iterations: forget every hold (leaks from early-stopped recomputation, unused backward
