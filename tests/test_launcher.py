@@ -301,6 +301,16 @@ def test_launch_error_names_the_flag(venv, tmp_path):
     assert "--node_rank" in result.stderr and "node-a, node-b" in result.stderr
 
 
+def test_runner_main_called_from_python_raises_as_deepspeeds():
+    """``deepspeed.launcher.runner.main(args=[...])`` from a script: flags that cannot go together raise a
+    ValueError before anything starts (DeepSpeed's test_run.test_num_plus_parser), where the commands print."""
+    from deepspeed.launcher.runner import main as runner_main
+
+    for argv in ("--num_nodes 1 -i localhost foo.py", "--num_gpus 1 -e localhost foo.py"):
+        with pytest.raises(ValueError, match="--include/--exclude cannot be combined with --num_nodes/--num_gpus"):
+            runner_main(args=argv.split())
+
+
 # ---- planning (no processes) ------------------------------------------------------------------------------------
 
 def _plan(argv: list[str], device_count: int = 0):

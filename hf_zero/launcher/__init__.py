@@ -19,7 +19,7 @@ Owns the launch command line only. Bottom layer: imports no other hf_zero packag
 
 from __future__ import annotations
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "runner_main"]
 
 
 def parse_args(args=None, prog: str = "hf-zero launch"):
@@ -34,3 +34,11 @@ def main(args=None, prog: str = "hf-zero launch") -> int:
     from hf_zero.launcher.run import launch
 
     return launch(parse_args(args, prog))
+
+
+def runner_main(args=None) -> int:
+    """``deepspeed.launcher.runner.main`` called from Python: as :func:`main`, but flags that cannot go together
+    raise LaunchError (a ValueError), as DeepSpeed's does, instead of being printed."""
+    from hf_zero.launcher.run import launch
+
+    return launch(parse_args(args, "deepspeed"), raise_errors=True)

@@ -33,11 +33,15 @@ def _device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def launch(args: argparse.Namespace) -> int:
+def launch(args: argparse.Namespace, *, raise_errors: bool = False) -> int:
+    """``raise_errors``: a launch that cannot go ahead raises LaunchError (a ValueError, as DeepSpeed's
+    ``runner.main`` raises for a script calling it) instead of printing it and returning 2 (the command line)."""
     try:
         plan = make_plan(args, _device_count())
         exports = read_environment_files() if plan.nnodes > 1 else {}
     except LaunchError as exc:
+        if raise_errors:
+            raise
         print(f"hf_zero launcher: error: {exc}", file=sys.stderr)
         return 2
     os.environ.update(exports)

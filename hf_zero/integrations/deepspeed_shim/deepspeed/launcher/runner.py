@@ -7,7 +7,7 @@ from hf_zero.integrations.deepspeed_shim._forward import forward as _forward
 
 _forward(__name__, {
     "DEEPSPEED_ENVIRONMENT_NAME": "hf_zero.launcher.envfile:DEEPSPEED_ENVIRONMENT_NAME",
-    "main": "hf_zero.launcher:main",
+    "main": "hf_zero.launcher:runner_main",
     "parse_args": "hf_zero.launcher:parse_args",
     "fetch_hostfile": "hf_zero.launcher.hosts:read_hostfile",
 })
