@@ -85,6 +85,8 @@ def _collectives():
     out["comms_logger"] = {op: {size: row["count"] for size, row in rows.items()} for op, rows in summary.items()}
     dist.configure(enabled=False)
     dist.reset_log()
+    mesh = dist.initialize_mesh_device((world, 1), ("data_parallel", "sequence_parallel"))
+    out["mesh"] = (mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names, mesh.get_local_rank("data_parallel"))
     return out
 
 
@@ -115,6 +117,8 @@ def test_deepspeed_comm_collectives_on_two_ranks(two_ranks):
     assert r0["all_to_all_single_uneven"] == [0.0, 100.0, 101.0]
     assert r1["all_to_all_single_uneven"] == [1.0, 2.0, 102.0]
     assert r1["p2p"] == [42.0] and r0["p2p"] == [43.0, 43.0]
+    for rank, r in enumerate((r0, r1)):  # DeepSpeed's initialize_mesh_device: torch's DeviceMesh, here on the CPU
+        assert r["mesh"] == ("cpu", (2, 1), ("data_parallel", "sequence_parallel"), rank)
 
 
 def test_comms_logger_records_what_is_asked_for(two_ranks):

@@ -49,7 +49,7 @@ __all__ = list(_comm_all) + [
     "all_gather_object", "send", "recv", "isend", "irecv", "monitored_barrier", "new_group", "get_world_group",
     "get_global_rank", "get_all_ranks_from_group", "has_all_gather_into_tensor", "has_reduce_scatter_tensor",
     "configure", "log_summary", "reset_log", "has_comm_data", "get_comm_operation_count", "get_logged_comm_ops",
-    "comms_logger"]
+    "comms_logger", "initialize_mesh_device"]
 
 
 def is_initialized() -> bool:
@@ -195,6 +195,19 @@ def new_group(ranks):
 
 def get_world_group():
     return dist.group.WORLD
+
+
+def initialize_mesh_device(mesh_shape, mesh_dim_names):
+    """DeepSpeed's: a torch DeviceMesh of ``mesh_shape`` over the initialized world, on this process's accelerator
+    (CPU with gloo). Refused before the process group exists, as DeepSpeed asserts."""
+    if not is_initialized():
+        raise RuntimeError("deepspeed.comm.initialize_mesh_device: the process group is not initialized; call "
+                           "deepspeed.init_distributed() first")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_zero.comm.device import accelerator_type
+
+    return init_device_mesh(accelerator_type(), tuple(mesh_shape), mesh_dim_names=tuple(mesh_dim_names))
 
 
 def get_global_rank(group=None, group_rank: int = 0) -> int:
