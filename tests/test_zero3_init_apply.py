@@ -171,3 +171,37 @@ def test_skip_init_modules_under_zero_init_are_partitioned_once_they_have_storag
         for name, p in reference.named_parameters():
             assert shards[name] == (True, 0, tuple(p.shape)), name  # every one cut, none left whole or meta
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+class _RankDependent(torch.nn.Module):
+    """Random weights from a per-rank seed, and a parameter rank 0 alone writes (DeepSpeed's
+    TestZero3ParamPartitioningLargeParam): zero.Init must build rank 0's model on every rank, as DeepSpeed's
+    broadcasts each parameter before partitioning it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(5, 3)
+        self.param = torch.nn.Parameter(torch.zeros(101))
+        if torch.distributed.get_rank() == 0:
+            with torch.no_grad():
+                self.param[50:].fill_(1.0)
+
+
+def _rank_dependent_init():
+    import hf_zero
+
+    torch.manual_seed(100 + torch.distributed.get_rank())
+    with hf_zero.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3},
+                                                "train_micro_batch_size_per_gpu": 1}):
+        net = _RankDependent()
+    with hf_zero.zero.GatheredParameters(list(net.parameters())):
+        return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def test_zero_init_builds_rank0s_values_on_every_rank():
+    rank0, rank1 = run_distributed(_rank_dependent_init, world_size=2)
+    torch.manual_seed(100)
+    expected = torch.nn.Linear(5, 3)  # rank 0's draw
+    for values in (rank0, rank1):
+        assert torch.equal(values["inner.weight"], expected.weight) and torch.equal(values["inner.bias"], expected.bias)
+        assert values["param"][:50].sum().item() == 0 and values["param"][50:].sum().item() == 51

@@ -8,6 +8,9 @@ How, without patching tensor constructors: two public global hooks of ``torch.nn
   ``reset_parameters()`` -- is complete at that point, so its noted parameters are partitioned right then.
   Construction peaks at about one submodule's full parameters, not the model's.
 
+Each parameter is cut from the group's rank 0's values (broadcast first, as DeepSpeed's zero.Init does): ranks seeded
+differently, or an ``__init__`` that writes on rank 0 only, still build one model.
+
 Parameters of the outermost module(s), which no parent adopts, are partitioned on ``__exit__``. A nested context
 partitions, on its own exit, the modules first noted inside it whose ``__init__`` has returned (DeepSpeed partitions
 each module as its ``__init__`` ends, so ``zero.Init(); zero.Init(); Linear()`` is partitioned when the inner block
@@ -149,6 +152,20 @@ def unpartition_module(module: nn.Module) -> int:
     return count
 
 
+def _from_group_rank0(p: nn.Parameter, group) -> None:
+    """The values every rank cuts its shard from are the group's rank 0's, as DeepSpeed's zero.Init broadcasts each
+    parameter before partitioning it: ranks seeded differently, or an ``__init__`` that writes on rank 0 only, still
+    build one model (without this each shard would come from its own rank's values)."""
+    from hf_zero.comm.device import local_device
+
+    device = local_device()  # NCCL takes accelerator tensors; gloo on the CPU takes them where they are
+    data = p.data if p.data.device == device else p.data.to(device)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(data, src=src, group=group)
+    if data is not p.data:
+        p.data = data
+
+
 def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int, group, dtype,
                    pin_memory: bool, swapper=None, device: torch.device | None = None) -> ShardedParam | None:
     p = mod._parameters.get(name)
@@ -156,6 +173,8 @@ def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int
         return None
     if not p.is_floating_point():  # a quantized (uint8/int8) weight keeps its packed dtype
         dtype = None
+    if world > 1:
+        _from_group_rank0(p, group)
     label = f"{prefix}.{name}" if prefix else f"{type(mod).__name__}.{name}"
     sp = ShardedParam(p, label, rank=rank, world_size=world, group=group, dtype=dtype,
                       device=None if swapper is not None else device)
