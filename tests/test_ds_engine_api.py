@@ -362,3 +362,23 @@ def test_disable_python_gc_holds_automatic_collection_off_while_engines_live():
     plain.destroy()
     second.destroy()
     assert python_gc.holders == 0 and gc.isenabled()
+
+
+def _logger_level_after_initialize(preset):
+    import logging
+
+    logger = logging.getLogger("hf_zero")
+    for handler in list(logger.handlers):  # a fresh process: nothing configured logging yet
+        logger.removeHandler(handler)
+    logger.setLevel(preset)
+    _engine()
+    return logging.getLevelName(logger.level), len(logger.handlers)
+
+
+def test_initialize_keeps_a_level_the_script_set_on_the_logger():
+    """DeepSpeed's TestLogLevelEndToEnd: a script that set DeepSpeed's logger to WARNING keeps it through
+    initialize(); left unset, rank 0 gets hf_zero's INFO lines (config table, step logs)."""
+    import logging
+
+    assert run_distributed(_logger_level_after_initialize, 1, args=(logging.WARNING,)) == [("WARNING", 1)]
+    assert run_distributed(_logger_level_after_initialize, 1, args=(logging.NOTSET,)) == [("INFO", 1)]

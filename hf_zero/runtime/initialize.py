@@ -178,12 +178,14 @@ def _unnamed(items: list) -> list:
 
 
 def _default_logging(rank: int) -> None:
-    """Rank 0 prints hf_zero's INFO lines (config table, step logs) unless the application configured logging."""
+    """Rank 0 prints hf_zero's INFO lines (config table, step logs) unless the application configured logging; a
+    level the application set on the logger (``deepspeed.utils.logger.setLevel(...)``) is kept."""
     if rank == 0 and not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[hf_zero] %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
 
 
 def _apply_log_level(value) -> None:
