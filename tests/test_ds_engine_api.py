@@ -382,3 +382,38 @@ def test_initialize_keeps_a_level_the_script_set_on_the_logger():
 
     assert run_distributed(_logger_level_after_initialize, 1, args=(logging.WARNING,)) == [("WARNING", 1)]
     assert run_distributed(_logger_level_after_initialize, 1, args=(logging.NOTSET,)) == [("INFO", 1)]
+
+
+def test_deepspeeds_config_getters_answer_the_config():
+    """DeepSpeedEngine's getters for the ZeRO section, precision, data and ranks (hf_zero/runtime/ds_config_getters.py),
+    as DeepSpeed 0.19.8 answers them for the same config (its names drop hf_zero's stage3_ prefixes)."""
+    import warnings
+
+    from hf_zero.config.status import ConfigKeyIgnored
+
+    with warnings.catch_warnings():  # round_robin_gradients has no effect in hf_zero (warned): read back all the same
+        warnings.simplefilter("ignore", ConfigKeyIgnored)
+        engine = _engine(stage=2, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 50,
+                                        "hysteresis": 3, "min_loss_scale": 0.5},
+                         data_types={"grad_accum_dtype": "fp32"}, zero_optimization={
+                             "stage": 2, "sub_group_size": 12345, "stage3_param_persistence_threshold": 77,
+                             "prefetch_bucket_size": 999, "round_robin_gradients": True, "reduce_bucket_size": 1000})
+    assert (engine.zero_sub_group_size(), engine.zero_param_persistence_threshold(),
+            engine.zero_prefetch_bucket_size(), engine.zero_round_robin_gradients()) == (12345, 77, 999, True)
+    assert engine.zero_optimization_partition_gradients() and not engine.zero_optimization_partition_weights()
+    assert not engine.zero_use_cpu_optimizer() and not engine.zero_nvme_offload_optimizer()
+    assert engine.zero_partial_offload() == 1.0 and engine.zero_compute_grad_norm() is True
+    assert engine.zero_allgather_partitions() is True and engine.zero_ignore_unused_parameters() is True
+    assert engine.dynamic_loss_scale() and engine.initial_dynamic_scale() == 256
+    assert engine.dynamic_loss_scale_args() == {"init_scale": 256, "scale_window": 50, "delayed_shift": 3,
+                                                "consecutive_hysteresis": False, "min_scale": 0.5}
+    assert engine.get_data_types() == (torch.float16, torch.float32)
+    assert engine.get_batch_info() == (4, 2, 2)
+    assert (engine.get_data_parallel_rank(), engine.get_model_parallel_rank(), engine.get_tensor_parallel_rank(),
+            engine.get_sequence_parallel_group(), engine.autotp_size()) == (0, 0, 0, None, 1)
+    assert engine.aio_config()["block_size"] == 1048576 and not engine.dataloader_drop_last()
+    assert engine.checkpoint_tag_validation_enabled() and not engine.checkpoint_tag_validation_fail()
+    assert not engine.curriculum_learning_enabled() and not engine.data_efficiency_enabled()
+    assert engine.is_map_style_dataset([1, 2]) and not engine.is_iterable_style_dataset([1, 2])
+    assert engine.zero_sub_group_size.__doc__ == "DeepSpeed's ``engine.zero_sub_group_size()``: " \
+                                                 "``zero_optimization.sub_group_size``."

@@ -206,3 +206,46 @@ def test_pipeline_engine_refuses_it():
     message = run_distributed(_pipeline_refuses, 2)[0]
     assert message is not None and message.startswith("managed_gradient_accumulation: false is not supported with "
                                                        "pipeline parallelism")
+
+
+def _allreduce_midway(stages):
+    """The parity run with engine.allreduce_gradients() after every backward (DeepSpeed's public call): at stages
+    0/1 the first micro-batch's gradients are reduced early, the boundary adds the second's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in stages:
+        engine, *_ = hf_zero.initialize(model=make_model(), config=base_config(stage))
+        x, y = make_data(world)
+        losses = []
+        for s in range(STEPS):
+            step_loss = torch.zeros(1)
+            for m in range(GAS):
+                loss = nn.functional.mse_loss(engine(x[s, m, rank]), y[s, m, rank])
+                engine.backward(loss)
+                engine.allreduce_gradients()
+                if s == 0 and m == 0:  # reduced now: the same on every rank (this rank's own before the call)
+                    from hf_zero.zero.tensor_fragment import safe_get_full_grad
+
+                    first = safe_get_full_grad(next(p for p in engine.module.parameters() if p.requires_grad))
+                    midway = first.clone() if first is not None else None
+                engine.step()
+                step_loss += loss.detach() / GAS
+            dist.all_reduce(step_loss)
+            losses.append(step_loss.item() / world)
+        name = "no_sync" if stage < 2 else "coalesce_grad_reduction"  # stages 2-3 refuse no_sync itself
+        with pytest.raises(AssertionError, match=rf"allreduce_gradients\(\) inside engine.{name}\(\)"):
+            with getattr(engine, name)():
+                engine.allreduce_gradients()
+        out[stage] = (losses, clone_state(engine), midway)
+        engine.destroy()
+    return out
+
+
+def test_allreduce_gradients_between_boundaries_keeps_the_reference():
+    ref_losses, ref_params = reference_run(2)
+    results = run_distributed(_allreduce_midway, 2, args=((0, 1, 2, 3),))
+    for stage in (0, 1, 2, 3):
+        losses, params, midway = results[0][stage]
+        assert_matches_reference(losses, params, ref_losses, ref_params, f"stage {stage} with allreduce_gradients")
+        if stage < 2:  # the first micro-batch's gradient was reduced by the call: equal on both ranks
+            assert midway is not None and torch.equal(midway, results[1][stage][2]), stage

@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 from hf_zero.config.errors import ConfigAssertionError, ConfigError
+from hf_zero.runtime.ds_config_getters import DeepSpeedConfigGetters
 from hf_zero.runtime.errors import UsageError
 
 __all__ = ["DeepSpeedEngineAPI"]
 
 
-class DeepSpeedEngineAPI:
+class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
     """Mixed into HfZeroEngine (an ``nn.Module``); reads the engine's ``_config``, ``optimizer``, ``module``."""
 
     # ---- the wrapped model's attributes ---------------------------------------------------------------------------
@@ -283,6 +284,22 @@ class DeepSpeedEngineAPI:
             raise RuntimeError("hf_zero: engine.empty_partition_cache() inside the model's forward or backward; call "
                                "it between steps")
         stage3.release_gathered()
+
+    def allreduce_gradients(self, bucket_size=None) -> None:
+        """DeepSpeed's: reduce the gradients backward passes left on this rank. Its backward calls it at the
+        accumulation boundary, and so does hf_zero's, so there it finds nothing left; called between boundaries
+        (stages 0/1, where gradients are reduced only at the boundary) it reduces what the passes so far summed,
+        and the boundary's reduction adds the rest. ``bucket_size`` is DeepSpeed's buffer size: hf_zero's buckets
+        are ``reduce_bucket_size``. Stages 2/3 reduce in every backward: nothing to do. Refused inside
+        ``no_sync()`` / ``coalesce_grad_reduction()``, whose point is not to reduce yet."""
+        if self.optimizer is None:
+            self._no_optimizer()
+        if self._inside_no_sync or self._coalescing:
+            block = "coalesce_grad_reduction" if self._coalescing else "no_sync"
+            raise UsageError(f"hf_zero: engine.allreduce_gradients() inside engine.{block}(): the block holds the "
+                             "gradients back until it ends; call it after the with-block")
+        if self.reducer is not None and self.stage < 2:
+            self._reduce_held_gradients()
 
     @contextlib.contextmanager
     def no_sync(self):
