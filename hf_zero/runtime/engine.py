@@ -529,7 +529,9 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
             # the block's gradients are not reduced yet: a step now would apply this rank's alone (DeepSpeed
             # refuses it too: "It is illegal to call Engine.step() inside no_sync context manager")
             raise UsageError(f"hf_zero: engine.step() inside engine.{block}(): the gradients of the backward passes "
-                             "inside are reduced only after the block; call step() after the with-block")
+                             "inside are reduced only after the block; call step() after the with-block (DeepSpeed's "
+                             "words, for both blocks: It is illegal to call Engine.step() inside no_sync context "
+                             "manager)")
         see_memory_usage("Engine before step", force=self.memory_breakdown())
         if not self._managed_gas:
             # managed_gradient_accumulation false: this call is the boundary. Stages 0/1 reduce here what the
