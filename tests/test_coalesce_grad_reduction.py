@@ -144,7 +144,11 @@ def test_misuse_is_refused_and_a_raising_block_drops_its_gradients(stage):
 
 
 def test_pipeline_engine_refuses_it():
+    """Decided by DeepSpeed's engine attribute ``pipeline_parallelism`` (True on the pipeline engine only)."""
+    from hf_zero.runtime.engine import HfZeroEngine
     from hf_zero.runtime.pipe_engine import PipelineEngine
 
+    assert PipelineEngine.pipeline_parallelism is True and HfZeroEngine.pipeline_parallelism is False
     with pytest.raises(NotImplementedError, match="pipeline parallelism"):
-        PipelineEngine.coalesce_grad_reduction(object.__new__(PipelineEngine))
+        with PipelineEngine.coalesce_grad_reduction(object.__new__(PipelineEngine)):
+            pass

@@ -328,6 +328,9 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
         all-reduce coalesces the same way); not under pipeline parallelism, where ``train_batch`` owns backward.
         If the block raises, nothing is reduced (the other ranks would wait on this one): the held gradients are
         dropped with the exception."""
+        if self.pipeline_parallelism:
+            raise NotImplementedError("hf_zero: coalesce_grad_reduction is not supported under pipeline parallelism: "
+                                      "train_batch() runs every backward pass of the step itself (as in DeepSpeed)")
         if self.optimizer is None:
             self._no_optimizer()
         if not self._managed_gas:

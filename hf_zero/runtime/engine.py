@@ -65,10 +65,10 @@ def _check_loss(loss: Any, call: str) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise UsageError(f"hf_zero: engine.{call}(loss) needs a scalar tensor loss, got {got}; for a non-scalar "
-                        f"output call output.backward(grad) on the engine's output (DeepSpeed asserts the same)")
+                         f"output call output.backward(grad) on the engine's output (DeepSpeed asserts the same)")
     if not loss.requires_grad:
         raise UsageError(f"hf_zero: engine.{call}(loss) got a loss that does not require grad; was the forward run "
-                        f"under torch.no_grad(), or are all parameters frozen?")
+                         f"under torch.no_grad(), or are all parameters frozen?")
 
 
 class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
@@ -79,6 +79,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
     _guards_backward: ClassVar[bool] = True
     # wall_clock_breakdown's elapsed_time_ms events (runtime/monitor.py): DeepSpeed's pipeline engine writes none
     _monitors_phase_times: ClassVar[bool] = True
+    # DeepSpeed's engine attribute: whether train_batch() drives the micro-batches (a PipelineModule's engine)
+    pipeline_parallelism: ClassVar[bool] = False
 
     def __init__(self, module: nn.Module, config: HfZeroConfig, plan: OptimizerPlan | None,
                  lr_scheduler: Any = None, process_group=None, model_parallel_group=None):

@@ -74,6 +74,7 @@ class PipelineEngine(HfZeroEngine):
 
     _guards_backward = False  # backward runs inside the pipeline schedule, never through engine.backward
     _monitors_phase_times = False  # DeepSpeed's pipeline engine monitors train_loss / eval_loss instead
+    pipeline_parallelism = True
 
     def __init__(self, module, config: HfZeroConfig, plan: OptimizerPlan, lr_scheduler: Any = None):
         grid = module.grid
@@ -159,10 +160,6 @@ class PipelineEngine(HfZeroEngine):
 
     def step(self, *args, **kwargs):
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
-
-    def coalesce_grad_reduction(self):
-        raise NotImplementedError("hf_zero: coalesce_grad_reduction is not supported under pipeline parallelism: "
-                                  "train_batch() runs every backward pass of the step itself (as in DeepSpeed)")
 
     def train_batch(self, data_iter: Iterable | None = None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the mean loss on every rank."""
