@@ -14,6 +14,7 @@ from hf_zero.config import load_config
 from hf_zero.config.loader import read_config
 from hf_zero.config.hf_zero_config import log_level_number
 from hf_zero.config.errors import ConfigError
+from hf_zero.parallel.current import set_run_mesh
 from hf_zero.runtime.arguments import align_local_rank, config_from_args
 from hf_zero.config.status import ConfigKeyIgnored
 from hf_zero.runtime.mpu import read_mpu
@@ -140,6 +141,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     # last of the order: data parallelism / ZeRO over mesh["dp"], by the engine the layout asks for
     engine = make_engine(model, layout, tp, cfg, plan, lr_scheduler)
     engine.parallel_layout = layout  # the mesh every group of this engine comes from
+    set_run_mesh(layout.mesh)  # deepspeed.utils.groups' getters answer from the last initialized run
     engine._mpu = mpu
     engine.collate_fn = collate_fn
     if training_data is not None:  # by data-parallel rank: the ranks of one TP group / pipeline read one batch
