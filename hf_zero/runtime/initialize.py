@@ -180,14 +180,15 @@ def _unnamed(items: list) -> list:
 
 
 def _default_logging(rank: int) -> None:
-    """Rank 0 prints hf_zero's INFO lines (config table, step logs) unless the application configured logging; a
-    level the application set on the logger (``deepspeed.utils.logger.setLevel(...)``) is kept."""
+    """Rank 0 prints hf_zero's INFO lines (config table, step logs) unless the application configured logging (a
+    handler). A bare ``setLevel`` on the logger is not that: the Trainer sets DeepSpeed's logger to its own verbosity
+    (WARNING by default) before every job, which would hide the start-up table; the config's ``log_level`` is the
+    way to quieten hf_zero (applied after this). DeepSpeed keeps such a level (its TestLogLevelEndToEnd)."""
     if rank == 0 and not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[hf_zero] %(message)s"))
         logger.addHandler(handler)
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.INFO)
+        logger.setLevel(logging.INFO)
 
 
 def _apply_log_level(value) -> None:
