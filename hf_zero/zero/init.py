@@ -160,8 +160,11 @@ def _from_group_rank0(p: nn.Parameter, group) -> None:
 
     device = local_device()  # NCCL takes accelerator tensors; gloo on the CPU takes them where they are
     data = p.data if p.data.device == device else p.data.to(device)
+    if not data.is_contiguous():
+        data = data.contiguous()
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast(data, src=src, group=group)
+    # as bytes, as DeepSpeed sends them: any dtype (fp8, a packed quantized weight) crosses any backend
+    dist.broadcast(data.reshape(-1).view(torch.uint8), src=src, group=group)
     if data is not p.data:
         p.data = data
 
