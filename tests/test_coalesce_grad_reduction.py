@@ -152,3 +152,4 @@ def test_pipeline_engine_refuses_it():
     with pytest.raises(NotImplementedError, match="pipeline parallelism"):
         with PipelineEngine.coalesce_grad_reduction(object.__new__(PipelineEngine)):
             pass
+

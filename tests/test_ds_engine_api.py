@@ -419,3 +419,29 @@ def test_deepspeeds_config_getters_answer_the_config():
     assert engine.is_map_style_dataset([1, 2]) and not engine.is_iterable_style_dataset([1, 2])
     assert engine.zero_sub_group_size.__doc__ == "DeepSpeed's ``engine.zero_sub_group_size()``: " \
                                                  "``zero_optimization.sub_group_size``."
+
+
+def _refresh_after_script_write(stage: int, refresh: bool):
+    engine = _engine(stage=stage, gradient_accumulation_steps=1, train_batch_size=2 * 2)
+    engine.backward(engine(torch.ones(2, 8)).sum())
+    engine.step()
+    with torch.no_grad():  # the script edits the weights behind the optimizer (DeepSpeed scripts then refresh)
+        engine.module.l1.weight.fill_(0.5)
+    if refresh:
+        engine.optimizer.refresh_fp32_params()
+    engine.optimizer.set_lr(0.0)
+    lrs = engine.optimizer.get_lr()
+    engine.backward(engine(torch.ones(2, 8)).sum())
+    engine.step()  # lr 0: the parameters become the masters as they are
+    return lrs, engine.module.l1.weight.detach().clone()
+
+
+def test_refresh_fp32_params_makes_a_script_written_weight_stick():
+    for stage in (0, 1, 2):
+        for refresh in (True, False):
+            lrs, weight = run_distributed(_refresh_after_script_write, 2, args=(stage, refresh))[0]
+            assert lrs == [0.0]
+            stuck = bool(torch.all(weight == 0.5))
+            # stages 1-2: without it the step writes the old masters back; stage 0 in fp32 steps the parameters
+            # themselves (no separate master), as DeepSpeed's basic optimizer does: the write sticks anyway
+            assert stuck is (refresh or stage == 0), (stage, refresh)

@@ -189,3 +189,18 @@ def test_parameter_counting_builds_specs_on_the_cpu_without_moving_the_rng():
     for out in run_distributed(_parameter_counting, 2, timeout_s=120):
         assert out["device"] == "cpu" and out["value"] == [[0.5] * 4] * 4
         assert out["parts"] == [0, 2, 4] and out["same"]
+
+
+def test_pipeline_engine_answers_deepspeeds_data_and_rank_setters():
+    """DeepSpeed's PipelineEngine.set_dataloader / get_pipeline_parallel_rank / set_has_attention_mask."""
+    from hf_zero.runtime.pipe_engine import PipelineEngine
+
+    engine = object.__new__(PipelineEngine)  # the setters touch no process group
+    engine.stage_id = 1
+    engine.set_dataloader([("x0", "y0"), ("x1", "y1")])
+    assert next(engine.data_iterator) == ("x0", "y0") and engine.training_dataloader == [("x0", "y0"), ("x1", "y1")]
+    assert engine.get_pipeline_parallel_rank() == 1
+    engine.set_has_attention_mask(True)
+    assert engine.has_attention_mask is True
+    with pytest.raises(TypeError, match="expected a bool"):
+        engine.set_has_attention_mask(1)

@@ -145,6 +145,22 @@ class PipelineEngine(HfZeroEngine):
     def set_dataiterator(self, iterator: Iterable) -> None:
         self.data_iterator = iterator
 
+    def set_dataloader(self, loader: Iterable) -> None:
+        """DeepSpeed's: train_batch() reads from ``loader`` (an iterator over it is taken now)."""
+        self.training_dataloader = loader
+        self.data_iterator = iter(loader)
+
+    def get_pipeline_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def set_has_attention_mask(self, value: bool) -> None:
+        """DeepSpeed's switch for sending boolean tensors (attention masks) between stages, which its own p2p code
+        converts; hf_zero's stages exchange tensors through torch.distributed.pipelining, which sends each with its
+        own dtype, so the value is kept and changes nothing."""
+        if not isinstance(value, bool):
+            raise TypeError(f"set_has_attention_mask: expected a bool, got {type(value).__name__}")
+        self.has_attention_mask = value
+
     def set_batch_fn(self, fn) -> None:
         self.batch_fn = fn
 

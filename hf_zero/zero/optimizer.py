@@ -180,6 +180,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     loss_scale = cur_scale
 
+    def get_lr(self) -> list[float]:
+        """DeepSpeed's ZeRO optimizer getter: each parameter group's learning rate."""
+        return [g["lr"] for g in self.param_groups]
+
+    def set_lr(self, lr: float) -> None:
+        """DeepSpeed's ZeRO optimizer setter: one learning rate for every parameter group (the next step's)."""
+        for g in self.param_groups:
+            g["lr"] = lr
+
+    def refresh_fp32_params(self) -> None:
+        """DeepSpeed's: after a script wrote the model's weights itself (outside the optimizer), the fp32 masters
+        take them, so the next step continues from the written values instead of overwriting them. Elements the
+        write left unchanged keep their fp32 precision (DeepSpeed copies every 16-bit value back, losing it)."""
+        from hf_zero.zero.full_weights import adopt_module_weights
+
+        adopt_module_weights(p for g in self.groups for p in g.params)
+
     def needs_scaler(self) -> bool:
         """DeepSpeed's: whether a backward the script runs itself must go through ``engine.scale(loss)`` -- with
         fp16's loss scaling (hf_zero refuses an unscaled one then); bf16 and fp32 need none."""
