@@ -515,11 +515,7 @@ class Stage3Runtime:
             self._changed = True
             return
         self._reset_gathered()
-        persistent = [sp for sp in self._sps if sp.persistent]
-        for sp in persistent:
-            sp.release_persistence()
-            sp.to_partitioned()
-            self.gatherer.count_live(sp, -1)
+        persistent = self._partition_persistent()
         if persistent:
             self.gatherer.gather(persistent, "persistent parameters")
             for sp in persistent:
@@ -882,14 +878,20 @@ class Stage3Runtime:
         self._reset_gathered()
         if self.whole:
             return
-        persistent = [sp for sp in self._sps if sp.persistent]
-        for sp in persistent:  # as shards_changed lets them go
-            sp.release_persistence()
-            sp.to_partitioned()
-            self.gatherer.count_live(sp, -1)
+        persistent = self._partition_persistent()
         if persistent:
             self._unpublished = persistent + self._unpublished
             self._install_publish_hooks()
+
+    def _partition_persistent(self) -> list[ShardedParam]:
+        """Let every persistent parameter go back to its shard (no longer persistent); returns them, for the caller
+        to gather again now (shards_changed) or at the next forward (release_gathered)."""
+        persistent = [sp for sp in self._sps if sp.persistent]
+        for sp in persistent:
+            sp.release_persistence()
+            sp.to_partitioned()
+            self.gatherer.count_live(sp, -1)
+        return persistent
 
     def _reset_gathered(self) -> None:
         """Between iterations: forget every hold (leaks from early-stopped recomputation, unused backward
