@@ -205,3 +205,24 @@ def test_zero_init_builds_rank0s_values_on_every_rank():
     for values in (rank0, rank1):
         assert torch.equal(values["inner.weight"], expected.weight) and torch.equal(values["inner.bias"], expected.bias)
         assert values["param"][:50].sum().item() == 0 and values["param"][50:].sum().item() == 51
+
+
+def _outside_init_rank_dependent():
+    import hf_zero
+
+    torch.manual_seed(100 + torch.distributed.get_rank())
+    net = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))  # not under zero.Init
+    engine, *_ = hf_zero.initialize(model=net, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    with hf_zero.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def test_zero3_engine_cuts_a_model_built_outside_zero_init_from_rank0s_values():
+    """The engine's path for a model built without zero.Init takes rank 0's values the same way zero.Init does."""
+    torch.manual_seed(100)
+    expected = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2)).state_dict()
+    for values in run_distributed(_outside_init_rank_dependent, world_size=2):
+        for name, tensor in expected.items():
+            assert torch.equal(values[name], tensor), name

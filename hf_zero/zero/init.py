@@ -56,7 +56,8 @@ from hf_zero.config.policies import InitPrecision, init_precision, param_offload
 from .buffer_dtypes import CASTABLE_DTYPES, keep_buffers_in_fp32, keep_in_fp32_pattern
 from .gathered import GatheredParameters  # deepspeed.runtime.zero.partition_parameters.GatheredParameters
 from .stage3.gather import gatherer_for
-from .stage3.param import ParamState, ShardedParam, ZeroParamStatus, sharded_param_of
+from .stage3.param import (ParamState, ShardedParam, ZeroParamStatus, sharded_param_of,
+                           values_from_group_rank0)
 
 __all__ = ["Init", "zero_wrapper_for_fp_tensor_constructor", "get_accelerator", "partition_module", "GatheredParameters",
            "ZeroParamStatus", "unpartition_module"]
@@ -152,23 +153,6 @@ def unpartition_module(module: nn.Module) -> int:
     return count
 
 
-def _from_group_rank0(p: nn.Parameter, group) -> None:
-    """The values every rank cuts its shard from are the group's rank 0's, as DeepSpeed's zero.Init broadcasts each
-    parameter before partitioning it: ranks seeded differently, or an ``__init__`` that writes on rank 0 only, still
-    build one model (without this each shard would come from its own rank's values)."""
-    from hf_zero.comm.device import local_device
-
-    device = local_device()  # NCCL takes accelerator tensors; gloo on the CPU takes them where they are
-    data = p.data if p.data.device == device else p.data.to(device)
-    if not data.is_contiguous():
-        data = data.contiguous()
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    # as bytes, as DeepSpeed sends them: any dtype (fp8, a packed quantized weight) crosses any backend
-    dist.broadcast(data.reshape(-1).view(torch.uint8), src=src, group=group)
-    if data is not p.data:
-        p.data = data
-
-
 def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int, group, dtype,
                    pin_memory: bool, swapper=None, device: torch.device | None = None) -> ShardedParam | None:
     p = mod._parameters.get(name)
@@ -177,7 +161,12 @@ def _partition_one(mod: nn.Module, name: str, prefix: str, rank: int, world: int
     if not p.is_floating_point():  # a quantized (uint8/int8) weight keeps its packed dtype
         dtype = None
     if world > 1:
-        _from_group_rank0(p, group)
+        from hf_zero.comm.device import local_device
+
+        # NCCL takes accelerator tensors; gloo on the CPU takes them where they are
+        values = values_from_group_rank0(p, group, device=local_device())
+        if values is not p.data:
+            p.data = values
     label = f"{prefix}.{name}" if prefix else f"{type(mod).__name__}.{name}"
     sp = ShardedParam(p, label, rank=rank, world_size=world, group=group, dtype=dtype,
                       device=None if swapper is not None else device)

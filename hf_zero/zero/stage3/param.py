@@ -42,7 +42,7 @@ from .storage import ResidentStorage, ShardStorage, ShardStore
 if TYPE_CHECKING:
     from .gather import PendingGather
 
-__all__ = ["HoldReason", "ParamState", "ShardedParam", "sharded_param_of", "is_sharded"]
+__all__ = ["HoldReason", "ParamState", "ShardedParam", "sharded_param_of", "is_sharded", "values_from_group_rank0"]
 
 # A gathered parameter's buffer comes from comm/buffer_pool.py when a kept buffer is at most this much larger: it
 # lives as long as the parameter is gathered (and, parked, until the end of the step), so slack would be resident.
@@ -82,6 +82,24 @@ _DS_STATUS = {ParamState.PARTITIONED: ZeroParamStatus.NOT_AVAILABLE, ParamState.
 
 def sharded_param_of(param: torch.Tensor) -> "ShardedParam | None":
     return getattr(param, SHARDED_PARAM_ATTR, None)
+
+
+def values_from_group_rank0(param: torch.Tensor, group, device: torch.device | None = None) -> torch.Tensor:
+    """Before a parameter is cut into shards, every rank must hold the same values: the group's rank 0's (DeepSpeed
+    broadcasts each parameter before partitioning it, in zero.Init as at initialize). Broadcast as bytes, as
+    DeepSpeed sends them (any dtype -- fp8, a packed quantized weight -- over any backend). Returns the tensor now
+    holding them: this rank's own (in place), or, when ``device`` differs, a contiguous copy there."""
+    import torch.distributed as dist
+
+    values = local_tensor(param).data
+    if device is not None and values.device != device:
+        values = values.to(device)
+    if not values.is_contiguous():
+        values = values.contiguous()
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        dist.broadcast(values.reshape(-1).view(torch.uint8), src=src, group=group)
+    return values
 
 
 def is_sharded(param: torch.Tensor) -> bool:

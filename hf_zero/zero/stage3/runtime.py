@@ -45,7 +45,7 @@ from .gather import DEFAULT_DIVERGENCE_TIMEOUT_S, gatherer_for
 from .leaf_grads import LeafGradients, unused_gradient
 from .hooks import (install_module_hooks, outside_graph, queue_end_of_backward, register_output_grad_hooks,
                     wrap_inputs_for_post_backward)
-from .param import HoldReason, ParamState, ShardedParam, ZeroParamStatus, sharded_param_of
+from .param import HoldReason, ParamState, ShardedParam, ZeroParamStatus, sharded_param_of, values_from_group_rank0
 from .prefetch import GatherTrace
 from .reduce import Stage3GradReducer
 from .states import ModuleCall, TrainingStates
@@ -200,12 +200,11 @@ class Stage3Runtime:
             else:
                 sp.name = name
                 sps.append(sp)
-        if fresh and self.world_size > 1:
-            # A module not built under zero.Init must start from identical values on every rank: rank 0's.
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            with torch.no_grad():
-                for _, p in fresh:
-                    dist.broadcast(local_tensor(p).data, src=src, group=self.group)
+        if self.world_size > 1:  # a module not built under zero.Init: rank 0's values on every rank
+            for _, p in fresh:
+                values = values_from_group_rank0(p, self.group)
+                if values is not local_tensor(p).data:  # made contiguous for the broadcast: back in place
+                    local_tensor(p).data.copy_(values)
         for name, p in fresh:
             sps.append(ShardedParam(p, name, rank=self.rank, world_size=self.world_size, group=self.group))
         by_id = {id(sp.param): sp for sp in sps}
