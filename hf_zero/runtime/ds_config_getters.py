@@ -8,9 +8,14 @@ built from (hf_zero spells the stage-3 keys with their ``stage3_`` prefix; DeepS
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
+
+from hf_zero.comm import sequence_groups
+from hf_zero.config.boolean import truthy
+from hf_zero.tensor_parallel import tp_info
 
 __all__ = ["DeepSpeedConfigGetters"]
 
@@ -137,16 +142,12 @@ class DeepSpeedConfigGetters:
         return dict(self._config.data_efficiency or {})
 
     def data_efficiency_enabled(self) -> bool:
-        from hf_zero.config.boolean import truthy
-
         return truthy(self.data_efficiency_config().get("enabled"))
 
     def data_sampling_config(self) -> dict:
         return dict(self.data_efficiency_config().get("data_sampling") or {})
 
     def data_sampling_enabled(self) -> bool:
-        from hf_zero.config.boolean import truthy
-
         return truthy(self.data_sampling_config().get("enabled"))
 
     def curriculum_learning_config(self) -> dict:
@@ -155,21 +156,15 @@ class DeepSpeedConfigGetters:
         return dict(self.data_sampling_config().get("curriculum_learning") or {})
 
     def curriculum_learning_enabled(self) -> bool:
-        from hf_zero.config.boolean import truthy
-
         return truthy(self.curriculum_learning_config().get("enabled"))
 
     def aio_config(self) -> dict:
         """The ``aio`` section with its defaults, as DeepSpeed's dict (``thread_count`` is
         ``intra_op_parallelism``)."""
-        import dataclasses
-
         return dataclasses.asdict(self._config.aio)
 
     def autotp_size(self) -> int:
         """The tensor-parallel degree (1 without tensor parallelism)."""
-        from hf_zero.tensor_parallel.apply import tp_info
-
         info = tp_info(self.module)
         return info.mesh.size() if info is not None else 1
 
@@ -190,15 +185,11 @@ class DeepSpeedConfigGetters:
         return torch.distributed.get_rank(group) if group is not None else 0
 
     def get_tensor_parallel_rank(self) -> int:
-        from hf_zero.tensor_parallel.apply import tp_info
-
         info = tp_info(self.module)
         return info.mesh.get_local_rank() if info is not None else 0
 
     def get_sequence_parallel_group(self):
         """The Ulysses group this rank is in; None without sequence parallelism (DeepSpeed's attribute then)."""
-        from hf_zero.comm import sequence_groups
-
         if not sequence_groups.sequence_parallel_is_initialized():
             return None
         return sequence_groups.get_sequence_parallel_group() if sequence_groups.get_sequence_parallel_world_size() > 1 \

@@ -294,12 +294,17 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
         ``no_sync()`` / ``coalesce_grad_reduction()``, whose point is not to reduce yet."""
         if self.optimizer is None:
             self._no_optimizer()
-        if self._inside_no_sync or self._coalescing:
-            block = "coalesce_grad_reduction" if self._coalescing else "no_sync"
+        block = self._gradient_block()
+        if block is not None:
             raise UsageError(f"hf_zero: engine.allreduce_gradients() inside engine.{block}(): the block holds the "
                              "gradients back until it ends; call it after the with-block")
         if self.reducer is not None and self.stage < 2:
             self._reduce_held_gradients()
+
+    def _gradient_block(self) -> str | None:
+        """The block holding this rank's gradients back (``no_sync`` / ``coalesce_grad_reduction``), if one is open:
+        what step() and allreduce_gradients() refuse to run inside."""
+        return "coalesce_grad_reduction" if self._coalescing else "no_sync" if self._inside_no_sync else None
 
     @contextlib.contextmanager
     def no_sync(self):

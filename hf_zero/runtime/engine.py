@@ -526,8 +526,8 @@ class HfZeroEngine(DeepSpeedEngineAPI, nn.Module):
         """At the accumulation boundary: optimizer step, scheduler step, counters, logging."""
         if self.optimizer is None:
             self._no_optimizer()
-        if self._coalescing or self._inside_no_sync:
-            block = "coalesce_grad_reduction" if self._coalescing else "no_sync"
+        block = self._gradient_block()
+        if block is not None:
             # the block's gradients are not reduced yet: a step now would apply this rank's alone (DeepSpeed
             # refuses it too: "It is illegal to call Engine.step() inside no_sync context manager")
             raise UsageError(f"hf_zero: engine.step() inside engine.{block}(): the gradients of the backward passes "
