@@ -67,10 +67,11 @@ def assert_matches_reference(losses, params, ref_losses, ref_params, what: str) 
 
 
 def engine_run(engine, world_size: int, rank: int, steps: int = STEPS, dtype=torch.float32, start: int = 0,
-               poison: tuple[int, int] | None = None):
+               poison: tuple[int, int] | None = None, after_backward=None):
     """Drive an engine through optimizer steps ``start..start+steps-1``; returns the global mean loss per step.
 
     ``poison=(step, rank)``: that rank's first micro-batch of that step gets an infinite loss (an fp16 overflow).
+    ``after_backward(step, micro)``: called between each micro-batch's backward and its ``engine.step()``.
     """
     import torch.distributed as dist
 
@@ -87,6 +88,8 @@ def engine_run(engine, world_size: int, rank: int, steps: int = STEPS, dtype=tor
                 step_loss += loss.detach() / GAS
                 continue
             engine.backward(loss)
+            if after_backward is not None:
+                after_backward(s, m)
             engine.step()
             step_loss += loss.detach() / GAS
         if dist.is_initialized():

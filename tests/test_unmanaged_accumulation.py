@@ -12,7 +12,7 @@ from hf_zero.config.errors import ConfigError
 from hf_zero.testing import run_distributed
 
 from _parity import (CLIP, GAS, IN, LR, MICRO, OUT, STEPS, assert_matches_reference, base_config, clone_state,
-                     make_data, make_model, reference_run)
+                     engine_run, make_data, make_model, reference_run)
 
 COUNTS = (1, 3, 2, 4)  # backward passes before each step(): fewer, more and as many as gradient_accumulation_steps
 
@@ -211,32 +211,26 @@ def test_pipeline_engine_refuses_it():
 def _allreduce_midway(stages):
     """The parity run with engine.allreduce_gradients() after every backward (DeepSpeed's public call): at stages
     0/1 the first micro-batch's gradients are reduced early, the boundary adds the second's."""
+    from hf_zero.zero.tensor_fragment import safe_get_full_grad
+
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for stage in stages:
         engine, *_ = hf_zero.initialize(model=make_model(), config=base_config(stage))
-        x, y = make_data(world)
-        losses = []
-        for s in range(STEPS):
-            step_loss = torch.zeros(1)
-            for m in range(GAS):
-                loss = nn.functional.mse_loss(engine(x[s, m, rank]), y[s, m, rank])
-                engine.backward(loss)
-                engine.allreduce_gradients()
-                if s == 0 and m == 0:  # reduced now: the same on every rank (this rank's own before the call)
-                    from hf_zero.zero.tensor_fragment import safe_get_full_grad
+        midway = []
 
-                    first = safe_get_full_grad(next(p for p in engine.module.parameters() if p.requires_grad))
-                    midway = first.clone() if first is not None else None
-                engine.step()
-                step_loss += loss.detach() / GAS
-            dist.all_reduce(step_loss)
-            losses.append(step_loss.item() / world)
+        def reduce_now(s, m):
+            engine.allreduce_gradients()
+            if s == 0 and m == 0:  # reduced now: the same on every rank (this rank's own before the call)
+                first = safe_get_full_grad(next(p for p in engine.module.parameters() if p.requires_grad))
+                midway.append(first.clone() if first is not None else None)
+
+        losses = engine_run(engine, world, rank, after_backward=reduce_now)
         name = "no_sync" if stage < 2 else "coalesce_grad_reduction"  # stages 2-3 refuse no_sync itself
         with pytest.raises(AssertionError, match=rf"allreduce_gradients\(\) inside engine.{name}\(\)"):
             with getattr(engine, name)():
                 engine.allreduce_gradients()
-        out[stage] = (losses, clone_state(engine), midway)
+        out[stage] = (losses, clone_state(engine), midway[0])
         engine.destroy()
     return out
 
