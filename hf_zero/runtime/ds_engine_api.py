@@ -166,7 +166,7 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
 
     def random_ltd_config(self) -> dict:
         """``data_efficiency.data_routing.random_ltd`` as written (DeepSpeed's getter)."""
-        return dict(((self._config.data_efficiency or {}).get("data_routing") or {}).get("random_ltd") or {})
+        return dict((self.data_efficiency_config().get("data_routing") or {}).get("random_ltd") or {})
 
     def random_ltd_initialize(self) -> None:
         """Hand the schedule to the configured layers among those convert_to_random_ltd wrapped: the i-th id of
