@@ -230,6 +230,8 @@ def _allreduce_midway(stages):
         with pytest.raises(AssertionError, match=rf"allreduce_gradients\(\) inside engine.{name}\(\)"):
             with getattr(engine, name)():
                 engine.allreduce_gradients()
+        with pytest.warns(UserWarning, match=r"allreduce_gradients\(bucket_size=1000\) has no effect"):
+            engine.allreduce_gradients(bucket_size=1000)
         out[stage] = (losses, clone_state(engine), midway[0])
         engine.destroy()
     return out

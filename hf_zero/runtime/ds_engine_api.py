@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -290,10 +291,15 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
         accumulation boundary, and so does hf_zero's, so there it finds nothing left; called between boundaries
         (stages 0/1, where gradients are reduced only at the boundary) it reduces what the passes so far summed,
         and the boundary's reduction adds the rest. ``bucket_size`` is DeepSpeed's buffer size: hf_zero's buckets
-        are ``reduce_bucket_size``. Stages 2/3 reduce in every backward: nothing to do. Refused inside
-        ``no_sync()`` / ``coalesce_grad_reduction()``, whose point is not to reduce yet."""
+        are ``reduce_bucket_size``, so a value given is warned about (same gradients). Stages 2/3 reduce in every
+        backward: nothing to do. Refused inside ``no_sync()`` / ``coalesce_grad_reduction()``, whose point is not to
+        reduce yet."""
         if self.optimizer is None:
             self._no_optimizer()
+        if bucket_size is not None:
+            warnings.warn(f"hf_zero: engine.allreduce_gradients(bucket_size={bucket_size}) has no effect: the "
+                          "reduction's buckets are zero_optimization.reduce_bucket_size (same gradients)",
+                          stacklevel=2)
         block = self._gradient_block()
         if block is not None:
             raise UsageError(f"hf_zero: engine.allreduce_gradients() inside engine.{block}(): the block holds the "
